@@ -1,0 +1,86 @@
+"""A tiny, exact worker for protocol tests, simulations and benchmarks.
+
+The model is least squares towards a target that depends on the sample index:
+``loss_i = 0.5 * ||p - t_i||^2`` with ``t_i[j] = ((i * 7 + j * 13) % 17) / 17``, so the
+optimum is the mean target and every offset gives a different, deterministic gradient.
+It implements the worker contract (PROTOCOL.md, "Worker contract") in pure Python, and
+returns this process's vector type (numpy float32 when importable).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+from ..errors import LocalProtocolError
+from ..vec import to_vector
+
+
+class ToyWorker:
+    """Least-squares toy worker.
+
+    Args:
+        bucket_len: number of parameters.
+        batch: samples per bucket.
+        train_len: size of the virtual training set (offsets index it modulo this).
+        backend: the backend name to report.
+    """
+
+    model = "toy-lsq"
+
+    def __init__(self, bucket_len: int = 8, batch: int = 4, *, train_len: int = 1000,
+                 backend: str = "python") -> None:
+        self.bucket_len = int(bucket_len)
+        self.batch = int(batch)
+        self.train_len = int(train_len)
+        self.backend = backend
+        self._p = array("f", [0.0] * self.bucket_len)
+        self.calls = 0
+        self.nan_offsets: set[int] = set()   # knob: offsets whose bucket is NaN (tests)
+        self.fail_next = 0                   # knob: the next N grads() raise (tests)
+
+    def _target(self, i: int, j: int) -> float:
+        return ((i * 7 + j * 13) % 17) / 17.0
+
+    def grads_sync(self, offset: int) -> tuple[float, Any]:
+        """Mean loss and gradient over samples ``offset .. offset+batch-1`` (mod train_len)."""
+        self.calls += 1
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise RuntimeError("injected worker failure")
+        n = self.bucket_len
+        g = [0.0] * n
+        loss = 0.0
+        for s in range(self.batch):
+            i = (offset + s) % self.train_len
+            for j in range(n):
+                d = self._p[j] - self._target(i, j)
+                g[j] += d
+                loss += 0.5 * d * d
+        b = float(self.batch)
+        if offset in self.nan_offsets:
+            g[0] = float("nan")
+        return loss / b, to_vector([x / b for x in g])
+
+    async def grads(self, offset: int) -> tuple[float, Any]:
+        return self.grads_sync(offset)
+
+    def apply(self, avg: Any, lr: float) -> None:
+        p = self._p
+        for j in range(self.bucket_len):
+            p[j] = p[j] - lr * float(avg[j])
+
+    def params(self) -> Any:
+        return to_vector(self._p)
+
+    def set_params(self, p: Any) -> None:
+        if len(p) != self.bucket_len:
+            raise LocalProtocolError(f"expected {self.bucket_len} parameters, got {len(p)}")
+        self._p = array("f", [float(x) for x in p])
+
+    def evaluate(self) -> float:
+        """A pseudo-accuracy in [0, 1]: 1 / (1 + distance to the optimum)."""
+        return 1.0 / (1.0 + sum(abs(float(x) - 0.5) for x in self._p) / self.bucket_len)
+
+    def spec(self) -> dict:
+        return {"name": self.model, "bucket_len": self.bucket_len}

@@ -1,0 +1,707 @@
+"""The rank: one participant of the cohort protocol, as a sans-I/O state machine.
+
+Every input carries ``now_ms`` (keyword-only); outputs are actions drained with
+:meth:`RankMachine.drain` (:class:`~.actions.Post`, :class:`~.actions.Compute`,
+:class:`~.actions.Report`) and the next deadline from :meth:`RankMachine.next_deadline_ms`.
+No asyncio, no clock reads, no transport imports: the driver (``tabcohort.runtime``) or a
+simulation does the waiting. Section names in comments refer to ``spec/PROTOCOL.md``.
+
+Peer input never raises out of the machine: a malformed, foreign, stale or invalid message
+is dropped and counted by reason in ``drops`` (and in the state report). Misuse by the
+local caller raises :class:`~tabcohort.errors.LocalProtocolError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from typing import Any, Protocol
+
+from .. import PROTOCOL_VERSION
+from ..errors import LocalProtocolError
+from ..vec import all_finite, weighted_mean
+from .actions import Action, Compute, Post, Report
+from .assign import assignment
+from .policy import Policy, Timing, policy
+from .roster import Roster
+
+_U32 = (1 << 32) - 1
+_MAX_PACE_TRIES = 20  # "The leader loop": wait one beat at most 20 times
+_RATE_WINDOW_MS = 2000.0
+
+# Required keys and their types, per message type (see docs/INTERFACES.md).
+_INT = int
+_SCHEMA: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    "hello": (("version", _INT), ("job", str), ("batch", _INT), ("ready", bool),
+              ("running", bool), ("step", _INT), ("model", str), ("backend", str)),
+    "beat": (("batch", _INT), ("ready", bool), ("running", bool), ("step", _INT), ("backend", str)),
+    "round": (("step", _INT), ("lr", (float, int)), ("assign", dict), ("params", object),
+              ("loss", (float, int)), ("samples", _INT), ("cohort", _INT)),
+    "grad": (("step", _INT), ("loss", (float, int)), ("samples", _INT), ("g", object)),
+}
+
+
+class Worker(Protocol):
+    """The synchronous part of the worker contract that the machine calls directly
+    (PROTOCOL.md, "Worker contract"). ``grads`` is requested through :class:`Compute`."""
+
+    batch: int
+    bucket_len: int
+    model: str
+    backend: str
+
+    def apply(self, avg: Any, lr: float) -> None: ...
+    def params(self) -> Any: ...
+    def set_params(self, p: Any) -> None: ...
+    def evaluate(self) -> float: ...
+
+
+class Link(Protocol):
+    """The synchronous read-outs of the bus the machine needs (PROTOCOL.md, "Bus contract")."""
+
+    def pressure(self) -> float: ...
+    def quantize(self, params: Any) -> Any: ...
+    def total_bytes(self) -> int: ...
+
+
+class _Collection:
+    """The leader's collection state for one round ("Leader: driving one round", step 3)."""
+
+    __slots__ = ("step", "wanted", "quorum", "received")
+
+    def __init__(self, step: int, wanted: set[int], quorum: int) -> None:
+        self.step = step
+        self.wanted = wanted
+        self.quorum = quorum
+        self.received: dict[int, tuple[float, int, Any]] = {}  # id -> (loss, samples, g)
+
+
+class RankMachine:
+    """One rank of the cohort protocol. Sans-I/O: no clock, no sockets, no asyncio.
+
+    Args:
+        rank_id: this rank's uint32 id.
+        worker: the worker (model) for the synchronous calls: apply, params, set_params, evaluate.
+        link: the bus read-outs: ``pressure()``, ``quantize()``, ``total_bytes()``.
+        job: the job hash (``protocol.job.job_hash``); peers with another job are ignored.
+        now_ms: creation time; the heartbeat starts here and a ``hello`` is announced.
+        timing: base periods (PROTOCOL.md defaults).
+        lr: initial learning rate (the leader's; followers adopt the leader's).
+        ready: True when this rank starts with parameters that come from the cohort
+            (a checkpoint); False to join.
+        eval_every: the leader evaluates held-out accuracy every this many steps (0: never).
+        precision: the wire precision name, for the state report.
+
+    Raises:
+        LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
+    """
+
+    def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
+                 timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
+                 eval_every: int = 10, precision: str = "f32") -> None:
+        if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
+            raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
+        if worker.batch <= 0 or worker.bucket_len <= 0:
+            raise LocalProtocolError("worker.batch and worker.bucket_len must be positive")
+        self.id = rank_id
+        self.worker = worker
+        self.link = link
+        self.job = job
+        self.timing = timing
+        self.lr = float(lr)
+        self.eval_every = int(eval_every)
+        self.precision = precision
+
+        self.ready = bool(ready)
+        self.running = False
+        self.disposed = False
+        self.step = 0
+        self.loss = math.nan          # last reduced loss (leader) or the leader's (follower)
+        self.samples = 0              # samples in the last reduce
+        self.accuracy: float | None = None
+        self.fault: str | None = None
+        self.drops: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+
+        self.roster = Roster()
+        self.policy: Policy = policy(1, timing)
+        self.following: int | None = None   # the leader whose rounds this rank follows
+        self.last_open_ms = now_ms
+        self.defer_until_ms = -math.inf
+        self._last_input_ms = now_ms
+
+        # Joining ("Joining")
+        self.joining = False
+        self._join_attempts = 0
+        self._next_join_ms: float | None = None
+
+        # Heartbeat ("Heartbeat and takeover")
+        self._next_beat_ms = now_ms + self.policy.beat_ms
+
+        # Leader loop ("The leader loop"): phase is None when no loop runs, else one of
+        # "pace" (deadline: next try), "yield" (due now), "own" (awaiting own bucket),
+        # "collect" (deadline: collect window), "fault" (deadline: one beat).
+        self._phase: str | None = None
+        self._phase_deadline_ms: float | None = None
+        self._pace_tries = 0
+        self._collection: _Collection | None = None
+        self._round_step = 0
+        self._own_token: int | None = None
+        self._own_bucket: tuple[float, int, Any] | None = None
+        self._stopping_publish = False
+
+        # Contribute ("Follower": at most one bucket in flight per rank)
+        self._tokens = 0
+        self._adopt_seq = 0
+        self._inflight: tuple[int, int, int, int] | None = None  # token, adopt_seq, step, to
+        self._pending: tuple[int, int, int, int] | None = None   # adopt_seq, step, offset, to
+
+        self._rates: deque[tuple[float, int, int, int]] = deque()
+        self._applied_steps = 0
+        self._applied_samples = 0
+        self._actions: list[Action] = []
+        self._foreign: set[int] = set()   # peers whose hello named another version or job
+        self._announce()
+
+    # ------------------------------------------------------------------ queries
+    def drain(self) -> list[Action]:
+        """Return and clear the actions emitted since the last call, in order."""
+        out, self._actions = self._actions, []
+        return out
+
+    def next_deadline_ms(self) -> float | None:
+        """The earliest time at which :meth:`on_timer` must be called, or None (disposed)."""
+        if self.disposed:
+            return None
+        ds = [self._next_beat_ms]
+        if self.joining and self._next_join_ms is not None:
+            ds.append(self._next_join_ms)
+        if self._phase_deadline_ms is not None:
+            ds.append(self._phase_deadline_ms)
+        return min(ds)
+
+    def live_ids(self, now_ms: float) -> list[int]:
+        """Ids of members seen within ``policy.drop`` ("Membership": live)."""
+        return sorted(m.id for m in self.roster.live(now_ms, self.policy.drop_ms))
+
+    def cohort_ids(self, now_ms: float) -> list[int]:
+        """Self (if running and ready) plus live members that are ready and running, ascending."""
+        ids = [m.id for m in self.roster.live(now_ms, self.policy.drop_ms) if m.ready and m.running]
+        if self.running and self.ready:
+            ids.append(self.id)
+        return sorted(ids)
+
+    def leader_id(self, now_ms: float) -> int | None:
+        """The lowest id of :meth:`cohort_ids`, or None when it is empty."""
+        ids = self.cohort_ids(now_ms)
+        return ids[0] if ids else None
+
+    def is_leader(self, now_ms: float) -> bool:
+        """Running, ready, leader id is self, and ``now >= deferUntil`` ("Membership")."""
+        return (self.running and self.ready and not self.disposed
+                and self.leader_id(now_ms) == self.id and now_ms >= self.defer_until_ms)
+
+    @property
+    def looping(self) -> bool:
+        """True while the leader loop runs (never two at once)."""
+        return self._phase is not None
+
+    # ------------------------------------------------------------------ inputs
+    def start(self, lr: float | None = None, *, now_ms: float) -> None:
+        """Control ``start(lr?)``: running; announce; join if not ready, else lead if leader."""
+        if self._input(now_ms):
+            return
+        if lr is not None:
+            self.set_lr(lr, now_ms=now_ms)
+        self.running = True
+        self.last_open_ms = now_ms
+        self._announce()
+        if not self.ready:
+            self._begin_join(now_ms)
+        else:
+            self._maybe_start_loop(now_ms)
+        self._report(now_ms)
+
+    def stop(self, *, now_ms: float) -> None:
+        """Control ``stop()``: a leader that is ready and idle publishes now; a busy loop
+        publishes when it drains. Then beat and report ("Controls")."""
+        if self._input(now_ms):
+            return
+        was_leader = self.is_leader(now_ms) or self.looping
+        self.running = False
+        self.joining = False
+        if was_leader and self.ready:
+            if self._phase in ("own", "collect"):
+                self._stopping_publish = True      # the loop publishes when it drains
+            else:
+                self._end_loop()
+                self._publish()
+        self._beat(now_ms)
+        self._report(now_ms)
+
+    def set_lr(self, lr: float, *, now_ms: float | None = None) -> None:
+        """Control ``set_lr(lr)``.
+
+        Raises:
+            LocalProtocolError: lr is not a finite, non-negative number.
+        """
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise LocalProtocolError(f"learning rate must be finite and >= 0, got {lr!r}")
+        self.lr = float(lr)
+
+    def dispose(self, *, now_ms: float) -> None:
+        """Control ``dispose()``: stop timers, release collection state; no handling after."""
+        self._end_loop()
+        self.disposed = True
+        self.running = False
+        self.joining = False
+        self._actions.clear()
+
+    def handle(self, msg: Any, *, now_ms: float) -> None:
+        """Feed one decoded peer message. Never raises for bad peer input."""
+        if self._input(now_ms):
+            return
+        reason = self._check(msg)
+        if reason is not None:
+            self.drops[reason] += 1
+            return
+        t = msg["t"]
+        sender = msg["from"]
+        if t == "hello":
+            if msg["version"] != PROTOCOL_VERSION or msg["job"] != self.job:
+                self._foreign_add(sender)
+                self.drops["foreign_job" if msg["version"] == PROTOCOL_VERSION else "bad_version"] += 1
+                return
+            self._foreign.discard(sender)
+        elif sender in self._foreign:
+            self.drops["foreign"] += 1
+            return
+        if t == "round" and len(msg["params"]) != self.worker.bucket_len:
+            self.drops["round_bad_length"] += 1
+            return
+        if t == "grad" and len(msg["g"]) != self.worker.bucket_len:
+            self.drops["grad_bad_length"] += 1
+            return
+        self.roster.refresh(msg, now_ms)
+        if t == "hello":
+            self._beat(now_ms)       # so the newcomer learns the roster
+        elif t == "round":
+            self._on_round(msg, now_ms)
+        elif t == "grad":
+            self._on_grad(msg, now_ms)
+
+    def on_timer(self, *, now_ms: float) -> None:
+        """A deadline passed (or the driver yielded between rounds): run what is due."""
+        if self._input(now_ms):
+            return
+        if now_ms >= self._next_beat_ms:
+            self._heartbeat(now_ms)
+        if self.joining and self._next_join_ms is not None and now_ms >= self._next_join_ms:
+            self._join_tick(now_ms)
+        if self._phase_deadline_ms is not None and now_ms >= self._phase_deadline_ms:
+            self._phase_deadline_ms = None
+            if self._phase == "collect":
+                self._finish_round(now_ms)
+            elif self._phase in ("pace", "yield", "fault"):
+                if self._phase != "pace":
+                    self._pace_tries = 0
+                self._phase = "pace"
+                self._loop_step(now_ms)
+
+    def bucket_ready(self, token: int, loss: float, g: Any, *, now_ms: float,
+                     samples: int | None = None) -> None:
+        """A requested :class:`Compute` finished.
+
+        Args:
+            token: the token of the Compute action.
+            loss: mean loss over the bucket's samples.
+            g: float32 vector, shape (bucket_len,): the mean gradient.
+            samples: samples in the bucket (default ``worker.batch``).
+        """
+        if self._input(now_ms):
+            return
+        samples = self.worker.batch if samples is None else int(samples)
+        if token == self._own_token:
+            self._own_token = None
+            self._on_own_bucket(float(loss), samples, g, now_ms)
+        elif self._inflight is not None and token == self._inflight[0]:
+            _, seq, step, to = self._inflight
+            self._inflight = None
+            if seq != self._adopt_seq:
+                self.counters["stale_bucket"] += 1      # a newer round was adopted meanwhile
+            else:
+                self._actions.append(Post({"t": "grad", "from": self.id, "to": to, "step": step,
+                                           "loss": float(loss), "samples": samples, "g": g}))
+            self._start_pending_contribution()
+        else:
+            self.counters["unknown_token"] += 1
+
+    def bucket_failed(self, token: int, error: str, *, now_ms: float) -> None:
+        """A requested :class:`Compute` raised; ``error`` becomes ``fault`` in the report."""
+        if self._input(now_ms):
+            return
+        self.fault = error
+        if token == self._own_token:
+            self._own_token = None
+            self._round_fault(error, now_ms)
+        elif self._inflight is not None and token == self._inflight[0]:
+            self._inflight = None
+            self._start_pending_contribution()
+        self._report(now_ms)
+
+    # ------------------------------------------------------------------ state report
+    def state(self, now_ms: float) -> dict:
+        """The state report (PROTOCOL.md, "State report"); rates over about 2 s."""
+        total_bytes = int(self.link.total_bytes())
+        self._rates.append((now_ms, self._applied_steps, self._applied_samples, total_bytes))
+        while len(self._rates) > 2 and now_ms - self._rates[1][0] >= _RATE_WINDOW_MS:
+            self._rates.popleft()
+        t0, s0, n0, b0 = self._rates[0]
+        dt = (now_ms - t0) / 1000.0
+        rate = (lambda a, b: (a - b) / dt) if dt > 0 else (lambda a, b: 0.0)
+        pol = self.policy
+        live = {m.id: m for m in self.roster.live(now_ms, pol.drop_ms)}
+        return {
+            "id": self.id, "id_hex": f"{self.id:08x}", "leader": self.leader_id(now_ms),
+            "is_leader": self.is_leader(now_ms) or self.looping,
+            "ready": self.ready, "running": self.running, "joining": self.joining,
+            "step": self.step, "cohort": len(self.cohort_ids(now_ms)),
+            "loss": self.loss, "accuracy": self.accuracy,
+            "steps_per_s": rate(self._applied_steps, s0), "samples_per_s": rate(self._applied_samples, n0),
+            "wire_bytes_per_s": rate(total_bytes, b0),
+            "peers": [{"id": k, "backend": m.backend} for k, m in sorted(live.items())],
+            "bucket_len": self.worker.bucket_len, "batch": self.worker.batch,
+            "model": self.worker.model, "backend": self.worker.backend, "precision": self.precision,
+            "lr": self.lr, "fault": self.fault,
+            "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms},
+            "drops": dict(self.drops), "counters": dict(self.counters),
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _foreign_add(self, sender: int) -> None:
+        self._foreign.add(sender)
+        self.roster.members.pop(sender, None)
+
+    def _input(self, now_ms: float) -> bool:
+        """Common prologue of every input: returns True when the machine is disposed.
+        Applies the suspension rule ("Suspension")."""
+        if self.disposed:
+            return True
+        gap = now_ms - self._last_input_ms
+        self._last_input_ms = max(self._last_input_ms, now_ms)
+        if gap > self.policy.drop_ms and (self.ready or self.looping):
+            self._suspend(now_ms)
+        return False
+
+    def _suspend(self, now_ms: float) -> None:
+        """Treat self as having left: clear ready, release collection, stop leading, rejoin."""
+        self.counters["suspended"] += 1
+        self.ready = False
+        self._end_loop()
+        self.following = None
+        self._pending = None
+        self._adopt_seq += 1          # any bucket in flight is now stale
+        self.roster.prune(now_ms, self.policy.drop_ms)
+        if self.running:
+            self._begin_join(now_ms)
+        self._announce()
+
+    def _check(self, msg: Any) -> str | None:
+        """Structural validation; returns a drop reason or None."""
+        if not isinstance(msg, dict):
+            return "malformed"
+        t = msg.get("t")
+        schema = _SCHEMA.get(t) if isinstance(t, str) else None
+        if schema is None:
+            return "unknown_type"
+        sender = msg.get("from")
+        if isinstance(sender, bool) or not isinstance(sender, int) or not 0 <= sender <= _U32:
+            return "malformed"
+        to = msg.get("to")
+        if to is not None and to != self.id:
+            return "not_for_me"
+        if sender == self.id:
+            return "from_self"
+        for key, typ in schema:
+            if key not in msg:
+                return "malformed"
+            v = msg[key]
+            if typ is object:
+                continue
+            if isinstance(v, bool) and typ is not bool:
+                return "malformed"
+            if not isinstance(v, typ):
+                return "malformed"
+        return None
+
+    def _announce(self) -> None:
+        self._actions.append(Post({
+            "t": "hello", "from": self.id, "version": PROTOCOL_VERSION, "job": self.job,
+            "batch": self.worker.batch, "ready": self.ready, "running": self.running,
+            "step": self.step, "model": self.worker.model, "backend": self.worker.backend}))
+
+    def _beat(self, now_ms: float) -> None:
+        self._actions.append(Post({
+            "t": "beat", "from": self.id, "batch": self.worker.batch, "ready": self.ready,
+            "running": self.running, "step": self.step, "backend": self.worker.backend}))
+
+    def _report(self, now_ms: float) -> None:
+        self._actions.append(Report(self.state(now_ms)))
+
+    # --- heartbeat and takeover
+    def _heartbeat(self, now_ms: float) -> None:
+        self.roster.prune(now_ms, self.policy.drop_ms)
+        self.policy = policy(len(self.roster.members) + 1, self.timing)
+        self._next_beat_ms = now_ms + self.policy.beat_ms
+        self._beat(now_ms)
+        if (self.running and self.ready and self._phase is None and self._collection is None
+                and now_ms - self.last_open_ms > self.policy.takeover_ms and self.is_leader(now_ms)):
+            self.counters["takeover"] += 1
+            self._maybe_start_loop(now_ms)
+        self._report(now_ms)
+
+    # --- joining
+    def _begin_join(self, now_ms: float) -> None:
+        self.joining = True
+        self._join_attempts = 0
+        self._next_join_ms = now_ms + self.timing.beat_ms
+
+    def _join_tick(self, now_ms: float) -> None:
+        self._next_join_ms = now_ms + self.timing.beat_ms
+        if self.ready or not self.running:
+            self.joining = False
+            return
+        self._announce()
+        live = list(self.roster.live(now_ms, self.policy.drop_ms))
+        if any(m.ready for m in live):
+            return
+        self._join_attempts += 1
+        if self._join_attempts >= 2 and self.id == min([self.id] + [m.id for m in live if m.running]):
+            self.counters["bootstrap"] += 1
+            self.ready = True
+            self.joining = False
+            self.last_open_ms = now_ms
+            self._maybe_start_loop(now_ms)
+
+    # --- follower
+    def _on_round(self, msg: dict, now_ms: float) -> None:
+        sender = msg["from"]
+        self.last_open_ms = now_ms
+        if self.looping or self._collection is not None:
+            if sender < self.id:
+                self._stand_down(now_ms)
+            self.drops["round_while_leading"] += 1
+            return
+        leader = self.leader_id(now_ms)
+        if leader is not None and sender > leader:
+            self.drops["pretender"] += 1
+            return
+        if sender == self.following and msg["step"] < self.step:
+            self.drops["stale_round"] += 1
+            return
+        # adopt: idempotent and order-independent
+        try:
+            self.worker.set_params(msg["params"])
+        except Exception as exc:  # a worker bug must not escape as a peer-input crash
+            self.fault = f"set_params: {exc!r}"
+            self.drops["round_rejected_by_worker"] += 1
+            return
+        self.following = sender
+        self.step = int(msg["step"])
+        lr = msg["lr"]
+        if isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0:
+            self.lr = float(lr)
+        self.ready = True
+        self.joining = False
+        self.loss = float(msg["loss"])
+        self.samples = int(msg["samples"])
+        self._applied_steps += 1
+        self._applied_samples += self.samples
+        self._adopt_seq += 1
+        self.counters["adopted"] += 1
+        offset = msg["assign"].get(self.id)
+        if self.running and offset is not None:
+            self._pending = (self._adopt_seq, self.step, int(offset), sender)
+            self._start_pending_contribution()
+
+    def _start_pending_contribution(self) -> None:
+        if self._inflight is not None or self._pending is None:
+            return
+        seq, step, offset, to = self._pending
+        self._pending = None
+        if seq != self._adopt_seq:
+            return
+        self._tokens += 1
+        self._inflight = (self._tokens, seq, step, to)
+        self._actions.append(Compute(token=self._tokens, step=step, offset=offset, own=False))
+
+    def _stand_down(self, now_ms: float) -> None:
+        self.counters["stand_down"] += 1
+        self._end_loop()
+        self.defer_until_ms = now_ms + self.timing.takeover_ms
+        self._announce()
+        self._report(now_ms)
+
+    # --- leader loop
+    def _maybe_start_loop(self, now_ms: float) -> None:
+        if self._phase is not None or not self.is_leader(now_ms):
+            return
+        self._phase = "pace"
+        self._pace_tries = 0
+        self._loop_step(now_ms)
+
+    def _end_loop(self) -> None:
+        self._phase = None
+        self._phase_deadline_ms = None
+        self._collection = None
+        self._own_token = None
+        self._own_bucket = None
+
+    def _loop_step(self, now_ms: float) -> None:
+        """Between rounds: check the loop's condition, pace on pressure, drive a round."""
+        if not self.is_leader(now_ms):
+            stopped = not self.running or self._stopping_publish
+            self._end_loop()
+            if stopped and self.ready and not self.disposed:
+                self._stopping_publish = False
+                self._publish()
+            return
+        if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:
+            self._pace_tries += 1
+            self.counters["paced"] += 1
+            self._phase = "pace"
+            self._phase_deadline_ms = now_ms + self.policy.beat_ms
+            return
+        self._drive_round(now_ms)
+
+    def _drive_round(self, now_ms: float) -> None:
+        ids = self.cohort_ids(now_ms)
+        batches = {}
+        for k in ids:
+            m = self.roster.members.get(k)
+            batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch
+        assign = assignment(ids, batches, self.step)
+        self._round_step = self.step
+        if len(ids) > 1:
+            # install the collection state BEFORE sending the round (step 3)
+            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum))
+        else:
+            self._collection = None
+        self._actions.append(Post({
+            "t": "round", "from": self.id, "step": self.step, "lr": self.lr, "assign": assign,
+            "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
+            "cohort": len(ids)}))
+        self.last_open_ms = now_ms
+        self._phase = "own"
+        self._phase_deadline_ms = None
+        self._own_bucket = None
+        self._tokens += 1
+        self._own_token = self._tokens
+        self._actions.append(Compute(token=self._tokens, step=self.step, offset=assign[self.id], own=True))
+
+    def _on_own_bucket(self, loss: float, samples: int, g: Any, now_ms: float) -> None:
+        if self._phase != "own":
+            self.counters["late_own_bucket"] += 1
+            return
+        if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:
+            self.drops["own_bucket_invalid"] += 1
+        else:
+            self._own_bucket = (loss, samples, g)
+        col = self._collection
+        if col is None:
+            self._finish_round(now_ms)
+            return
+        if self._own_bucket is not None:
+            col.received[self.id] = self._own_bucket
+        if len(col.received) >= col.quorum:
+            self._finish_round(now_ms)
+        else:
+            self._phase = "collect"
+            self._phase_deadline_ms = now_ms + self.policy.collect_ms
+
+    def _on_grad(self, msg: dict, now_ms: float) -> None:
+        col = self._collection
+        sender = msg["from"]
+        if col is None:
+            self.drops["grad_no_collection"] += 1
+            return
+        if msg["step"] != col.step:
+            self.drops["grad_wrong_step"] += 1
+            return
+        if sender not in col.wanted:
+            self.drops["grad_not_wanted"] += 1
+            return
+        if sender in col.received:
+            self.drops["grad_duplicate"] += 1
+            return
+        g = msg["g"]
+        loss = msg["loss"]
+        if not all_finite(g) or not math.isfinite(loss):
+            self.drops["grad_non_finite"] += 1
+            return
+        if msg["samples"] <= 0:
+            self.drops["grad_bad_samples"] += 1
+            return
+        col.received[sender] = (float(loss), int(msg["samples"]), g)
+        if self._phase == "collect" and len(col.received) >= col.quorum:
+            self._finish_round(now_ms)
+
+    def _finish_round(self, now_ms: float) -> None:
+        col = self._collection
+        if col is not None:
+            buckets = list(col.received.values())
+        else:
+            buckets = [self._own_bucket] if self._own_bucket is not None else []
+        self._collection = None
+        self._own_bucket = None
+        self._phase_deadline_ms = None
+        try:
+            if buckets:
+                self._reduce_and_apply(buckets, now_ms)
+            else:
+                self.counters["empty_round"] += 1
+        except Exception as exc:
+            self._round_fault(f"{type(exc).__name__}: {exc}", now_ms)
+            return
+        # yield between rounds: due now, and the driver yields unclamped before on_timer
+        self._phase = "yield"
+        self._phase_deadline_ms = now_ms
+
+    def _reduce_and_apply(self, buckets: list[tuple[float, int, Any]], now_ms: float) -> None:
+        total = sum(s for _, s, _ in buckets)
+        weights = [s / total for _, s, _ in buckets]
+        loss = sum(w * l for w, (l, _, _) in zip(weights, buckets))
+        avg = weighted_mean([g for _, _, g in buckets], weights)
+        if not all_finite(avg):
+            self.drops["reduce_non_finite"] += 1
+            self.counters["empty_round"] += 1
+            return
+        self.worker.apply(avg, self.lr)
+        q = self.link.quantize(self.worker.params())
+        if q is not None:
+            self.worker.set_params(q)
+        self.step += 1
+        self.loss = float(loss)
+        self.samples = int(total)
+        self._applied_steps += 1
+        self._applied_samples += int(total)
+        self.counters["buckets_reduced"] += len(buckets)
+        if self.eval_every > 0 and self.step % self.eval_every == 0:
+            self.accuracy = float(self.worker.evaluate())
+
+    def _round_fault(self, error: str, now_ms: float) -> None:
+        self.fault = error
+        self.counters["round_fault"] += 1
+        self._collection = None
+        self._own_bucket = None
+        self._phase = "fault"
+        self._phase_deadline_ms = now_ms + self.policy.beat_ms
+        self._report(now_ms)
+
+    def _publish(self) -> None:
+        """Send the final parameters with an empty assignment ("Publish")."""
+        self.counters["published"] += 1
+        self._actions.append(Post({
+            "t": "round", "from": self.id, "step": self.step, "lr": self.lr, "assign": {},
+            "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
+            "cohort": len(self.cohort_ids(self._last_input_ms))}))

@@ -1,0 +1,196 @@
+"""The asyncio driver: the only code that awaits on behalf of a rank.
+
+It reads the loop clock once per input, feeds the rank machine, executes the drained actions
+(post on the bus, compute a bucket, publish a report), and keeps one timer armed at the
+machine's next deadline. A deadline that is already due is run through ``loop.call_soon``,
+never a timer: that is the unclamped, FIFO yield between rounds that PROTOCOL.md ("The leader
+loop") requires. On Pyodide ``call_soon`` goes through a MessageChannel (60-100 us, never
+clamped to 4 ms); natively it is the ready queue.
+
+Every task the driver starts is held and supervised: an exception becomes ``fault`` in the
+state report and a log line, never a silent death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+from typing import Any, Callable
+
+from ..protocol.actions import Compute, Post, Report
+from ..protocol.machine import RankMachine
+
+log = logging.getLogger("tabcohort.runtime")
+
+
+class RankDriver:
+    """Drives one :class:`RankMachine` with asyncio.
+
+    Args:
+        machine: the rank state machine (created with ``now_ms`` from :meth:`now_ms`).
+        worker: the worker; ``await worker.grads(offset)`` returns ``(loss, vector)``.
+        bus: the bus; the driver sets ``bus.on_message`` and calls ``bus.post``.
+        on_report: optional callback receiving each state report dict.
+        loop: the event loop (default: the running loop).
+    """
+
+    def __init__(self, machine: RankMachine, worker: Any, bus: Any, *,
+                 on_report: Callable[[dict], None] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.machine = machine
+        self.worker = worker
+        self.bus = bus
+        self.on_report = on_report
+        self.loop = loop or asyncio.get_running_loop()
+        self.last_report: dict | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.errors: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when_ms: float | None = None
+        self._soon: asyncio.Handle | None = None
+        self._closed = False
+        bus.on_message = self._on_message
+        self._flush()
+
+    @staticmethod
+    def clock_ms(loop: asyncio.AbstractEventLoop | None = None) -> float:
+        """The loop clock in milliseconds (asyncio speaks seconds; converted here only)."""
+        return (loop or asyncio.get_running_loop()).time() * 1000.0
+
+    def now_ms(self) -> float:
+        return self.loop.time() * 1000.0
+
+    # ------------------------------------------------------------------ controls
+    def start(self, lr: float | None = None) -> None:
+        self.machine.start(lr, now_ms=self.now_ms())
+        self._flush()
+
+    def stop(self) -> None:
+        self.machine.stop(now_ms=self.now_ms())
+        self._flush()
+
+    def set_lr(self, lr: float) -> None:
+        self.machine.set_lr(lr, now_ms=self.now_ms())
+
+    def state(self) -> dict:
+        """A fresh state report, with the bus's wire-level drops merged in."""
+        st = self.machine.state(self.now_ms())
+        drops = getattr(self.bus, "drops", None)
+        if callable(drops):
+            st["wire_drops"] = dict(drops())
+        return st
+
+    async def close(self) -> None:
+        """Dispose the machine, cancel the timer and every task, and wait for them."""
+        if self._closed:
+            return
+        self._closed = True
+        self.machine.dispose(now_ms=self.now_ms())
+        self._cancel_timers()
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ inputs
+    def _on_message(self, msg: dict) -> None:
+        if self._closed:
+            return
+        self.machine.handle(msg, now_ms=self.now_ms())
+        self._flush()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_when_ms = None
+        self._tick()
+
+    def _on_soon(self) -> None:
+        self._soon = None
+        self._tick()
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        self.machine.on_timer(now_ms=self.now_ms())
+        self._flush()
+
+    async def _compute(self, action: Compute) -> None:
+        try:
+            loss, g = await self.worker.grads(action.offset)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("rank %08x: compute failed: %r", self.machine.id, exc)
+            if not self._closed:
+                self.machine.bucket_failed(action.token, f"{type(exc).__name__}: {exc}",
+                                           now_ms=self.now_ms())
+                self._flush()
+            return
+        if not self._closed:
+            self.machine.bucket_ready(action.token, loss, g, now_ms=self.now_ms())
+            self._flush()
+
+    # ------------------------------------------------------------------ outputs
+    def _flush(self) -> None:
+        if self._closed:
+            return
+        for action in self.machine.drain():
+            if isinstance(action, Post):
+                try:
+                    self.bus.post(action.msg)
+                except Exception as exc:  # a failing send must not kill the rank
+                    self._fault(f"post {action.msg.get('t')}: {type(exc).__name__}: {exc}")
+            elif isinstance(action, Compute):
+                self._spawn(self._compute(action))
+            elif isinstance(action, Report):
+                self.last_report = action.state
+                if self.on_report is not None:
+                    try:
+                        self.on_report(action.state)
+                    except Exception:
+                        log.exception("on_report callback failed")
+        self._rearm()
+
+    def _rearm(self) -> None:
+        deadline = self.machine.next_deadline_ms()
+        if deadline is None:
+            self._cancel_timers()
+            return
+        if deadline <= self.now_ms():
+            if self._soon is None:          # unclamped FIFO yield: no timer armed
+                self._soon = self.loop.call_soon(self._on_soon)
+            return
+        if self._timer is not None and self._timer_when_ms == deadline:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when_ms = deadline
+        self._timer = self.loop.call_at(deadline / 1000.0, self._on_timer)
+
+    def _cancel_timers(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_when_ms = None
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._fault("".join(traceback.format_exception_only(type(exc), exc)).strip())
+
+    def _fault(self, text: str) -> None:
+        log.error("rank %08x: %s", self.machine.id, text)
+        self.errors.append(text)
+        self.machine.fault = text

@@ -1,0 +1,77 @@
+"""Float32 vector helpers that work with or without numpy.
+
+A *vector* is a numpy ``float32`` array when numpy is importable, else ``array.array('f')``.
+Only the few operations the protocol needs live here (length, finiteness, the
+sample-weighted mean of PROTOCOL.md "Leader: driving one round", step 7).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any, Sequence
+
+from ._compat import np
+
+
+def to_vector(values: Any) -> Any:
+    """Return ``values`` as this process's vector type (float32), copying.
+
+    Args:
+        values: numpy array, ``array.array`` or a sequence of floats.
+    """
+    if np is not None:
+        return np.array(values, dtype=np.float32, copy=True).reshape(-1)
+    if isinstance(values, array) and values.typecode == "f":
+        return array("f", values)
+    return array("f", [float(v) for v in values])
+
+
+def all_finite(v: Any) -> bool:
+    """True when every element of ``v`` is finite (no NaN, no +-inf)."""
+    if np is not None and isinstance(v, np.ndarray):
+        return bool(np.isfinite(v).all())
+    isfinite = math.isfinite
+    for x in v:
+        if not isfinite(x):
+            return False
+    return True
+
+
+def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
+    """``sum_i weights[i] * vectors[i]``, accumulated in float64, returned as float32.
+
+    Args:
+        vectors: equal-length float32 vectors, shape (bucket_len,).
+        weights: one weight per vector (callers pass ``samples_i / sum(samples)``).
+
+    Returns:
+        A float32 vector of shape (bucket_len,).
+    """
+    if np is not None:
+        acc = np.zeros(len(vectors[0]), dtype=np.float64)
+        for w, v in zip(weights, vectors):
+            acc += float(w) * np.asarray(v, dtype=np.float64)
+        return acc.astype(np.float32)
+    n = len(vectors[0])
+    acc = [0.0] * n
+    for w, v in zip(weights, vectors):
+        w = float(w)
+        for i in range(n):
+            acc[i] += w * v[i]
+    return array("f", acc)
+
+
+def digest(v: Any) -> str:
+    """SHA-256 hex of the vector's float32 little-endian bytes (for bit-identity checks)."""
+    import hashlib
+    import sys
+
+    if np is not None and isinstance(v, np.ndarray):
+        data = np.asarray(v, dtype="<f4").tobytes()
+    else:
+        a = array("f", v)
+        if sys.byteorder != "little":  # pragma: no cover
+            a.byteswap()
+        data = a.tobytes()
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,662 @@
+"""One or more tests per rule of spec/PROTOCOL.md, stepping the machine with explicit time.
+
+docs/RULES.md maps each rule to these tests; tests/mutations/run.py breaks each rule on
+purpose and checks that its test fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tabcohort.protocol import Compute, Post, Report, Timing, assignment, policy
+from tabcohort.vec import to_vector
+
+from .machine_helpers import beat, grad, hello, rig, round_msg
+
+T = Timing()
+
+
+def leader_rig(peers=(), *, rank_id=1, now=0.0, **kw):
+    """A ready rank with live ready+running peers, and the policy recomputed for them by a
+    heartbeat at ``now`` (the policy is cached between heartbeats)."""
+    r = rig(rank_id, now=now - T.beat_ms, ready=True, **kw)
+    for p in peers:
+        r.m.handle(beat(p), now_ms=now - T.beat_ms)
+    r.m.on_timer(now_ms=now)
+    r.drain()
+    return r
+
+
+def tick(r, until, peers=(), **beat_kw):
+    """Step every deadline up to ``until`` (peers beat at each), so no input gap exceeds
+    ``policy.drop`` (which would trigger the suspension rule)."""
+    while True:
+        d = r.m.next_deadline_ms()
+        if d is None or d > until:
+            break
+        for p in peers:
+            r.m.handle(beat(p, **beat_kw), now_ms=d)
+        r.m.on_timer(now_ms=d)
+    for p in peers:
+        r.m.handle(beat(p, **beat_kw), now_ms=until)
+
+
+# ---------------------------------------------------------------- messages
+def test_message_to_other_rank_is_ignored_entirely():
+    r = rig(5)
+    r.m.handle(beat(9, to=7), now_ms=1)
+    assert 9 not in r.m.roster.members
+    assert r.m.drops["not_for_me"] == 1
+
+
+def test_message_from_self_is_ignored():
+    r = rig(5)
+    r.m.handle(beat(5), now_ms=1)
+    assert 5 not in r.m.roster.members
+    assert r.m.drops["from_self"] == 1
+
+
+def test_hello_with_other_version_or_job_is_ignored_and_peer_stays_ignored():
+    r = rig(5)
+    r.m.handle(hello(9, version=99), now_ms=1)
+    r.m.handle(hello(8, job="other"), now_ms=1)
+    assert 9 not in r.m.roster.members and 8 not in r.m.roster.members
+    r.m.handle(beat(8), now_ms=2)            # a foreign peer's beats are ignored too
+    assert 8 not in r.m.roster.members
+    assert r.m.drops["bad_version"] == 1 and r.m.drops["foreign_job"] == 1 and r.m.drops["foreign"] == 1
+    r.m.handle(hello(8), now_ms=3)           # the same id with the right job is accepted
+    assert 8 in r.m.roster.members
+
+
+def test_member_record_refresh_keeps_fields_a_message_lacks():
+    r = rig(5)
+    r.m.handle(beat(9, batch=7, step=3), now_ms=10)
+    r.m.handle(grad(9, 5, 3), now_ms=20)       # grad lacks batch/ready/running/backend
+    m = r.m.roster.members[9]
+    assert (m.seen_ms, m.batch, m.ready, m.running, m.step) == (20, 7, True, True, 3)
+
+
+def test_member_first_seen_without_ready_running_counts_as_neither():
+    r = rig(5, ready=True)
+    r.m.start(now_ms=0)
+    r.m.handle(grad(3, 5, 0), now_ms=1)
+    assert r.m.roster.members[3].ready is False and r.m.roster.members[3].running is False
+    assert 3 not in r.m.cohort_ids(1)
+
+
+def test_round_or_grad_with_wrong_length_is_dropped_and_counted():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 0, n=3, assign={5: 0}), now_ms=1)
+    assert not r.m.ready and r.m.drops["round_bad_length"] == 1
+    r.m.handle(grad(1, 5, 0, n=9), now_ms=1)
+    assert r.m.drops["grad_bad_length"] == 1
+
+
+def test_malformed_message_is_dropped_not_raised():
+    r = rig(5)
+    for bad in [None, {}, {"t": "beat"}, {"t": "x", "from": 1}, {"t": "beat", "from": -1},
+                {"t": "beat", "from": 1, "batch": "2", "ready": True, "running": True, "step": 0, "backend": ""},
+                {"t": "round", "from": 1, "step": 0}]:
+        r.m.handle(bad, now_ms=1)
+    assert sum(r.m.drops.values()) == 7
+
+
+# ---------------------------------------------------------------- policy
+@pytest.mark.parametrize("n,beat_ms,quorum,drop,takeover,collect", [
+    (1, 400, 1, 1600, 3200, 2125),
+    (3, 400, 3, 1600, 3200, 2375),
+    (4, 400, 3, 1600, 3200, 2500),
+    (8, 800, 5, 3200, 6400, 3000),
+    (16, 1600, 10, 6400, 12800, 4000),
+    (100, 10000, 60, 40000, 80000, 6000),
+])
+def test_policy_formula(n, beat_ms, quorum, drop, takeover, collect):
+    p = policy(n, T)
+    assert (p.beat_ms, p.quorum, p.drop_ms, p.takeover_ms, p.collect_ms) == (beat_ms, quorum, drop, takeover, collect)
+
+
+def test_policy_is_recomputed_at_heartbeat_from_live_count():
+    r = rig(1, ready=True)
+    for p in range(2, 9):
+        r.m.handle(beat(p), now_ms=0)
+    assert r.m.policy.n == 1                       # cached until the heartbeat
+    r.m.on_timer(now_ms=400)
+    assert r.m.policy.n == 8 and r.m.policy.beat_ms == 800
+    assert r.m.next_deadline_ms() == 1200          # the heartbeat reschedules itself
+    st = r.m.state(400)
+    assert st["policy"] == {"n": 8, "quorum": 5, "beat_ms": 800}
+
+
+# ---------------------------------------------------------------- membership
+def test_members_older_than_drop_are_not_live_and_pruned():
+    r = rig(1)
+    r.m.handle(beat(2), now_ms=0)
+    assert r.m.live_ids(1600) == [2]
+    assert r.m.live_ids(1601) == []
+    r.m.on_timer(now_ms=1601 + 0)                  # not yet the heartbeat? (400) -> it is past
+    assert 2 not in r.m.roster.members
+
+
+def test_stopped_rank_leaves_cohort_at_once():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    assert r.m.cohort_ids(0) == [1, 2, 3]
+    r.m.handle(beat(2, running=False), now_ms=1)
+    assert r.m.cohort_ids(1) == [1, 3]
+
+
+def test_leader_is_lowest_ready_running_not_lowest_alive():
+    r = rig(5, ready=True)
+    r.m.start(now_ms=0)
+    r.m.handle(beat(2, running=False), now_ms=1)
+    r.m.handle(beat(3, ready=False), now_ms=1)
+    r.m.handle(beat(4), now_ms=1)
+    assert r.m.leader_id(1) == 4
+    r.m.handle(beat(4, running=False), now_ms=2)
+    assert r.m.leader_id(2) == 5 and r.m.is_leader(2)
+
+
+def test_is_leader_requires_defer_until_passed():
+    r = leader_rig([5])
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.defer_until_ms = 100
+    assert not r.m.is_leader(99) and r.m.is_leader(100)
+
+
+# ---------------------------------------------------------------- leader: one round
+def test_assignment_is_consecutive_windows_mod_2_32():
+    a = assignment([9, 2, 5], {2: 3, 5: 4, 9: 1}, 7)
+    assert a == {2: 56, 5: 59, 9: 63}
+    big = assignment([1, 2], {1: 2**31, 2: 2**31}, 3)
+    assert big == {1: 0, 2: 2**31}
+
+
+def test_leader_round_carries_params_assignment_loss_samples_cohort_in_one_message():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    acts = r.drain()
+    rounds = r.posts(acts, "round")
+    assert len(rounds) == 1
+    rd = rounds[0]
+    assert rd["assign"] == {1: 0, 2: 2, 3: 4} and rd["cohort"] == 3 and rd["step"] == 0
+    assert list(rd["params"]) == list(r.w.params()) and "loss" in rd and "samples" in rd
+
+
+def test_uses_members_reported_batch_for_assignment():
+    r = rig(1, ready=True)
+    r.m.handle(beat(2, batch=10), now_ms=0)
+    r.m.start(now_ms=0)
+    rd = r.posts(r.drain(), "round")[0]
+    assert rd["assign"] == {1: 0, 2: 2}
+    assert r.m._collection is not None
+
+
+def test_collection_installed_before_round_so_fast_bucket_is_kept():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(grad(2, 1, 0), now_ms=1)            # arrives before the leader's own bucket
+    assert r.m.drops["grad_no_collection"] == 0
+    assert 2 in r.m._collection.received
+
+
+def test_own_bucket_always_in_reduce_and_quorum_finishes_at_once():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    assert own.own and own.offset == 0
+    r.m.handle(grad(2, 1, 0, g=[2.0] * 4), now_ms=1)
+    r.m.handle(grad(3, 1, 0, g=[4.0] * 4), now_ms=1)
+    assert r.m.step == 0                           # not before the own bucket
+    loss, g = r.w.grads_sync(own.offset)
+    r.m.bucket_ready(own.token, loss, g, now_ms=2)
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 3
+
+
+def test_collect_window_arms_after_own_bucket_and_finishes_at_window_end():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=50)
+    assert r.m.step == 0
+    assert r.m.next_deadline_ms() == min(400, 50 + r.m.policy.collect_ms)
+    end = 50 + r.m.policy.collect_ms
+    tick(r, end - 1, peers=[2, 3])                 # heartbeats, window still open
+    assert r.m.step == 0
+    r.m.on_timer(now_ms=end)
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 1
+
+
+def test_grad_reaching_quorum_during_collect_finishes():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    r.m.handle(grad(2, 1, 0), now_ms=2)
+    assert r.m.step == 0
+    r.m.handle(grad(3, 1, 0), now_ms=3)
+    assert r.m.step == 1
+
+
+def test_reduce_is_sample_weighted():
+    r = leader_rig([2])
+    r.w.set_params([0.0] * 4)
+    r.m.set_lr(1.0)
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.handle(grad(2, 1, 0, g=[10.0] * 4, samples=6, loss=3.0), now_ms=1)
+    r.m.bucket_ready(own.token, 1.0, to_vector([2.0] * 4), now_ms=2, samples=2)
+    # avg = (2*2 + 6*10)/8 = 8; params = 0 - 1.0 * 8
+    assert list(r.w.params()) == [-8.0] * 4
+    assert r.m.loss == pytest.approx((2 * 1.0 + 6 * 3.0) / 8)
+    assert r.m.samples == 8
+
+
+def test_only_leader_applies_follower_never_calls_apply():
+    r = rig(5)
+    calls = []
+    r.w.apply = lambda avg, lr: calls.append(lr)
+    r.m.start(now_ms=0)
+    r.m.handle(beat(1), now_ms=1)
+    r.m.handle(round_msg(1, 0, assign={1: 0, 5: 2}), now_ms=1)
+    c = r.computes(r.drain())[0]
+    r.m.bucket_ready(c.token, *r.w.grads_sync(c.offset), now_ms=2)
+    assert calls == [] and r.m.step == 0
+
+
+def test_leader_replaces_params_with_quantized_values():
+    r = leader_rig()
+    r.link.quantizer = lambda p: to_vector([round(float(x), 1) for x in p])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, 1.0, to_vector([0.123] * 4), now_ms=1)
+    assert list(r.w.params()) == list(to_vector([-0.0] * 4)) or all(
+        abs(float(x) * 10 - round(float(x) * 10)) < 1e-6 for x in r.w.params())
+    assert [float(x) for x in r.w.params()] == [float(to_vector([round(-0.1 * 0.123, 1)])[0])] * 4
+
+
+@pytest.mark.parametrize("msg,reason", [
+    (grad(2, 1, 7), "grad_wrong_step"),
+    (grad(9, 1, 0), "grad_not_wanted"),
+    (grad(2, 1, 0, g=[math.nan, 0, 0, 0]), "grad_non_finite"),
+    (grad(2, 1, 0, g=[math.inf, 0, 0, 0]), "grad_non_finite"),
+    (grad(2, 1, 0, samples=0), "grad_bad_samples"),
+])
+def test_bucket_acceptance_rules(msg, reason):
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(msg, now_ms=1)
+    assert r.m.drops[reason] == 1
+    assert msg["from"] not in r.m._collection.received
+
+
+def test_first_bucket_wins_duplicate_dropped():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(grad(2, 1, 0, g=[1.0] * 4), now_ms=1)
+    r.m.handle(grad(2, 1, 0, g=[9.0] * 4), now_ms=2)
+    assert r.m.drops["grad_duplicate"] == 1
+    assert list(r.m._collection.received[2][2]) == [1.0] * 4
+
+
+def test_grad_without_collection_dropped():
+    r = rig(1)
+    r.m.handle(grad(2, 1, 0), now_ms=1)
+    assert r.m.drops["grad_no_collection"] == 1
+
+
+def test_nan_own_bucket_never_reaches_params_and_round_without_buckets_does_not_advance():
+    r = leader_rig()
+    before = list(r.w.params())
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, 1.0, to_vector([math.nan] * 4), now_ms=1)
+    assert list(r.w.params()) == before and r.m.step == 0
+    assert r.m.counters["empty_round"] == 1
+
+
+def test_leader_paces_on_pressure_then_drives_anyway():
+    r = leader_rig()
+    r.link.pressure_value = 2.0
+    r.m.start(now_ms=0)
+    assert r.posts(r.drain(), "round") == []
+    t = 0.0
+    for _ in range(19):                            # 20 waits of one beat: [0, 8000]
+        t += 400
+        r.m.on_timer(now_ms=t)
+        assert r.posts(t="round") == []
+    t += 400
+    r.m.on_timer(now_ms=t)
+    assert len(r.posts(t="round")) == 1 and r.m.counters["paced"] == 20
+
+
+def test_pressure_pacing_stops_when_pressure_falls():
+    r = leader_rig()
+    r.link.pressure_value = 2.0
+    r.m.start(now_ms=0)
+    r.drain()
+    r.link.pressure_value = 0.5
+    r.m.on_timer(now_ms=400)
+    assert len(r.posts(t="round")) == 1
+
+
+def test_fault_in_round_is_recorded_and_loop_goes_on():
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_failed(own.token, "RuntimeError: boom", now_ms=1)
+    assert r.m.fault == "RuntimeError: boom" and r.m._collection is None
+    r.m.on_timer(now_ms=400)                       # heartbeat; the fault wait is one beat
+    assert r.posts(t="round") == []
+    r.m.on_timer(now_ms=401)
+    assert len(r.posts(t="round")) == 1
+
+
+def test_apply_error_becomes_fault_not_exception():
+    r = leader_rig()
+    def boom(avg, lr):
+        raise ValueError("bad apply")
+    r.w.apply = boom
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    assert "bad apply" in r.m.fault and r.m.step == 0
+
+
+def test_yield_between_rounds_is_due_now_not_a_timer():
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=7)
+    assert r.m.next_deadline_ms() == 7
+    assert r.posts(t="round") == []                # next round only after the yield
+    r.m.on_timer(now_ms=7)
+    assert len(r.posts(t="round")) == 1
+
+
+def test_stop_publishes_once_after_busy_loop_drains():
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.stop(now_ms=1)
+    assert [p for p in r.posts(t="round")] == []   # busy: publish when it drains
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=2)
+    r.m.on_timer(now_ms=2)
+    pubs = r.posts(t="round")
+    assert len(pubs) == 1 and pubs[0]["assign"] == {} and pubs[0]["step"] == 1
+    assert list(pubs[0]["params"]) == list(r.w.params())
+    r.m.on_timer(now_ms=400)
+    assert r.posts(t="round") == []
+
+
+def test_stop_idle_leader_publishes_now():
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(beat(0), now_ms=1)                  # a lower rank appears: leadership lost
+    own = [a for a in r.out if isinstance(a, Compute)][0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=300)
+    r.m.on_timer(now_ms=300)
+    assert not r.m.looping
+    r.drain()
+    r.m.handle(beat(0, running=False), now_ms=301)
+    assert r.m.is_leader(301) and not r.m.looping   # leader, but idle (no takeover yet)
+    r.m.stop(now_ms=302)
+    pubs = r.posts(t="round")
+    assert len(pubs) == 1 and pubs[0]["assign"] == {}
+
+
+def test_leadership_lost_exits_loop_without_publish():
+    r = leader_rig([2])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.handle(beat(0), now_ms=1)                  # lower id, ready and running
+    r.m.handle(grad(2, 1, 0), now_ms=1)
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=2)
+    assert r.m.step == 1                           # the round in flight is not lost
+    r.m.on_timer(now_ms=2)
+    assert not r.m.looping
+    assert r.posts(t="round") == []
+
+
+# ---------------------------------------------------------------- follower
+def test_hello_is_answered_with_a_broadcast_beat_and_no_params():
+    r = rig(5, ready=True)
+    r.m.handle(hello(9), now_ms=1)
+    posts = r.posts()
+    assert [p["t"] for p in posts] == ["beat"] and "to" not in posts[0]
+
+
+def test_round_records_last_open():
+    r = rig(5)
+    r.m.handle(round_msg(1, 0), now_ms=123)
+    assert r.m.last_open_ms == 123
+
+
+def test_acting_leader_stands_down_for_lower_sender_and_does_not_adopt():
+    r = leader_rig([3], rank_id=2)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(round_msg(1, 50, params=[9.0] * 4), now_ms=10)
+    assert not r.m.looping and r.m.defer_until_ms == 10 + T.takeover_ms
+    assert r.m.step == 0 and list(r.w.params()) != [9.0] * 4
+    assert r.m.ready
+    assert [p["t"] for p in r.posts()] == ["hello"]
+
+
+def test_acting_leader_ignores_higher_sender_round():
+    r = leader_rig([3], rank_id=2)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(round_msg(3, 50, params=[9.0] * 4), now_ms=10)
+    assert r.m.looping and r.m.step == 0
+
+
+def test_pretender_round_is_ignored():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(beat(2), now_ms=1)
+    r.m.handle(round_msg(3, 0, params=[9.0] * 4), now_ms=1)
+    assert r.m.drops["pretender"] == 1 and not r.m.ready
+
+
+def test_out_of_order_round_from_followed_leader_is_ignored():
+    r = rig(5)
+    r.m.handle(round_msg(1, 10, params=[1.0] * 4), now_ms=1)
+    r.m.handle(round_msg(1, 9, params=[2.0] * 4), now_ms=2)
+    assert r.m.step == 10 and list(r.w.params()) == [1.0] * 4
+    assert r.m.drops["stale_round"] == 1
+
+
+def test_lower_step_from_a_different_leader_is_adopted():
+    r = rig(5)
+    r.m.handle(round_msg(3, 10, params=[1.0] * 4), now_ms=1)
+    r.m.handle(round_msg(1, 2, params=[2.0] * 4), now_ms=2)
+    assert r.m.step == 2 and list(r.w.params()) == [2.0] * 4 and r.m.following == 1
+
+
+def test_adopt_sets_params_step_lr_ready_and_stops_joining():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    assert r.m.joining
+    r.m.handle(round_msg(1, 42, params=[0.5] * 4, lr=0.25), now_ms=1)
+    assert (r.m.step, r.m.lr, r.m.ready, r.m.joining) == (42, 0.25, True, False)
+    assert list(r.w.params()) == [0.5] * 4
+
+
+def test_contribute_when_running_and_assigned_and_grad_goes_to_sender():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(round_msg(1, 3, assign={1: 0, 5: 17}), now_ms=1)
+    c = r.computes(r.drain())[0]
+    assert (c.step, c.offset, c.own) == (3, 17, False)
+    r.m.bucket_ready(c.token, *r.w.grads_sync(c.offset), now_ms=2)
+    g = r.posts(t="grad")
+    assert len(g) == 1 and g[0]["to"] == 1 and g[0]["step"] == 3 and g[0]["samples"] == 2
+
+
+def test_no_contribution_when_not_running_or_not_assigned():
+    r = rig(5)
+    r.m.handle(round_msg(1, 3, assign={1: 0, 5: 17}), now_ms=1)
+    assert r.computes(r.drain()) == []
+    r.m.start(now_ms=2)
+    r.drain()
+    r.m.handle(round_msg(1, 4, assign={1: 0}), now_ms=3)
+    assert r.computes(r.drain()) == []
+
+
+def test_one_bucket_in_flight_and_stale_bucket_dropped():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(round_msg(1, 3, assign={5: 10}), now_ms=1)
+    c1 = r.computes(r.drain())[0]
+    r.m.handle(round_msg(1, 4, assign={5: 20}), now_ms=2)
+    assert r.computes(r.drain()) == []              # at most one in flight
+    r.m.bucket_ready(c1.token, *r.w.grads_sync(c1.offset), now_ms=3)
+    acts = r.drain()
+    assert r.posts(acts, "grad") == []               # computed against older params
+    assert r.m.counters["stale_bucket"] == 1
+    c2 = r.computes(acts)[0]
+    assert (c2.step, c2.offset) == (4, 20)
+
+
+# ---------------------------------------------------------------- joining
+def test_joiner_announces_every_base_beat_and_bootstraps_on_second_attempt():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.on_timer(now_ms=400)
+    assert not r.m.ready and any(p["t"] == "hello" for p in r.posts())
+    r.m.on_timer(now_ms=800)
+    assert r.m.ready and r.m.looping
+    assert len(r.posts(t="round")) == 1
+
+
+def test_only_lowest_running_id_bootstraps_and_lower_idle_rank_does_not_block():
+    hi = rig(7)
+    hi.m.start(now_ms=0)
+    hi.m.handle(beat(6, ready=False, running=True), now_ms=0)
+    hi.m.handle(beat(2, ready=False, running=False), now_ms=0)   # open but not started
+    for t in (400, 800, 1200):
+        hi.m.handle(beat(6, ready=False, running=True), now_ms=t)
+        hi.m.handle(beat(2, ready=False, running=False), now_ms=t)
+        hi.m.on_timer(now_ms=t)
+    assert not hi.m.ready                          # 6 is lower and running
+    lo = rig(6)
+    lo.m.start(now_ms=0)
+    for t in (400, 800):
+        lo.m.handle(beat(7, ready=False, running=True), now_ms=t)
+        lo.m.handle(beat(2, ready=False, running=False), now_ms=t)
+        lo.m.on_timer(now_ms=t)
+    assert lo.m.ready                              # 2 is lower but not running
+
+
+def test_joiner_does_not_bootstrap_while_a_live_peer_is_ready():
+    r = rig(1)
+    r.m.start(now_ms=0)
+    for t in (400, 800, 1200, 1600):
+        r.m.handle(beat(9, ready=True, running=True), now_ms=t)
+        r.m.on_timer(now_ms=t)
+    assert not r.m.ready
+
+
+# ---------------------------------------------------------------- heartbeat, takeover
+def test_heartbeat_sends_beat_and_takes_over_after_takeover_window():
+    r = rig(2)
+    r.m.start(now_ms=0)
+    r.m.handle(beat(1), now_ms=0)
+    r.m.handle(round_msg(1, 5, assign={1: 0, 2: 2}), now_ms=0)
+    r.drain()
+    t = 0.0
+    while t < 3200:
+        t += 400
+        r.m.on_timer(now_ms=t)
+        assert [p for p in r.posts() if p["t"] == "round"] == []
+    assert any(p["t"] == "beat" for p in [a.msg for a in r.out if isinstance(a, Post)])
+    t += 400
+    r.m.on_timer(now_ms=t)
+    assert r.m.looping and r.m.counters["takeover"] == 1
+    rd = r.posts(t="round")
+    assert len(rd) == 1 and rd[0]["step"] == 5
+
+
+# ---------------------------------------------------------------- suspension
+def test_suspended_rank_clears_ready_and_rejoins():
+    r = leader_rig([3], rank_id=1)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.on_timer(now_ms=400 + T.drop_ms + 1)        # resumed after a long freeze
+    assert not r.m.ready and not r.m.looping and r.m._collection is None
+    assert any(p["t"] == "hello" for p in r.posts())
+    r.m.handle(round_msg(3, 99, params=[7.0] * 4), now_ms=400 + T.drop_ms + 2)
+    assert r.m.ready and r.m.step == 99 and list(r.w.params()) == [7.0] * 4
+
+
+def test_resumed_leader_does_not_rewind_cohort():
+    r = leader_rig([3], rank_id=1)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(beat(3), now_ms=5000)                # first input after the freeze
+    assert not r.m.ready
+    assert r.posts(t="round") == []
+
+
+# ---------------------------------------------------------------- controls
+def test_stop_beats_and_reports():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.stop(now_ms=1)
+    acts = r.drain()
+    assert any(isinstance(a, Post) and a.msg["t"] == "beat" and a.msg["running"] is False for a in acts)
+    assert any(isinstance(a, Report) for a in acts)
+
+
+def test_start_with_lr_and_set_lr_validation():
+    r = rig(5)
+    r.m.start(0.3, now_ms=0)
+    assert r.m.lr == 0.3
+    with pytest.raises(Exception):
+        r.m.set_lr(float("nan"))
+
+
+def test_dispose_stops_everything():
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    r.m.dispose(now_ms=1)
+    r.m.handle(beat(2), now_ms=2)
+    r.m.on_timer(now_ms=500)
+    assert r.m.next_deadline_ms() is None and r.drain() == [] and 2 not in r.m.roster.members
+
+
+def test_leader_evaluates_every_k_steps():
+    r = leader_rig(eval_every=2)
+    r.m.start(now_ms=0)
+    t = 0.0
+    for i in range(3):
+        own = r.computes(r.drain())[0]
+        t += 1
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=t)
+        if i == 0:
+            assert r.m.accuracy is None
+        r.m.on_timer(now_ms=t)
+    assert r.m.accuracy is not None
+
+
+def test_state_report_fields():
+    r = leader_rig([2])
+    r.m.start(now_ms=0)
+    st = r.m.state(10)
+    for key in ("id", "leader", "ready", "running", "step", "cohort", "loss", "steps_per_s",
+                "samples_per_s", "wire_bytes_per_s", "peers", "bucket_len", "batch", "model",
+                "backend", "precision", "fault", "policy", "drops", "accuracy"):
+        assert key in st
+    assert st["peers"] == [{"id": 2, "backend": "python"}] and st["leader"] == 1
