@@ -1,0 +1,121 @@
+"""Chunks: every transmitted unit, with a routing header a relay can read (issue 2, "Chunking").
+
+Chunk layout (little-endian, :data:`CHUNK_HEADER`, 22 bytes)::
+
+    u8  version      WIRE_VERSION (1)
+    u8  flags        bit 0: has recipient; other bits 0
+    u32 sender       rank id (the message's ``from``)
+    u32 recipient    rank id (the message's ``to``) if flag bit 0, else 0
+    u32 frame_id     unique per sender (wraps at 2**32)
+    u16 index        0 <= index < count
+    u16 count        chunks in this frame, >= 1
+    u32 frame_len    total frame-body bytes over all chunks
+    ...              payload: bytes [index * P, ...) of the frame body
+
+Every chunk of a frame carries the same header except ``index``, so a relay can route by
+(sender, recipient) and drop a whole frame by (sender, frame_id) without decoding payloads.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NamedTuple
+
+from ..errors import ConfigError, RemoteProtocolError
+from . import limits as L
+
+WIRE_VERSION = 1
+CHUNK_HEADER = struct.Struct("<BBIIIHHI")
+FLAG_HAS_RECIPIENT = 0x01
+MAX_CHUNKS = 0xFFFF
+
+#: A peer that advertises no maximum message size gets this (issue 2; SCTP's conservative default).
+DEFAULT_MAX_MESSAGE_BYTES = 65_536
+#: What Chromium and aiortc data channels advertise and enforce (DESIGN.md, "Data channels").
+DATA_CHANNEL_MAX_MESSAGE_BYTES = 262_144
+MIN_MESSAGE_BYTES = 64
+
+
+class Route(NamedTuple):
+    """The routing header of one chunk (everything but the payload)."""
+
+    sender: int
+    recipient: int | None
+    frame_id: int
+    index: int
+    count: int
+    frame_len: int
+
+
+def negotiate_max_message_bytes(local: int | None, remote: int | None) -> int:
+    """The chunk size limit for a link: the smaller advertised maximum.
+
+    Args:
+        local: this side's maximum message size in bytes, or ``None`` for no own limit.
+        remote: the size the peer advertised, or ``None`` if it advertised nothing, which
+            means :data:`DEFAULT_MAX_MESSAGE_BYTES` (issue 2). ``0`` (SDP: unlimited) counts as
+            no limit.
+
+    Raises:
+        ConfigError: the result is below :data:`MIN_MESSAGE_BYTES`.
+    """
+    r = DEFAULT_MAX_MESSAGE_BYTES if remote is None else remote
+    candidates = [v for v in (local, r) if v]
+    out = min(candidates) if candidates else DATA_CHANNEL_MAX_MESSAGE_BYTES
+    if out < MIN_MESSAGE_BYTES:
+        raise ConfigError("max_message_bytes", out, f"must be >= {MIN_MESSAGE_BYTES}")
+    return out
+
+
+def parse_route(chunk: Any, limits: L.WireLimits | None = None) -> Route:
+    """Read and validate a chunk's routing header without touching the payload.
+
+    Args:
+        chunk: bytes-like, one chunk as received.
+        limits: if given, ``frame_len`` above ``limits.max_frame_bytes`` is rejected.
+
+    Raises:
+        RemoteProtocolError: ``truncated``, ``bad_version``, ``bad_chunk``, ``absurd_size`` or
+            ``length_mismatch`` (payload longer than the frame).
+    """
+    if len(chunk) < CHUNK_HEADER.size:
+        raise RemoteProtocolError(L.TRUNCATED, f"chunk of {len(chunk)} bytes")
+    ver, flags, sender, rcpt, fid, index, count, frame_len = CHUNK_HEADER.unpack_from(chunk)
+    if ver != WIRE_VERSION:
+        raise RemoteProtocolError(L.BAD_VERSION, f"wire version {ver}")
+    if flags & ~FLAG_HAS_RECIPIENT or (rcpt and not flags & FLAG_HAS_RECIPIENT):
+        raise RemoteProtocolError(L.BAD_CHUNK, f"flags {flags:#x} recipient {rcpt}")
+    if count == 0 or index >= count or count > max(frame_len, 1):
+        raise RemoteProtocolError(L.BAD_CHUNK, f"index {index} count {count} frame_len {frame_len}")
+    if limits is not None and frame_len > limits.max_frame_bytes:
+        raise RemoteProtocolError(L.ABSURD_SIZE, f"frame_len {frame_len} > {limits.max_frame_bytes}")
+    if len(chunk) - CHUNK_HEADER.size > frame_len:
+        raise RemoteProtocolError(L.LENGTH_MISMATCH, "chunk payload longer than its frame")
+    return Route(sender, rcpt if flags & FLAG_HAS_RECIPIENT else None, fid, index, count, frame_len)
+
+
+def split_frame(body: bytes, *, sender: int, recipient: int | None, frame_id: int,
+                max_message_bytes: int) -> list[bytes]:
+    """Cut a frame body into chunks of at most ``max_message_bytes`` bytes each.
+
+    Raises:
+        ConfigError: ``max_message_bytes`` below :data:`MIN_MESSAGE_BYTES`.
+        OverflowError: the frame needs more than 65535 chunks or 2**32 bytes.
+    """
+    if max_message_bytes < MIN_MESSAGE_BYTES:
+        raise ConfigError("max_message_bytes", max_message_bytes, f"must be >= {MIN_MESSAGE_BYTES}")
+    per = max_message_bytes - CHUNK_HEADER.size
+    n = len(body)
+    count = max(1, -(-n // per))
+    if count > MAX_CHUNKS or n > 0xFFFFFFFF:
+        raise OverflowError(f"frame of {n} bytes needs {count} chunks of {per}")
+    flags = FLAG_HAS_RECIPIENT if recipient is not None else 0
+    rcpt = recipient if recipient is not None else 0
+    if count == 1:
+        return [CHUNK_HEADER.pack(WIRE_VERSION, flags, sender, rcpt, frame_id, 0, 1, n) + body]
+    mv = memoryview(body)
+    return [
+        b"".join((CHUNK_HEADER.pack(WIRE_VERSION, flags, sender, rcpt, frame_id, i, count, n),
+                  mv[i * per : (i + 1) * per]))
+        for i in range(count)
+    ]

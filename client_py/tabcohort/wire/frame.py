@@ -1,0 +1,201 @@
+"""Frame bodies: one message in a fixed per-type schema (issue 2, "Encoding").
+
+A frame body is ``u8 type`` followed by the type's fields in the order of :data:`SCHEMAS`,
+little-endian, no padding. ``from`` and ``to`` are not in the body: they travel in every chunk's
+routing header (:mod:`tabcohort.wire.chunk`).
+
+Field encodings:
+
+- ``u16``/``u32``/``u64``: unsigned integers; ``f64``: IEEE binary64 (NaN allowed: a ``round``'s
+  ``loss`` is NaN before the first reduce); ``bool``: one byte, 0 or 1.
+- ``str``: ``u16`` byte length + UTF-8 bytes, at most the field's maximum (INTERFACES.md).
+- ``assign``: ``u32`` count + count x (``u32`` id, ``u32`` offset), ids strictly ascending.
+- ``vec``: ``u8`` codec id, ``u8`` flags (bit 0: f32 fallback), ``u32`` element count,
+  ``u32`` int8 block size (0 for other codecs), then the codec's payload
+  (:mod:`tabcohort.wire.codecs`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+from . import limits as L
+from .codecs import CODECS_BY_ID, FLAG_F32_FALLBACK, Codec
+from .vec import as_f32_np, as_f32_py
+
+MSG_TYPES = {"hello": 1, "beat": 2, "round": 3, "grad": 4}
+MSG_NAMES = {v: k for k, v in MSG_TYPES.items()}
+
+#: Per message type: (key, kind) in wire order; a ("str", n) kind holds at most n UTF-8 bytes.
+SCHEMAS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "hello": (("version", "u16"), ("job", ("str", 128)), ("batch", "u32"), ("ready", "bool"),
+              ("running", "bool"), ("step", "u64"), ("model", ("str", 256)), ("backend", ("str", 64))),
+    "beat": (("batch", "u32"), ("ready", "bool"), ("running", "bool"), ("step", "u64"),
+             ("backend", ("str", 64))),
+    "round": (("step", "u64"), ("lr", "f64"), ("loss", "f64"), ("samples", "u64"), ("cohort", "u32"),
+              ("assign", "assign"), ("params", "vec")),
+    "grad": (("step", "u64"), ("loss", "f64"), ("samples", "u64"), ("g", "vec")),
+}
+
+_INT = {"u16": (struct.Struct("<H"), 0xFFFF), "u32": (struct.Struct("<I"), 0xFFFFFFFF),
+        "u64": (struct.Struct("<Q"), 0xFFFFFFFFFFFFFFFF)}
+_F64 = struct.Struct("<d")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_PAIR = struct.Struct("<II")
+VEC_HEADER = struct.Struct("<BBII")
+
+
+def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
+                on_fallback: Callable[[], None] | None = None) -> bytes:
+    """Encode a message dict (without ``from``/``to``) as a frame body.
+
+    Args:
+        msg: a message with ``t`` and every key of its schema (INTERFACES.md, "Messages").
+        codec: the wire precision for ``params``/``g``.
+        block: int8 block size.
+        use_numpy: which path encodes vectors (both give the same bytes).
+        on_fallback: called once per vector sent as f32 because it did not fit f16/bf16.
+
+    Raises:
+        LocalProtocolError: unknown ``t``, a missing key, or a value out of its wire range.
+    """
+    t = msg.get("t")
+    if t not in SCHEMAS:
+        raise LocalProtocolError(f"unknown message type {t!r}")
+    parts: list[bytes] = [bytes((MSG_TYPES[t],))]
+    for key, kind in SCHEMAS[t]:
+        if key not in msg:
+            raise LocalProtocolError(f"{t} message lacks {key!r}")
+        v = msg[key]
+        try:
+            if kind in _INT:
+                st, hi = _INT[kind]
+                if isinstance(v, bool) or not 0 <= int(v) <= hi or int(v) != v:
+                    raise LocalProtocolError(f"{t}.{key}={v!r} is not a {kind}")
+                parts.append(st.pack(int(v)))
+            elif kind == "f64":
+                parts.append(_F64.pack(float(v)))
+            elif kind == "bool":
+                parts.append(b"\x01" if v else b"\x00")
+            elif kind == "assign":
+                items = sorted((int(k), int(o)) for k, o in dict(v).items())
+                parts.append(_U32.pack(len(items)))
+                parts.extend(_PAIR.pack(k, o) for k, o in items)
+            elif kind == "vec":
+                x = as_f32_np(v) if use_numpy else as_f32_py(v)
+                if len(x) > 0xFFFFFFFF:
+                    raise LocalProtocolError(f"{t}.{key} too long")
+                e = codec.encode(x, use_numpy=use_numpy, block=block)
+                if e.flags & FLAG_F32_FALLBACK and on_fallback is not None:
+                    on_fallback()
+                parts.append(VEC_HEADER.pack(e.code, e.flags, len(x), e.block))
+                parts.append(e.data)
+            else:  # ("str", max)
+                b = str(v).encode("utf-8")
+                if len(b) > kind[1]:
+                    raise LocalProtocolError(f"{t}.{key} is {len(b)} bytes > {kind[1]}")
+                parts.append(_U16.pack(len(b)) + b)
+        except (struct.error, TypeError, ValueError, OverflowError) as exc:
+            raise LocalProtocolError(f"{t}.{key}={v!r}: {exc}") from None
+    return b"".join(parts)
+
+
+class _Cursor:
+    __slots__ = ("mv", "pos")
+
+    def __init__(self, body: Any) -> None:
+        self.mv = memoryview(body)
+        self.pos = 0
+
+    def take(self, n: int, reason: str = L.TRUNCATED) -> memoryview:
+        if n > len(self.mv) - self.pos:
+            raise RemoteProtocolError(reason, f"need {n} bytes at {self.pos}, have {len(self.mv) - self.pos}")
+        out = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple:
+        return st.unpack(self.take(st.size))
+
+
+def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool) -> dict:
+    """Decode a frame body into a message dict (without ``from``/``to``).
+
+    Args:
+        body: bytes-like, the reassembled frame body.
+        limits: bounds checked before any allocation.
+        use_numpy: vectors come back as numpy float32 arrays (else ``array('f')``).
+
+    Raises:
+        RemoteProtocolError: with ``reason`` one of :data:`tabcohort.wire.limits.DROP_REASONS`.
+    """
+    c = _Cursor(body)
+    (code,) = c.take(1)
+    t = MSG_NAMES.get(code)
+    if t is None:
+        raise RemoteProtocolError(L.UNKNOWN_TYPE, f"type byte {code}")
+    msg: dict = {"t": t}
+    for key, kind in SCHEMAS[t]:
+        if kind in _INT:
+            (msg[key],) = c.unpack(_INT[kind][0])
+        elif kind == "f64":
+            (msg[key],) = c.unpack(_F64)
+        elif kind == "bool":
+            (b,) = c.take(1)
+            if b > 1:
+                raise RemoteProtocolError(L.BAD_VALUE, f"{t}.{key} bool byte {b}")
+            msg[key] = b == 1
+        elif kind == "assign":
+            msg[key] = _decode_assign(c, limits)
+        elif kind == "vec":
+            msg[key] = _decode_vec(c, limits, use_numpy)
+        else:
+            (n,) = c.unpack(_U16)
+            if n > kind[1]:
+                raise RemoteProtocolError(L.ABSURD_SIZE, f"{t}.{key} length {n} > {kind[1]}")
+            try:
+                msg[key] = str(c.take(n), "utf-8")
+            except UnicodeDecodeError:
+                raise RemoteProtocolError(L.INVALID_UTF8, f"{t}.{key}") from None
+    if c.pos != len(c.mv):
+        raise RemoteProtocolError(L.LENGTH_MISMATCH, f"{len(c.mv) - c.pos} trailing bytes")
+    return msg
+
+
+def _decode_assign(c: _Cursor, limits: L.WireLimits) -> dict[int, int]:
+    (n,) = c.unpack(_U32)
+    if n > limits.max_assign:
+        raise RemoteProtocolError(L.ABSURD_SIZE, f"assign count {n} > {limits.max_assign}")
+    raw = c.take(8 * n, L.LENGTH_MISMATCH)
+    out: dict[int, int] = {}
+    last = -1
+    for k, o in _PAIR.iter_unpack(raw):
+        if k <= last:
+            raise RemoteProtocolError(L.BAD_VALUE, "assign ids not strictly ascending")
+        out[k] = o
+        last = k
+    return out
+
+
+def _decode_vec(c: _Cursor, limits: L.WireLimits, use_numpy: bool) -> Any:
+    code, flags, n, block = c.unpack(VEC_HEADER)
+    codec = CODECS_BY_ID.get(code)
+    if codec is None or flags & ~FLAG_F32_FALLBACK:
+        raise RemoteProtocolError(L.BAD_VALUE, f"vector codec {code} flags {flags:#x}")
+    if flags and codec.name not in ("f16", "bf16"):
+        raise RemoteProtocolError(L.BAD_VALUE, f"f32 fallback flag on {codec.name}")
+    if n > limits.max_vector_len:
+        raise RemoteProtocolError(L.ABSURD_SIZE, f"vector length {n} > {limits.max_vector_len}")
+    if codec.name == "int8":
+        if block > limits.max_int8_block:
+            raise RemoteProtocolError(L.ABSURD_SIZE, f"int8 block {block}")
+        if block == 0:
+            raise RemoteProtocolError(L.BAD_VALUE, "int8 block 0")
+    elif block != 0:
+        raise RemoteProtocolError(L.BAD_VALUE, f"block {block} on {codec.name}")
+    data = c.take(codec.data_len(n, flags, block), L.LENGTH_MISMATCH)
+    return codec.decode(data, n, flags, block, use_numpy=use_numpy)
+

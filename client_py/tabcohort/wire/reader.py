@@ -1,0 +1,169 @@
+"""FrameReader: chunks in, messages out; untrusted bytes never raise (issue 2, "Robustness").
+
+Reassembly is bounded: at most ``limits.max_incomplete_frames_per_sender`` partial frames per
+sender and ``limits.max_incomplete_bytes`` over all senders (the oldest partial frame is evicted,
+counted ``reassembly_overflow``), each for at most ``limits.reassembly_timeout_ms`` (counted
+``reassembly_timeout``). A frame's declared size is checked against ``limits.max_frame_bytes``
+before its first byte is stored.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import RemoteProtocolError
+from . import limits as L
+from .chunk import CHUNK_HEADER, Route, parse_route
+from .frame import decode_body
+from .vec import resolve_numpy
+
+
+class _Partial:
+    __slots__ = ("route", "first_ms", "parts", "n_bytes")
+
+    def __init__(self, route: Route, now_ms: float) -> None:
+        self.route = route
+        self.first_ms = now_ms
+        self.parts: dict[int, Any] = {}
+        self.n_bytes = 0
+
+
+class FrameReader:
+    """Reassemble and decode chunks from any number of senders.
+
+    Args:
+        limits: bounds on what a peer can make this reader hold.
+        use_numpy: ``None`` = numpy when importable; decoded vectors are numpy float32 arrays on
+            the numpy path, ``array('f')`` otherwise.
+
+    Attributes:
+        drops: dropped chunks/frames by reason (:data:`tabcohort.wire.limits.DROP_REASONS`).
+        n_frames: frames decoded.
+    """
+
+    def __init__(self, limits: L.WireLimits | None = None, *, use_numpy: bool | None = None) -> None:
+        self.limits = limits or L.WireLimits()
+        self.use_numpy = resolve_numpy(use_numpy)
+        self.drops: dict[str, int] = {}
+        self.n_frames = 0
+        self._partial: OrderedDict[tuple[int, int], _Partial] = OrderedDict()
+        self._per_sender: dict[int, int] = {}
+        self._held_bytes = 0
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def _remove(self, key: tuple[int, int]) -> _Partial:
+        p = self._partial.pop(key)
+        self._held_bytes -= p.n_bytes
+        left = self._per_sender[key[0]] - 1
+        if left:
+            self._per_sender[key[0]] = left
+        else:
+            del self._per_sender[key[0]]
+        return p
+
+    @property
+    def n_incomplete(self) -> int:
+        """Partial frames currently held."""
+        return len(self._partial)
+
+    def expire(self, now_ms: float) -> int:
+        """Drop partial frames first seen more than ``reassembly_timeout_ms`` before ``now_ms``.
+
+        Returns:
+            How many frames were dropped (each counted ``reassembly_timeout``).
+        """
+        n = 0
+        limit = now_ms - self.limits.reassembly_timeout_ms
+        while self._partial:
+            key, p = next(iter(self._partial.items()))
+            if p.first_ms > limit:
+                break
+            self._remove(key)
+            n += 1
+        if n:
+            self._drop(L.REASSEMBLY_TIMEOUT, n)
+        return n
+
+    def feed(self, chunk: Any, *, now_ms: float) -> list[dict]:
+        """Take one chunk; return the messages it completes (zero or one).
+
+        Args:
+            chunk: bytes-like, exactly as received from the transport.
+            now_ms: the caller's clock, milliseconds (for reassembly timeouts).
+
+        Returns:
+            Decoded messages: dicts with ``t``, ``from``, ``to`` (only when addressed) and the
+            type's fields (INTERFACES.md, "Messages"). Never raises for bad input.
+        """
+        if self._partial:
+            self.expire(now_ms)
+        try:
+            r = parse_route(chunk, self.limits)
+        except RemoteProtocolError as e:
+            self._drop(e.reason)
+            return []
+        payload = memoryview(chunk)[CHUNK_HEADER.size :]
+        if r.count == 1:
+            if len(payload) != r.frame_len:
+                self._drop(L.LENGTH_MISMATCH)
+                return []
+            return self._decode(r, payload)
+        body = self._reassemble(r, payload, now_ms)
+        return [] if body is None else self._decode(r, body)
+
+    def _reassemble(self, r: Route, payload: memoryview, now_ms: float) -> bytes | None:
+        key = (r.sender, r.frame_id)
+        lim = self.limits
+        p = self._partial.get(key)
+        if p is None:
+            if self._per_sender.get(r.sender, 0) >= lim.max_incomplete_frames_per_sender:
+                oldest = next(k for k in self._partial if k[0] == r.sender)
+                self._remove(oldest)
+                self._drop(L.REASSEMBLY_OVERFLOW)
+            while self._partial and self._held_bytes + len(payload) > lim.max_incomplete_bytes:
+                self._remove(next(iter(self._partial)))
+                self._drop(L.REASSEMBLY_OVERFLOW)
+            p = self._partial[key] = _Partial(r, now_ms)
+            self._per_sender[r.sender] = self._per_sender.get(r.sender, 0) + 1
+        else:
+            q = p.route
+            if (q.count, q.frame_len, q.recipient) != (r.count, r.frame_len, r.recipient):
+                self._remove(key)
+                self._drop(L.BAD_CHUNK)
+                return None
+            if r.index in p.parts:
+                self._drop(L.DUPLICATE_CHUNK)
+                return None
+            if self._held_bytes + len(payload) > lim.max_incomplete_bytes:
+                self._remove(key)
+                self._drop(L.REASSEMBLY_OVERFLOW)
+                return None
+        if p.n_bytes + len(payload) > r.frame_len:
+            self._remove(key)
+            self._drop(L.LENGTH_MISMATCH)
+            return None
+        p.parts[r.index] = payload
+        p.n_bytes += len(payload)
+        self._held_bytes += len(payload)
+        if len(p.parts) < r.count:
+            return None
+        self._remove(key)
+        if p.n_bytes != r.frame_len:
+            self._drop(L.LENGTH_MISMATCH)
+            return None
+        return b"".join(p.parts[i] for i in range(r.count))
+
+    def _decode(self, r: Route, body: Any) -> list[dict]:
+        try:
+            msg = decode_body(body, limits=self.limits, use_numpy=self.use_numpy)
+        except RemoteProtocolError as e:
+            self._drop(e.reason)
+            return []
+        msg["from"] = r.sender
+        if r.recipient is not None:
+            msg["to"] = r.recipient
+        self.n_frames += 1
+        return [msg]
