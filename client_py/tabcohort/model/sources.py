@@ -162,7 +162,8 @@ def npz(path: str, *, n_classes: int | None = None) -> Source:
         raise bad(f"length mismatch: X has {n} rows but y has {len(Y)} labels")
     if n < 2 or f < 1:
         raise bad(f"need at least 2 samples and 1 feature, got X of shape {X.shape}")
-    X32 = X.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        X32 = X.astype(np.float32)
     if not np.isfinite(X32).all():
         raise bad("X contains NaN or infinity (or values beyond float32 range)")
     if (Y < 0).any():

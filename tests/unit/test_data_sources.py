@@ -1,0 +1,168 @@
+"""Datasets: determinism, the held-out split, the content hash and the portable form
+(tabcohort.model.data). Runs without numpy except where marked."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tabcohort._compat import np
+from tabcohort.errors import ConfigError
+from tabcohort.model.data import PORTABLE_FORMAT, Dataset, load_dataset
+
+from ._marks import needs_numpy
+
+# Golden hash of load_dataset("synthetic", seed=0): generated with the stdlib only, so every
+# platform (CPython 3.11, Pyodide 3.14, with or without numpy) must reproduce it bit for bit.
+SYNTHETIC_SEED0_SHA256 = "18451faafcf3e9628f3790f28911b51d50e59be101c8e7fd87a8fa4db0b32a15"
+
+
+@pytest.fixture(scope="module")
+def synth() -> Dataset:
+    return load_dataset("synthetic", seed=0)
+
+
+def test_synthetic_shape_and_split(synth):
+    assert (synth.n_features, synth.n_classes) == (16, 4)
+    assert (synth.train_len, synth.test_len) == (1600, 400)
+    assert len(synth.x_train) == 1600 * 16 and len(synth.x_test) == 400 * 16
+    assert set(synth.y_train) == {0, 1, 2, 3}
+    assert synth.name == "synthetic" and synth.seed == 0
+
+
+def test_synthetic_golden_hash(synth):
+    # Pins the generator and the shuffle across Python versions and platforms.
+    assert synth.content_hash() == SYNTHETIC_SEED0_SHA256
+
+
+def test_same_seed_same_data_other_seed_other_data(synth):
+    again = load_dataset("synthetic", seed=0)
+    assert again.content_hash() == synth.content_hash()
+    assert again.x_train == synth.x_train and again.y_test == synth.y_test
+    other = load_dataset("synthetic", seed=1)
+    assert other.content_hash() != synth.content_hash()
+
+
+def test_split_is_disjoint_and_offsets_reach_only_train():
+    # Tag each sample with a unique value in feature 0 to identify it after the shuffle.
+    from array import array
+    n, f = 50, 2
+    x = array("f", [v for i in range(n) for v in (float(i), 0.5)])
+    y = array("i", [i % 3 for i in range(n)])
+    ds = Dataset.from_rows("tagged", x, y, f, 3, seed=7, test_fraction=0.2)
+    assert (ds.train_len, ds.test_len) == (40, 10)
+    train_tags = {ds.row(i)[0][0] for i in range(ds.train_len)}
+    test_tags = {ds.row(i, split="test")[0][0] for i in range(ds.test_len)}
+    assert train_tags.isdisjoint(test_tags)
+    assert train_tags | test_tags == {float(i) for i in range(n)}
+    # Every offset, however large, lands on a training row.
+    for off in (0, 39, 40, 41, 2**32 - 1, 10**12 + 3):
+        assert ds.row(off)[0][0] in train_tags
+        assert ds.row(off) == ds.row(ds.train_index(off))
+    # The shuffle is seeded: a different seed gives a different order.
+    other = Dataset.from_rows("tagged", x, y, f, 3, seed=8, test_fraction=0.2)
+    assert [other.row(i)[0][0] for i in range(40)] != [ds.row(i)[0][0] for i in range(40)]
+
+
+def test_row_accessors(synth):
+    xs, label = synth.row(3)
+    assert len(xs) == 16 and isinstance(label, int)
+    assert list(synth.x_train[3 * 16:4 * 16]) == xs and label == synth.y_train[3]
+    with pytest.raises(IndexError):
+        synth.row(synth.test_len, split="test")
+    with pytest.raises(ValueError):
+        synth.row(0, split="valid")
+
+
+@pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.1, "0.2"])
+def test_bad_test_fraction(fraction):
+    with pytest.raises(ConfigError, match="test_fraction"):
+        load_dataset("synthetic", test_fraction=fraction)
+
+
+def test_test_fraction_rounds_up():
+    ds = load_dataset("synthetic", n_samples=1797, test_fraction=0.2)
+    assert (ds.train_len, ds.test_len) == (1437, 360)
+
+
+def test_unknown_name_and_bad_options():
+    with pytest.raises(ConfigError, match="unknown dataset"):
+        load_dataset("mnist")
+    with pytest.raises(ConfigError, match="not an option of dataset 'synthetic'"):
+        load_dataset("synthetic", n_classess=3)
+    with pytest.raises(ConfigError, match="n_classes"):
+        load_dataset("synthetic", n_classes=1)
+    with pytest.raises(ConfigError, match="separation"):
+        load_dataset("synthetic", separation=float("nan"))
+    with pytest.raises(ConfigError, match="seed"):
+        load_dataset("synthetic", seed="0")
+
+
+def test_portable_round_trip_through_json(synth):
+    d = json.loads(json.dumps(synth.to_portable()))
+    assert d["format"] == PORTABLE_FORMAT and d["sha256"] == synth.content_hash()
+    back = Dataset.from_portable(d)
+    assert back.content_hash() == synth.content_hash()
+    assert (back.name, back.seed, back.train_len, back.test_len) == \
+        (synth.name, synth.seed, synth.train_len, synth.test_len)
+    assert back.x_train == synth.x_train and back.y_test == synth.y_test
+
+
+def test_portable_rejects_tampering(synth):
+    d = synth.to_portable()
+    with pytest.raises(ConfigError, match="sha256"):
+        Dataset.from_portable({**d, "sha256": "0" * 64})
+    with pytest.raises(ConfigError, match="x_train"):
+        Dataset.from_portable({**d, "x_train": d["x_train"][:-8]})
+    with pytest.raises(ConfigError, match="not base64"):
+        Dataset.from_portable({**d, "y_test": "!!!"})
+    with pytest.raises(ConfigError, match="format"):
+        Dataset.from_portable({**d, "format": "other/1"})
+    with pytest.raises(ConfigError, match="n_classes"):
+        Dataset.from_portable({**d, "n_classes": 0})
+    # Labels out of range for the declared class count (hash check disabled).
+    with pytest.raises(ConfigError, match="label"):
+        Dataset.from_portable({**d, "n_classes": 2, "sha256": None})
+
+
+@needs_numpy
+def test_numpy_views_share_the_canonical_bytes(synth):
+    import hashlib
+    import struct
+    xtr, ytr, xte, yte = synth.numpy()
+    assert xtr.dtype == np.float32 and xtr.shape == (1600, 16)
+    assert ytr.dtype == np.int32 and yte.shape == (400,)
+    assert not xtr.flags.writeable
+    h = hashlib.sha256(b"tabcohort-dataset-v1\x00" + struct.pack("<4I", 16, 4, 1600, 400))
+    for a, dt in ((xtr, "<f4"), (ytr, "<i4"), (xte, "<f4"), (yte, "<i4")):
+        h.update(a.astype(dt).tobytes())
+    assert h.hexdigest() == synth.content_hash()
+
+
+def test_numpy_accessor_without_numpy(synth, monkeypatch):
+    import tabcohort.model.data as data
+    monkeypatch.setattr(data, "np", None)
+    fresh = Dataset.from_portable(synth.to_portable())
+    with pytest.raises(ConfigError, match="numpy"):
+        fresh.numpy()
+
+
+# -- digits ------------------------------------------------------------------------------
+
+def test_digits_loads_scaled_and_split():
+    pytest.importorskip("sklearn")
+    ds = load_dataset("digits", seed=0)
+    assert (ds.n_features, ds.n_classes, ds.train_len, ds.test_len) == (64, 10, 1437, 360)
+    assert min(ds.x_train) == 0.0 and max(ds.x_train) == 1.0
+    assert set(ds.y_test) <= set(range(10))
+    assert load_dataset("digits", seed=0).content_hash() == ds.content_hash()
+    assert load_dataset("digits", seed=1).content_hash() != ds.content_hash()
+
+
+def test_digits_without_sklearn_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(ConfigError, match="digits.*pip install scikit-learn"):
+        load_dataset("digits")
