@@ -1,0 +1,124 @@
+"""The numpy backend against the pure-Python one and against finite differences (needs numpy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tabcohort._compat import np
+from tabcohort.errors import ConfigError, LocalProtocolError
+from tabcohort.model import PythonMLPWorker, load_dataset, make_worker
+
+from ._drive import drive
+from ._marks import needs_numpy
+
+pytestmark = pytest.mark.needs_numpy
+
+
+@pytest.fixture(scope="module")
+def synth():
+    return load_dataset("synthetic", seed=0)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_dataset("synthetic", seed=1, n_samples=60, n_features=5, n_classes=3)
+
+
+def _pair(ds, **kw):
+    from tabcohort.model import NumpyMLPWorker
+    return NumpyMLPWorker(ds, **kw), PythonMLPWorker(ds, **kw)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@needs_numpy
+@pytest.mark.parametrize("act,hidden", [("relu", (32,)), ("tanh", (16, 8)), ("relu", ())])
+def test_backends_agree(synth, act, hidden):
+    wn, wp = _pair(synth, hidden=hidden, activation=act, batch=24, seed=3)
+    assert wn.model == wp.model and wn.bucket_len == wp.bucket_len
+    assert wn.spec() == wp.spec()
+    assert np.array_equal(wn.params(), np.asarray(wp.params()))  # identical init
+    for offset in (0, 1590, 2**32 - 1):
+        (ln, gn), (lp, gp) = wn.grads_sync(offset), wp.grads_sync(offset)
+        assert gn.dtype == np.float32 and gn.shape == (wn.bucket_len,)
+        assert abs(ln - lp) <= 1e-5 * abs(lp)
+        assert _rel(gn, gp) <= 1e-5
+        wn.apply(gn, 0.5)
+        wp.apply(gn, 0.5)
+        assert np.array_equal(wn.params(), np.asarray(wp.params()))
+    assert wn.evaluate() == wp.evaluate()
+    assert wn.evaluate_loss() == pytest.approx(wp.evaluate_loss(), rel=1e-9)
+
+
+@needs_numpy
+def test_apply_is_bit_identical_across_backends(synth):
+    wn, wp = _pair(synth, seed=1)
+    avg = np.random.default_rng(0).normal(size=wn.bucket_len).astype(np.float32)
+    for lr in (0.5, 1e-3, 3.0):
+        wn.apply(avg, lr)
+        wp.apply(avg, lr)
+        assert np.array_equal(wn.params(), np.asarray(wp.params()))
+    p = wn.params()
+    expect = (p.astype(np.float64) - 0.25 * avg.astype(np.float64)).astype(np.float32)
+    wn.apply(avg, 0.25)
+    assert np.array_equal(wn.params(), expect)
+
+
+@needs_numpy
+@pytest.mark.parametrize("act", ["relu", "tanh"])
+def test_numpy_gradient_matches_central_differences(small, act):
+    from tabcohort.model.backend_np import loss_and_grad
+    wn = make_worker(small, hidden=(4, 3), activation=act, batch=7, seed=2, backend="numpy")
+    p = wn.params().astype(np.float64)
+    X = small.numpy()[0][:7]
+    y = small.numpy()[1][:7]
+    loss, g = loss_and_grad(wn.mlp, p, X, y)
+    eps = 1e-6
+    fd = np.empty_like(p)
+    for i in range(len(p)):
+        d = np.zeros_like(p)
+        d[i] = eps
+        fd[i] = (loss_and_grad(wn.mlp, p + d, X, y)[0] -
+                 loss_and_grad(wn.mlp, p - d, X, y)[0]) / (2 * eps)
+    assert _rel(g, fd) < 1e-6
+    wl, wg = wn.grads_sync(0)
+    assert wl == pytest.approx(loss, rel=1e-12)
+    assert _rel(wg, fd) < 1e-5
+
+
+@needs_numpy
+def test_numpy_grads_slices_by_chunk(synth):
+    from tabcohort.model import NumpyMLPWorker
+    w = NumpyMLPWorker(synth, batch=10, chunk=4)
+    (loss, g), n_yields = drive(w.grads(5))
+    assert n_yields == 2
+    whole = NumpyMLPWorker(synth, batch=10)
+    (loss1, g1), n1 = drive(whole.grads(5))
+    assert n1 == 0
+    assert loss == pytest.approx(loss1, rel=1e-12) and _rel(g, g1) < 1e-6
+
+
+@needs_numpy
+def test_numpy_worker_contract(synth):
+    w = make_worker(synth, batch=8, backend="numpy")
+    assert w.backend == "numpy" and make_worker(synth).backend == "numpy"  # auto
+    p = w.params()
+    p[0] += 1
+    assert w.params()[0] != p[0]
+    w.set_params([0.5] * w.bucket_len)
+    assert w.params().dtype == np.float32 and (w.params() == 0.5).all()
+    from array import array
+    w.set_params(array("f", [0.25] * w.bucket_len))
+    assert (w.params() == 0.25).all()
+    with pytest.raises(LocalProtocolError, match="length"):
+        w.set_params(np.zeros(3, np.float32))
+    with pytest.raises(LocalProtocolError, match="length"):
+        w.apply(np.zeros(w.bucket_len + 1), 0.1)
+    (l1, g1), (l2, g2) = w.grads_sync(3), w.grads_sync(3 + 5 * synth.train_len)
+    assert l1 == l2 and np.array_equal(g1, g2)
+    from tabcohort.model import NumpyMLPWorker
+    with pytest.raises(ConfigError, match="chunk"):
+        NumpyMLPWorker(synth, chunk=0)
