@@ -95,6 +95,11 @@ def test_numpy_grads_slices_by_chunk(synth):
     w = NumpyMLPWorker(synth, batch=10, chunk=4)
     (loss, g), n_yields = drive(w.grads(5))
     assert n_yields == 2
+    coro = w.grads(5)
+    coro.send(None)
+    w.apply(np.ones(w.bucket_len, np.float32), 1.0)  # between slices: must not leak in
+    (l2, g2), _ = drive(coro)
+    assert l2 == loss and np.array_equal(g2, g)
     whole = NumpyMLPWorker(synth, batch=10)
     (loss1, g1), n1 = drive(whole.grads(5))
     assert n1 == 0

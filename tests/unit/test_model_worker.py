@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import sys
 from array import array
 
 import pytest
@@ -91,6 +92,16 @@ def test_grads_yields_in_slices_and_equals_grads_sync(synth):
     assert isinstance(loss, float) and loss > 0
 
 
+def test_grads_uses_the_params_it_started_with(synth):
+    w = PythonMLPWorker(synth, batch=6, yield_every=2)
+    expected = w.grads_sync(4)
+    coro = w.grads(4)
+    coro.send(None)  # first slice done
+    w.set_params([0.0] * w.bucket_len)
+    (result, _) = drive(coro)
+    assert result == expected
+
+
 def test_default_slice_is_a_few_samples_for_digits_sized_model(synth):
     from tabcohort.model.data import Dataset
     ds = Dataset("d", 64, 10, 0, array("f", [0.0] * 64 * 2), array("i", [0, 1]),
@@ -101,6 +112,8 @@ def test_default_slice_is_a_few_samples_for_digits_sized_model(synth):
     assert n_yields == math.ceil(32 / w.yield_every) - 1
 
 
+@pytest.mark.skipif(sys.platform == "emscripten",
+                    reason="Pyodide under Node cannot run an event loop to completion")
 def test_grads_runs_under_an_event_loop(synth):
     w = PythonMLPWorker(synth, batch=6, yield_every=2)
     loss, g = asyncio.run(w.grads(0))

@@ -134,13 +134,14 @@ class NumpyMLPWorker(MLPWorker):
     def _grad_slices(self, offset: int) -> Generator[None, None, tuple[float, Any]]:
         n_train = self.dataset.train_len
         start = offset % n_train
+        layers = self._layers  # captured: an apply() between slices must not mix versions
         total, g = 0.0, None
         for lo in range(0, self.batch, self.chunk):
             if lo:
                 yield
             hi = min(self.batch, lo + self.chunk)
             idx = (start + np.arange(lo, hi)) % n_train
-            s, gs = _loss_grad_sums(self.mlp, self._layers,
+            s, gs = _loss_grad_sums(self.mlp, layers,
                                     self._X[idx].astype(np.float64), self._y[idx])
             total += s
             g = gs if g is None else g + gs

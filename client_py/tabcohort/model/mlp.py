@@ -192,6 +192,8 @@ class MLPWorker:
 
         Sample ``k`` is training row ``(offset + k) % train_len``. Between slices of work the
         coroutine awaits ``asyncio.sleep(0)`` so the event loop (heartbeats) keeps running.
+        The parameters are captured when the call starts: an ``apply`` or ``set_params``
+        while it is suspended does not affect this result.
 
         Args:
             offset: the assignment offset (an int, normally a uint32).
