@@ -8,7 +8,6 @@ from tabcohort._compat import np
 from tabcohort.errors import ConfigError
 from tabcohort.model.data import load_dataset
 
-from ._marks import needs_numpy
 
 
 def _save(tmp_path, name="d.npz", **arrays):
@@ -18,7 +17,7 @@ def _save(tmp_path, name="d.npz", **arrays):
     return str(path)
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 def test_npz_loads_and_matches_the_data(tmp_path):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(100, 3))
@@ -37,7 +36,7 @@ def test_npz_loads_and_matches_the_data(tmp_path):
     assert load_dataset(path, n_classes=6).n_classes == 6
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 def test_npz_integer_features_are_accepted(tmp_path):
     path = _save(tmp_path, X=np.arange(20).reshape(10, 2), y=np.arange(10) % 2)
     assert load_dataset(path).n_features == 2
@@ -64,7 +63,7 @@ BAD = [
 ]
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 @pytest.mark.parametrize("case,arrays,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_npz_names_file_and_problem(tmp_path, case, arrays, message):
     path = _save(tmp_path, **arrays)
@@ -73,7 +72,7 @@ def test_bad_npz_names_file_and_problem(tmp_path, case, arrays, message):
     assert path in str(info.value)
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 def test_not_an_npz(tmp_path):
     path = tmp_path / "junk.npz"
     path.write_bytes(b"this is not a zip archive")
@@ -86,7 +85,7 @@ def test_not_an_npz(tmp_path):
         load_dataset(str(npy))
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 def test_missing_file_and_bad_n_classes(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_dataset(str(tmp_path / "absent.npz"))

@@ -12,7 +12,6 @@ from tabcohort._compat import np
 from tabcohort.errors import ConfigError
 from tabcohort.model.data import PORTABLE_FORMAT, Dataset, load_dataset
 
-from ._marks import needs_numpy
 
 # Golden hash of load_dataset("synthetic", seed=0): generated with the stdlib only, so every
 # platform (CPython 3.11, Pyodide 3.14, with or without numpy) must reproduce it bit for bit.
@@ -127,7 +126,7 @@ def test_portable_rejects_tampering(synth):
         Dataset.from_portable({**d, "n_classes": 2, "sha256": None})
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 def test_numpy_views_share_the_canonical_bytes(synth):
     import hashlib
     import struct

@@ -9,7 +9,6 @@ from tabcohort.errors import ConfigError, LocalProtocolError
 from tabcohort.model import PythonMLPWorker, load_dataset, make_worker
 
 from ._drive import drive
-from ._marks import needs_numpy
 
 pytestmark = pytest.mark.needs_numpy
 
@@ -34,7 +33,6 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@needs_numpy
 @pytest.mark.parametrize("act,hidden", [("relu", (32,)), ("tanh", (16, 8)), ("relu", ())])
 def test_backends_agree(synth, act, hidden):
     wn, wp = _pair(synth, hidden=hidden, activation=act, batch=24, seed=3)
@@ -53,7 +51,6 @@ def test_backends_agree(synth, act, hidden):
     assert wn.evaluate_loss() == pytest.approx(wp.evaluate_loss(), rel=1e-9)
 
 
-@needs_numpy
 def test_apply_is_bit_identical_across_backends(synth):
     wn, wp = _pair(synth, seed=1)
     avg = np.random.default_rng(0).normal(size=wn.bucket_len).astype(np.float32)
@@ -67,7 +64,6 @@ def test_apply_is_bit_identical_across_backends(synth):
     assert np.array_equal(wn.params(), expect)
 
 
-@needs_numpy
 @pytest.mark.parametrize("act", ["relu", "tanh"])
 def test_numpy_gradient_matches_central_differences(small, act):
     from tabcohort.model.backend_np import loss_and_grad
@@ -89,7 +85,6 @@ def test_numpy_gradient_matches_central_differences(small, act):
     assert _rel(wg, fd) < 1e-5
 
 
-@needs_numpy
 def test_numpy_grads_slices_by_chunk(synth):
     from tabcohort.model import NumpyMLPWorker
     w = NumpyMLPWorker(synth, batch=10, chunk=4)
@@ -106,7 +101,6 @@ def test_numpy_grads_slices_by_chunk(synth):
     assert loss == pytest.approx(loss1, rel=1e-12) and _rel(g, g1) < 1e-6
 
 
-@needs_numpy
 def test_numpy_worker_contract(synth):
     w = make_worker(synth, batch=8, backend="numpy")
     assert w.backend == "numpy" and make_worker(synth).backend == "numpy"  # auto

@@ -9,10 +9,9 @@ import pytest
 
 from tabcohort.model import DIGITS_DEFAULTS, load_dataset, make_worker
 
-from ._marks import needs_numpy
 
 
-@needs_numpy
+@pytest.mark.needs_numpy
 @pytest.mark.parametrize("seed", [0, 1])
 def test_digits_reaches_95_percent(seed):
     pytest.importorskip("sklearn")

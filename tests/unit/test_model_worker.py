@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import sys
 from array import array
 
 import pytest
@@ -112,8 +111,7 @@ def test_default_slice_is_a_few_samples_for_digits_sized_model(synth):
     assert n_yields == math.ceil(32 / w.yield_every) - 1
 
 
-@pytest.mark.skipif(sys.platform == "emscripten",
-                    reason="Pyodide under Node cannot run an event loop to completion")
+@pytest.mark.needs_loop
 def test_grads_runs_under_an_event_loop(synth):
     w = PythonMLPWorker(synth, batch=6, yield_every=2)
     loss, g = asyncio.run(w.grads(0))
