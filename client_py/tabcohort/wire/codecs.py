@@ -15,15 +15,16 @@ Rules (all values are float32 first; see :mod:`tabcohort.wire.vec` for the conve
   becomes ``0x7fc0``. Same f32 fallback rule as f16 (a finite ``|x| >= 0x7f7f8000``'s value,
   about 3.3961e38, would round to inf): one rule for both 16-bit formats.
 - ``int8``: blocks of ``block`` elements (256 unless configured; the size travels in the frame).
-  Per block, in float64: ``s0 = float32(absmax / 127)``; then the *fixpoint step*
-  ``s = float32(float32(127 * s0) / 127)`` (with ``s0`` first lowered by one ulp in the rare
-  case ``float32(127 * s0)`` overflows). ``q = clamp(round_half_even(x / s), -127, 127)``;
-  decode ``float32(q * s)``; ``s == 0`` (all-zero block, or absmax below about 8e-44) decodes
-  to exact zeros (``-0.0`` becomes ``+0.0``). Non-finite input is an error.
-  Why the fixpoint step: with the bare issue rule, about 0.8 % of scales are not reproduced
-  when the decoded block (whose absmax is ``float32(127 * s)``) is quantized again, so
-  ``q(q(x)) != q(x)``. The step picks, within one ulp, the scale that re-quantizing reproduces
-  (checked exhaustively over every float32 scale; see tests/unit/test_wire_codecs.py).
+  Per block, in float64: ``s = float32(absmax / 127)``;
+  ``q = clamp(round_half_even(x / s), -127, 127)``; decode ``float32(q * s)``. ``s == 0``
+  (an all-zero block, or absmax below about 8e-44) decodes to exact zeros (``-0.0`` becomes
+  ``+0.0``). Non-finite input is an error. One exception to the issue's formula: for
+  ``absmax == FLT_MAX`` (and only then) ``float32(127 * s)`` overflows, so the decoded maximum
+  would be an infinity; there ``s`` is lowered by one ulp (no finite value becomes infinite).
+  Idempotence: checked exhaustively over every finite float32 absmax (about 2**31 values,
+  ``tests/unit/test_wire_int8_scale.py``, marked slow): ``float32(float32(127 * s) / 127) == s``,
+  so a decoded block, whose absmax is ``float32(127 * s)``, re-quantizes with the same scale and
+  the same q. No scale fix-up beyond the overflow case is needed.
   Overhead: one float32 scale per block, ``4 / block`` bytes per element (1.5625 % of the
   int8 payload at 256; a ratio to f32 of ``0.25 + 1 / block``).
 """
@@ -252,14 +253,12 @@ class Int8(Codec):
             lo = b * block
             hi = min(lo + block, n)
             blk = x[lo:hi]
-            f[0] = max(max(blk), -min(blk)) / 127.0
+            f[0] = (max(max(blk), -min(blk)) + 0.0) / 127.0  # + 0.0: -0.0 -> +0.0
             s = f[0]
             f[0] = s * 127.0
-            if f[0] == inf:
+            if f[0] == inf:  # only absmax == FLT_MAX: the decoded maximum would be inf
                 s = _prev_f32_py(s)
-                f[0] = s * 127.0
-            f[0] = f[0] / 127.0
-            s = scales[b] = f[0]
+            scales[b] = s
             if s == 0.0:
                 continue
             vals = [round(v / s) for v in blk]
@@ -279,12 +278,9 @@ class Int8(Codec):
         xb = xd.reshape(nb, block)
         with np.errstate(over="ignore"):
             s = (np.abs(xb).max(axis=1, initial=0.0) / 127.0).astype(np.float32)
-            t = (s.astype(np.float64) * 127.0).astype(np.float32)
-            over = np.isinf(t)
-            if over.any():
-                s[over] = np.nextafter(s[over], np.float32(0))
-                t = (s.astype(np.float64) * 127.0).astype(np.float32)
-        s = (t.astype(np.float64) / 127.0).astype(np.float32)
+            over = np.isinf((s.astype(np.float64) * 127.0).astype(np.float32))
+        if over.any():  # only absmax == FLT_MAX: the decoded maximum would be inf
+            s[over] = np.nextafter(s[over], np.float32(0))
         sd = s.astype(np.float64)
         zero = sd == 0.0
         q = np.rint(xb / np.where(zero, 1.0, sd)[:, None])
