@@ -1,0 +1,23 @@
+"""The bus conformance battery runs once per (harness, precision); see bus_harness.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from .bus_harness import BusHarness, MemoryHarness
+
+#: name -> factory(precision) of every transport that must pass the battery.
+HARNESSES = {
+    "memory": lambda p: MemoryHarness(p),
+    "memory-delayed-chunked": lambda p: MemoryHarness(p, max_message_bytes=1024, delay_ms=5.0,
+                                                      jitter_ms=0.0),
+}
+PRECISIONS = ["f32", "f16", "bf16", "int8"]
+
+
+@pytest.fixture(params=[(h, p) for h in HARNESSES for p in PRECISIONS], ids=lambda hp: f"{hp[0]}-{hp[1]}")
+def harness(request) -> BusHarness:
+    name, precision = request.param
+    h = HARNESSES[name](precision)
+    yield h
+    h.close()

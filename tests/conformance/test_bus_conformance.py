@@ -1,0 +1,151 @@
+"""The bus conformance battery (PROTOCOL.md, "Bus contract"; issue 2, "Bus accounting and
+conformance"). Every bus runs every case through a harness (see bus_harness.py)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from tabcohort.bus import LinkBytes
+
+
+def beat(step: int = 1) -> dict:
+    return {"t": "beat", "batch": 4, "ready": True, "running": True, "step": step, "backend": "py"}
+
+
+def grad(g, to: int, step: int = 1) -> dict:
+    return {"t": "grad", "step": step, "loss": 0.5, "samples": 4, "g": g, "to": to}
+
+
+def round_msg(params, step: int = 1) -> dict:
+    return {"t": "round", "step": step, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
+            "assign": {1: 0}, "params": params}
+
+
+def inboxes(buses) -> dict[int, list[dict]]:
+    box: dict[int, list[dict]] = {b.id: [] for b in buses}
+    for b in buses:
+        b.on_message = box[b.id].append
+    return box
+
+
+def bits(v) -> list[int]:
+    vals = [float(t) for t in v]
+    return list(struct.unpack(f"<{len(vals)}I", struct.pack(f"<{len(vals)}f", *vals)))
+
+
+def params_vector(n: int) -> list[float]:
+    return [math.sin(i) * 10.0 ** ((i % 9) - 4) for i in range(n)]
+
+
+def test_broadcast_reaches_each_other_rank_once(harness):
+    buses = harness.make(4)
+    box = inboxes(buses)
+    for i, b in enumerate(buses):
+        b.post(beat(step=i))
+    harness.settle()
+    for i, b in enumerate(buses):
+        got = sorted((m["from"], m["step"]) for m in box[b.id])
+        assert got == sorted((o.id, j) for j, o in enumerate(buses) if o is not b)
+        assert all("to" not in m for m in box[b.id])
+
+
+def test_to_is_delivered_only_to_its_target(harness):
+    buses = harness.make(4)
+    box = inboxes(buses)
+    for a in buses:
+        for b in buses:
+            if a is not b:
+                a.post(grad([1.0, 2.0], to=b.id, step=a.id % 1000))
+    harness.settle()
+    for b in buses:
+        assert sorted(m["from"] for m in box[b.id]) == sorted(o.id for o in buses if o is not b)
+        assert all(m["to"] == b.id and m["t"] == "grad" for m in box[b.id])
+
+
+def test_no_rank_receives_its_own_messages(harness):
+    buses = harness.make(3)
+    box = inboxes(buses)
+    for b in buses:
+        b.post(beat())
+        b.post(grad([0.0], to=b.id))
+    harness.settle()
+    for b in buses:
+        assert all(m["from"] != b.id for m in box[b.id])
+        assert len(box[b.id]) == 2
+
+
+def test_bytes_grow_by_the_encoded_size_on_each_link(harness):
+    buses = harness.make(3)
+    inboxes(buses)
+    a, b, c = buses
+    msg = round_msg(params_vector(3000))
+    size = harness.encoded_size(a, msg)
+    before = {x.id: x.bytes() for x in buses}
+    a.post(msg)
+    harness.settle()
+    zero = LinkBytes(0, 0)
+    for peer in (b, c):
+        d_sent = a.bytes()[peer.id].sent - before[a.id].get(peer.id, zero).sent
+        d_recv = peer.bytes()[a.id].received - before[peer.id].get(a.id, zero).received
+        assert d_sent == size and d_recv == size
+    assert b.bytes().get(c.id, zero) == before[b.id].get(c.id, zero)
+    to_msg = grad(params_vector(10), to=c.id)
+    size2 = harness.encoded_size(b, to_msg)
+    b.post(to_msg)
+    harness.settle()
+    assert b.bytes()[c.id].sent == size2 and c.bytes()[b.id].received == size2
+    assert b.bytes().get(a.id, zero).sent == 0
+    for x in buses:
+        assert x.total_bytes() == sum(lb.sent + lb.received for lb in x.bytes().values())
+
+
+def test_pressure_rises_when_a_receiver_stalls_and_falls_when_it_drains(harness):
+    a, b = harness.make(2)
+    box = inboxes([a, b])
+    assert a.pressure() <= 1.0
+    harness.stall(b, True)
+    msg = round_msg(params_vector(20_000))
+    posts = 0
+    while a.pressure() <= 1.0 and posts < 1000:
+        a.post(msg)
+        posts += 1
+        harness.settle()
+    assert a.pressure() > 1.0
+    assert box[b.id] == []
+    harness.stall(b, False)
+    harness.settle()
+    assert a.pressure() < 1.0
+    assert len(box[b.id]) == posts
+
+
+def test_quantize_equals_what_a_receiver_decodes(harness):
+    a, b = harness.make(2)
+    box = inboxes([a, b])
+    x = params_vector(1000) + [0.0, -0.0, 1e-40, -3e-39, 65504.0, 70000.0 if harness.precision != "int8" else 1.0]
+    a.post(round_msg(x))
+    harness.settle()
+    (m,) = box[b.id]
+    q = a.quantize(x)
+    if harness.precision == "f32":
+        assert q is None
+        assert bits(m["params"]) == bits(x)
+    else:
+        assert bits(q) == bits(m["params"])
+        assert bits(a.quantize(q)) == bits(q)
+        assert bits(b.quantize(x)) == bits(q)
+
+
+def test_close_stops_delivery(harness):
+    a, b, c = harness.make(3)
+    box = inboxes([a, b, c])
+    b.close()
+    a.post(beat())
+    a.post(grad([1.0], to=b.id))
+    b.post(beat())
+    harness.settle()
+    assert box[b.id] == []
+    assert [m["from"] for m in box[c.id]] == [a.id]
+    assert all(m["from"] != b.id for m in box[a.id] + box[c.id])
+    b.close()  # idempotent
+    assert isinstance(a.drops(), dict)
