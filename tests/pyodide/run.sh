@@ -6,7 +6,8 @@
 # wheels into .cache/pyodide-wheels/ (if missing or the pins changed), then
 # node tests/pyodide/run.mjs "$@". Exit code: pytest's (3 = runner crash, 4 = setup failure).
 # Env: PYTHON (host python for pip, default python3), TABCOHORT_PYODIDE_WHEELS (wheel cache dir),
-#      TABCOHORT_PYODIDE_BUNDLE=0 (skip the precompiled site-packages bundle).
+#      TABCOHORT_PYODIDE_BUNDLE=0 (no precompiled stdlib / site-packages: slower, for debugging).
+# First run on a machine also builds the precompiled stdlib and site-packages zips (~10 s, once).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
