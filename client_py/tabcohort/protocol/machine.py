@@ -493,7 +493,11 @@ class RankMachine:
             self.drops["round_while_leading"] += 1
             return
         leader = self.leader_id(now_ms)
-        if leader is not None and sender > leader:
+        # Rule 3 (pretender), with one documented departure (docs/PROTOCOL-NOTES.md): a rank
+        # that is the leader id itself but not yet driving keeps following the rank whose
+        # rounds it already follows, so it takes over with the newest parameters instead of
+        # whichever round it happened to adopt first (a resumed tab replays a backlog).
+        if leader is not None and sender > leader and not (leader == self.id and sender == self.following):
             self.drops["pretender"] += 1
             return
         if sender == self.following and msg["step"] < self.step:

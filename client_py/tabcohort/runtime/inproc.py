@@ -1,0 +1,248 @@
+"""The in-process cohort: N ranks in one process over the in-memory bus, in real time.
+
+Each rank is a real :class:`~tabcohort.protocol.RankMachine` driven by the asyncio
+:class:`~tabcohort.runtime.driver.RankDriver`; the bus exchanges only encoded frames. Used by
+``tabcohort simulate`` and by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..bus.memory import MemoryNetwork
+from ..errors import ConfigError
+from ..protocol import RankMachine, Timing, job_hash
+from ..sched import AsyncioScheduler
+from ..vec import digest
+from .driver import RankDriver
+
+
+@dataclass
+class InprocConfig:
+    """Settings of an in-process run. Validated by :meth:`validate` before anything starts.
+
+    Times are milliseconds; ``*_at_step`` faults fire when the cohort's step reaches them
+    (0 = never).
+    """
+
+    ranks: int = 4
+    dataset: str = "digits"
+    batch: int = 32
+    hidden: tuple[int, ...] = (32,)
+    lr: float = 0.5
+    steps: int = 400
+    target_accuracy: float = 0.0
+    max_seconds: float = 300.0
+    precision: str = "f32"
+    seed: int = 0
+    backend: str = "auto"
+    eval_every: int = 10
+    timing: Timing = field(default_factory=Timing)
+    kill_leader_at_step: int = 0
+    add_rank_at_step: int = 0
+    partition_at_step: int = 0
+    heal_after_ms: float = 3000.0
+    loss: float = 0.0
+    delay_ms: float = 0.0
+
+    def validate(self) -> None:
+        """Raises:
+            ConfigError: naming the first invalid setting and its value.
+        """
+        def pos_int(name: str, minimum: int = 1) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ConfigError(name, v, f"must be an integer >= {minimum}")
+        pos_int("ranks")
+        pos_int("batch")
+        pos_int("steps")
+        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every"):
+            pos_int(name, 0)
+        for name, lo, hi in (("lr", 0.0, math.inf), ("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf),
+                             ("target_accuracy", 0.0, 1.0), ("max_seconds", 0.0, math.inf),
+                             ("heal_after_ms", 0.0, math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
+                    math.isinf(v) and hi != math.inf):
+                raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
+        from ..wire.codecs import get_codec
+        get_codec(self.precision)
+        if any(h <= 0 for h in self.hidden):
+            raise ConfigError("hidden", self.hidden, "layer widths must be positive integers")
+
+
+@dataclass
+class InprocResult:
+    """What a run ended with."""
+
+    steps: int
+    accuracy: float
+    loss: float
+    samples_per_s: float
+    seconds: float
+    bit_identical: bool
+    digests: dict[int, str]
+    leaders: list[int]
+    events: list[str]
+
+
+class InprocCohort:
+    """N ranks sharing one in-memory network and one dataset, on the running loop."""
+
+    def __init__(self, cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> None:
+        cfg.validate()
+        from ..model import load_dataset
+        self.cfg = cfg
+        self.progress = progress or (lambda line: None)
+        self.dataset = load_dataset(cfg.dataset, seed=cfg.seed)
+        self.rng = random.Random(cfg.seed)
+        self.loop = asyncio.get_running_loop()
+        self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision)
+        self.drivers: dict[int, RankDriver] = {}
+        self.events: list[str] = []
+        self.job: str | None = None
+
+    def _new_id(self) -> int:
+        while True:
+            k = self.rng.getrandbits(32)
+            if k not in self.drivers:
+                return k
+
+    def add_rank(self) -> RankDriver:
+        from ..model import make_worker
+        cfg = self.cfg
+        k = self._new_id()
+        w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.batch, seed=cfg.seed, backend=cfg.backend)
+        if self.job is None:
+            self.job = job_hash(w.spec(), self.dataset.content_hash(), w.bucket_len)
+        for other in self.drivers:
+            if cfg.loss or cfg.delay_ms:
+                self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss)
+        bus = self.network.attach(k)
+        m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
+                        lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision)
+        d = RankDriver(m, w, bus)
+        self.drivers[k] = d
+        d.start()
+        return d
+
+    def leader(self) -> RankDriver | None:
+        for d in self.drivers.values():
+            if d.machine.looping:
+                return d
+        return None
+
+    def step(self) -> int:
+        return max((d.machine.step for d in self.drivers.values()), default=0)
+
+    async def kill(self, d: RankDriver) -> None:
+        """Crash a rank: no publish, no goodbye."""
+        del self.drivers[d.machine.id]
+        d.bus.close()
+        await d.close()
+
+    async def run(self) -> InprocResult:
+        cfg = self.cfg
+        for _ in range(cfg.ranks):
+            self.add_rank()
+        t0 = time.monotonic()
+        last_print = -1.0
+        leaders: list[int] = []
+        pending = {"kill": cfg.kill_leader_at_step, "add": cfg.add_rank_at_step,
+                   "partition": cfg.partition_at_step}
+        heal_at: float | None = None
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic() - t0
+            step = self.step()
+            ld = self.leader()
+            if ld is not None and (not leaders or leaders[-1] != ld.machine.id):
+                leaders.append(ld.machine.id)
+            if pending["kill"] and step >= pending["kill"] and ld is not None:
+                pending["kill"] = 0
+                self._event(f"step {step}: killing leader {ld.machine.id:08x}")
+                await self.kill(ld)
+            if pending["add"] and step >= pending["add"]:
+                pending["add"] = 0
+                d = self.add_rank()
+                self._event(f"step {step}: added rank {d.machine.id:08x}")
+            if pending["partition"] and step >= pending["partition"]:
+                pending["partition"] = 0
+                ids = sorted(self.drivers)
+                half = len(ids) // 2
+                self.network.partition([set(ids[:half]), set(ids[half:])])
+                heal_at = now + cfg.heal_after_ms / 1000.0
+                self._event(f"step {step}: partitioned into {len(ids[:half])}+{len(ids) - half}")
+            if heal_at is not None and now >= heal_at:
+                heal_at = None
+                self.network.heal()
+                self._event(f"step {step}: healed the partition")
+            acc = self._accuracy()
+            if now - last_print >= 1.0:
+                last_print = now
+                self._print_progress(now, step, acc)
+            if step >= cfg.steps or (cfg.target_accuracy and acc is not None and acc >= cfg.target_accuracy):
+                break
+            if now >= cfg.max_seconds:
+                self._event(f"stopping: max_seconds={cfg.max_seconds} reached at step {step}")
+                break
+        seconds = time.monotonic() - t0
+        samples = self._applied_samples()
+        return await self._finish(seconds, samples, leaders)
+
+    def _accuracy(self) -> float | None:
+        ld = self.leader()
+        return ld.machine.accuracy if ld is not None else None
+
+    def _applied_samples(self) -> int:
+        # followers count the samples each adopted round reports, so any surviving rank
+        # has (about) the cohort's total, including rounds of a leader that was killed
+        return max((d.machine._applied_samples for d in self.drivers.values()), default=0)
+
+    def _print_progress(self, now: float, step: int, acc: float | None) -> None:
+        ld = self.leader()
+        st = ld.state() if ld is not None else None
+        if st is None:
+            self.progress(f"[{now:6.1f}s] step {step:5d}  no leader yet ({len(self.drivers)} ranks)")
+            return
+        acc_s = f"{acc * 100:5.1f}%" if acc is not None else "  n/a"
+        self.progress(f"[{now:6.1f}s] step {step:5d}  leader {st['id_hex']}  cohort {st['cohort']}  "
+                      f"loss {st['loss']:.4f}  acc {acc_s}  {st['steps_per_s']:6.1f} steps/s  "
+                      f"{st['samples_per_s']:8.0f} samples/s  {st['wire_bytes_per_s'] / 1e6:6.2f} MB/s")
+
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        self.progress("  * " + text)
+
+    async def _finish(self, seconds: float, samples: int, leaders: list[int]) -> InprocResult:
+        self.network.heal()
+        for d in self.drivers.values():
+            d.stop()
+        # wait (bounded) until the publish has reached every rank
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
+            if len(set(ds.values())) == 1:
+                break
+            await asyncio.sleep(0.05)
+        ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
+        any_d = next(iter(self.drivers.values()))
+        acc = float(any_d.worker.evaluate())
+        steps = max(d.machine.step for d in self.drivers.values())
+        loss = any_d.machine.loss
+        for d in list(self.drivers.values()):
+            await d.close()
+        return InprocResult(steps=steps, accuracy=acc, loss=loss,
+                            samples_per_s=samples / seconds if seconds > 0 else 0.0, seconds=seconds,
+                            bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
+                            events=self.events)
+
+
+async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:
+    """Run an in-process cohort to its stop condition and return the result."""
+    return await InprocCohort(cfg, progress=progress).run()

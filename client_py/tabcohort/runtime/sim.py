@@ -1,0 +1,172 @@
+"""A seeded discrete-event simulation of a cohort over the in-memory bus.
+
+The same :class:`~tabcohort.protocol.RankMachine` as in production, driven by a
+:class:`~tabcohort.sched.SimScheduler` instead of asyncio: virtual milliseconds, no wall time.
+Compute takes ``compute_ms`` of virtual time per bucket (the gradient itself is computed at
+request time, against the parameters the rank holds then). Faults: kill a rank, freeze it
+(the suspension case: a frozen tab's inputs queue until it resumes), partition and heal the
+network, per-link loss and delay (knobs of :class:`~tabcohort.bus.memory.MemoryNetwork`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+from ..bus.memory import MemoryNetwork
+from ..protocol.actions import Compute, Post, Report
+from ..protocol.machine import RankMachine
+from ..protocol.policy import Timing
+from ..sched import SimScheduler
+
+
+class SimRank:
+    """One simulated rank: machine + memory bus + worker on the shared virtual clock."""
+
+    def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
+                 ready: bool, lr: float, eval_every: int) -> None:
+        self.sim = sim
+        self.id = rank_id
+        self.worker = worker
+        self.compute_ms = compute_ms
+        self.bus = sim.network.attach(rank_id)
+        self.bus.on_message = self._on_message
+        self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
+                                   timing=sim.timing, ready=ready, lr=lr, eval_every=eval_every,
+                                   precision=sim.network_precision)
+        self.alive = True
+        self.frozen = False
+        self._held: list[Callable[[], None]] = []
+        self._timer = None
+        self._timer_when: float | None = None
+        self.reports: list[dict] = []
+        self._flush()
+
+    # inputs -----------------------------------------------------------
+    def _input(self, fn: Callable[[], None]) -> None:
+        if not self.alive:
+            return
+        if self.frozen:
+            self._held.append(fn)
+            return
+        fn()
+        self._flush()
+
+    def _on_message(self, msg: dict) -> None:
+        self._input(lambda: self.machine.handle(msg, now_ms=self.sim.now_ms()))
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_when = None
+        self._input(lambda: self.machine.on_timer(now_ms=self.sim.now_ms()))
+
+    def start(self, lr: float | None = None) -> None:
+        self._input(lambda: self.machine.start(lr, now_ms=self.sim.now_ms()))
+
+    def stop(self) -> None:
+        self._input(lambda: self.machine.stop(now_ms=self.sim.now_ms()))
+
+    # faults -----------------------------------------------------------
+    def kill(self) -> None:
+        """The process dies: no more input or output, no goodbye."""
+        self.alive = False
+        self.machine.dispose(now_ms=self.sim.now_ms())
+        self.bus.close()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def freeze(self, duration_ms: float) -> None:
+        """Stop processing for ``duration_ms``; inputs queue and are delivered on resume."""
+        self.frozen = True
+        self.sim.scheduler.call_later(duration_ms, self._resume)
+
+    def _resume(self) -> None:
+        self.frozen = False
+        held, self._held = self._held, []
+        for fn in held:
+            self._input(fn)
+        self._input(lambda: self.machine.on_timer(now_ms=self.sim.now_ms()))
+
+    # outputs ----------------------------------------------------------
+    def _flush(self) -> None:
+        if not self.alive:
+            return
+        for a in self.machine.drain():
+            if isinstance(a, Post):
+                self.bus.post(a.msg)
+            elif isinstance(a, Compute):
+                self._compute(a)
+            elif isinstance(a, Report):
+                self.reports.append(a.state)
+        d = self.machine.next_deadline_ms()
+        if d is None:
+            return
+        if self._timer is not None and self._timer_when == d:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when = d
+        self._timer = self.sim.scheduler.call_later(max(0.0, d - self.sim.now_ms()), self._on_timer)
+
+    def _compute(self, a: Compute) -> None:
+        try:
+            loss, g = self.worker.grads_sync(a.offset)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            self.sim.scheduler.call_later(self.compute_ms, lambda: self._input(
+                lambda: self.machine.bucket_failed(a.token, err, now_ms=self.sim.now_ms())))
+            return
+        self.sim.scheduler.call_later(self.compute_ms, lambda: self._input(
+            lambda: self.machine.bucket_ready(a.token, loss, g, now_ms=self.sim.now_ms())))
+
+
+class SimCohort:
+    """A cohort of simulated ranks sharing one virtual clock and one in-memory network.
+
+    Args:
+        job: the job hash every rank carries.
+        timing: protocol base periods.
+        seed: seeds the network's fault knobs.
+        precision: wire precision of the network.
+    """
+
+    def __init__(self, *, job: str = "sim", timing: Timing = Timing(), seed: int = 0,
+                 precision: str = "f32", **network_kw: Any) -> None:
+        self.scheduler = SimScheduler()
+        self.network = MemoryNetwork(self.scheduler, seed=seed, precision=precision, **network_kw)
+        self.network_precision = precision
+        self.job = job
+        self.timing = timing
+        self.rng = random.Random(seed)
+        self.ranks: dict[int, SimRank] = {}
+
+    def now_ms(self) -> float:
+        return self.scheduler.now_ms()
+
+    def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
+            start: bool = True, lr: float = 0.1, eval_every: int = 0) -> SimRank:
+        r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
+                    eval_every=eval_every)
+        self.ranks[rank_id] = r
+        if start:
+            r.start()
+        return r
+
+    def at(self, t_ms: float, fn: Callable[[], Any]) -> None:
+        """Schedule ``fn`` at virtual time ``t_ms``."""
+        self.scheduler.call_later(t_ms - self.now_ms(), fn)
+
+    def run_until(self, t_ms: float) -> None:
+        self.scheduler.run_until(t_ms)
+
+    def run_while(self, cond: Callable[[], bool], *, limit_ms: float, step_ms: float = 50.0) -> bool:
+        """Advance in ``step_ms`` increments while ``cond()`` holds, at most until ``limit_ms``.
+        Returns True when ``cond()`` became false."""
+        while cond():
+            if self.now_ms() >= limit_ms:
+                return False
+            self.run_until(min(limit_ms, self.now_ms() + step_ms))
+        return True
+
+    def alive(self) -> list[SimRank]:
+        return [r for r in self.ranks.values() if r.alive]

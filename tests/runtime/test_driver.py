@@ -1,0 +1,120 @@
+"""The asyncio driver under virtual time (looptime): timeouts cost no wall time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tabcohort.bus.memory import MemoryNetwork
+from tabcohort.model.toy import ToyWorker
+from tabcohort.protocol import RankMachine
+from tabcohort.runtime.driver import RankDriver
+from tabcohort.sched import AsyncioScheduler
+from tabcohort.vec import digest
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.looptime, pytest.mark.needs_loop]
+
+
+async def wait_for(cond, *, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Wait (in loop time) until ``cond()`` holds, at most ``timeout_s``."""
+    async def _poll():
+        while not cond():
+            await asyncio.sleep(poll_s)
+    await asyncio.wait_for(_poll(), timeout_s)
+
+
+def cohort(n, *, net=None, **worker_kw):
+    loop = asyncio.get_running_loop()
+    net = net or MemoryNetwork(AsyncioScheduler(loop), seed=1)
+    drivers = []
+    for k in range(1, n + 1):
+        w = ToyWorker(bucket_len=6, batch=3, **worker_kw)
+        bus = net.attach(k)
+        m = RankMachine(k, w, bus, job="t", now_ms=RankDriver.clock_ms(loop), lr=0.05)
+        drivers.append(RankDriver(m, w, bus))
+    return net, drivers
+
+
+async def test_three_ranks_train_and_end_bit_identical():
+    net, ds = cohort(3)
+    for d in ds:
+        d.start()
+    await wait_for(lambda: all(d.machine.step >= 30 for d in ds), timeout_s=30)
+    assert ds[0].machine.is_leader(ds[0].now_ms())
+    for d in ds:
+        d.stop()
+    await wait_for(lambda: len({digest(d.worker.params()) for d in ds}) == 1, timeout_s=5)
+    assert not any(d.errors for d in ds)
+    for d in ds:
+        await d.close()
+
+
+async def test_no_timer_armed_between_rounds_of_a_busy_leader():
+    loop = asyncio.get_running_loop()
+    net, (d,) = cohort(1)
+    armed: list[float] = []
+    rounds = 0
+    real_call_at, real_call_later = loop.call_at, loop.call_later
+
+    def call_at(when, cb, *args, **kw):
+        if rounds >= 3 and when > loop.time():
+            armed.append(when - loop.time())
+        return real_call_at(when, cb, *args, **kw)
+
+    def call_later(delay, cb, *args, **kw):
+        if rounds >= 3 and delay > 0:
+            armed.append(delay)
+        return real_call_later(delay, cb, *args, **kw)
+
+    real_post = d.bus.post
+
+    def post(msg):
+        nonlocal rounds
+        if msg["t"] == "round":
+            rounds += 1
+        real_post(msg)
+
+    d.bus.post = post
+    loop.call_at, loop.call_later = call_at, call_later
+    try:
+        d.start()
+        await wait_for(lambda: rounds >= 3, timeout_s=5, poll_s=0.5)
+        # From the third round on, the leader runs rounds back to back through
+        # call_soon only; let it run a while without any loop-time passing.
+        for _ in range(2000):
+            await asyncio.sleep(0)
+            if rounds >= 200:
+                break
+        assert rounds >= 200
+        assert armed == [], f"timers with positive delay armed between rounds: {armed[:5]}"
+    finally:
+        loop.call_at, loop.call_later = real_call_at, real_call_later
+        await d.close()
+
+
+async def test_worker_failure_becomes_fault_and_loop_goes_on():
+    net, (d,) = cohort(1)
+    d.worker.fail_next = 1
+    d.start()
+    await wait_for(lambda: d.machine.step >= 5, timeout_s=10)
+    assert d.machine.fault and "injected worker failure" in d.machine.fault
+    assert d.machine.counters["round_fault"] == 1
+    await d.close()
+
+
+async def test_report_callback_error_does_not_kill_the_rank():
+    loop = asyncio.get_running_loop()
+    net = MemoryNetwork(AsyncioScheduler(loop), seed=1)
+    w = ToyWorker(bucket_len=4, batch=2)
+    bus = net.attach(1)
+    m = RankMachine(1, w, bus, job="t", now_ms=RankDriver.clock_ms(loop))
+
+    def bad(state):
+        raise RuntimeError("ui broke")
+
+    d = RankDriver(m, w, bus, on_report=bad)
+    d.start()
+    await wait_for(lambda: m.step >= 5, timeout_s=10)
+    await d.close()
+    assert not d.tasks

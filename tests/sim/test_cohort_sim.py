@@ -1,0 +1,209 @@
+"""Seeded discrete-event simulations of many ranks over the in-memory bus.
+
+Invariants are checked against the network's own delivery log (``MemoryNetwork.log``: every
+message as the receiver decoded it), not against the machine code that enforces them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from tabcohort.model.toy import ToyWorker
+from tabcohort.protocol import Timing, policy
+from tabcohort.runtime.sim import SimCohort
+from tabcohort.vec import digest, weighted_mean
+
+T = Timing()
+N_PARAMS = 6
+
+
+def make(n, *, seed=0, compute_ms=20.0, ids=None, **kw):
+    sim = SimCohort(seed=seed, **kw)
+    ids = ids or list(range(1, n + 1))
+    for k in ids:
+        sim.add(k, ToyWorker(bucket_len=N_PARAMS, batch=3), compute_ms=compute_ms, lr=0.05)
+    return sim
+
+
+def entries(sim, t=None, since=-math.inf, until=math.inf):
+    for e in sim.network.log:
+        when, sender, recipient, msg = e
+        if since <= when <= until and (t is None or msg["t"] == t):
+            yield when, sender, recipient, msg
+
+
+def rounds_by_sender(sim, since=-math.inf, until=math.inf):
+    out = {}
+    for when, sender, _, msg in entries(sim, "round", since, until):
+        out.setdefault(sender, []).append((when, msg))
+    return out
+
+
+def stop_all_and_settle(sim):
+    for r in sim.alive():
+        r.stop()
+    sim.run_until(sim.now_ms() + 3 * T.beat_ms)
+
+
+def digests(sim):
+    return {r.id: digest(r.worker.params()) for r in sim.alive()}
+
+
+def check_updates_use_only_buckets_of_their_step(sim, lr=0.05):
+    """For each pair of consecutive rounds (N, N+1) from one leader, the parameter change
+    must be explained by the leader's own bucket plus a subset of the step-N buckets
+    delivered to it in between (sample-weighted mean, SGD at lr)."""
+    checked = 0
+    for leader, seq in rounds_by_sender(sim).items():
+        seq = [(w, m) for w, m in seq if m["assign"]]
+        for (t0, r0), (t1, r1) in zip(seq, seq[1:]):
+            if r1["step"] != r0["step"] + 1:
+                continue
+            grads = [(s, m) for w, s, rc, m in entries(sim, "grad", t0, t1) if rc == leader]
+            valid = [m for s, m in grads if m["step"] == r0["step"]]
+            scratch = ToyWorker(bucket_len=N_PARAMS, batch=3)
+            scratch.set_params(r0["params"])
+            own_loss, own_g = scratch.grads_sync(r0["assign"][leader])
+            target = [float(x) for x in r1["params"]]
+            found = False
+            for k in range(len(valid) + 1):
+                for subset in itertools.combinations(valid, k):
+                    buckets = [(3, own_g)] + [(m["samples"], m["g"]) for m in subset]
+                    tot = sum(s for s, _ in buckets)
+                    avg = weighted_mean([g for _, g in buckets], [s / tot for s, _ in buckets])
+                    w = ToyWorker(bucket_len=N_PARAMS, batch=3)
+                    w.set_params(r0["params"])
+                    w.apply(avg, r0["lr"])
+                    if all(abs(a - float(b)) <= 1e-6 for a, b in zip(target, w.params())):
+                        found = True
+                        break
+                if found:
+                    break
+            assert found, f"leader {leader}: step {r0['step']}->{r1['step']} not explained by step-{r0['step']} buckets"
+            checked += 1
+    return checked
+
+
+def test_cohort_trains_and_ends_bit_identical():
+    sim = make(4)
+    sim.run_until(8000)
+    steps = {r.id: r.machine.step for r in sim.alive()}
+    assert min(steps.values()) > 50
+    assert check_updates_use_only_buckets_of_their_step(sim) > 50
+    leaders = rounds_by_sender(sim, since=3000)
+    assert list(leaders) == [1]
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_killed_leader_is_replaced_within_bound():
+    sim = make(4)
+    sim.run_until(3000)
+    kill_at = sim.now_ms()
+    sim.ranks[1].kill()
+    sim.run_until(kill_at + 10000)
+    after = [(w, s) for s, seq in rounds_by_sender(sim, since=kill_at).items() for w, _ in seq if s != 1]
+    first = min(after)
+    p = policy(4, T)
+    bound = p.drop_ms + p.takeover_ms + 2 * p.beat_ms
+    assert first[1] == 2
+    assert first[0] - kill_at <= bound, (first[0] - kill_at, bound)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+    check_updates_use_only_buckets_of_their_step(sim)
+
+
+def test_late_joiner_is_synced_by_one_round():
+    sim = make(3)
+    sim.run_until(3000)
+    late = sim.add(9, ToyWorker(bucket_len=N_PARAMS, batch=3), compute_ms=20.0, lr=0.05)
+    assert not late.machine.ready
+    done = sim.run_while(lambda: not any(rc == 9 for _, _, rc, _ in entries(sim, "round")),
+                         limit_ms=6000, step_ms=1)
+    assert done
+    last = [m for _, _, rc, m in entries(sim, "round") if rc == 9][-1]
+    assert late.machine.ready and late.machine.step == last["step"]
+    assert digest(late.worker.params()) == digest(last["params"])
+    sim.run_until(sim.now_ms() + 2000)
+    assert sim.ranks[9].worker.calls > 0        # it contributes
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_islands_merge_under_lowest_id():
+    sim = make(4, ids=[1, 2, 3, 4])
+    sim.network.partition([{1, 2}, {3, 4}])
+    sim.run_until(6000)
+    islands = rounds_by_sender(sim, since=4000, until=6000)
+    assert set(islands) == {1, 3}
+    heal_at = sim.now_ms()
+    sim.network.heal()
+    p = policy(4, T)
+    sim.run_until(heal_at + p.drop_ms + p.takeover_ms + 4 * p.beat_ms)
+    settle = sim.now_ms()
+    sim.run_until(settle + 3000)
+    assert set(rounds_by_sender(sim, since=settle)) == {1}
+    for r in sim.alive():
+        assert r.machine.following in (1, None)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_suspended_leader_that_resumes_does_not_rewind_the_cohort():
+    sim = make(3)
+    sim.run_until(3000)
+    sim.ranks[1].freeze(6000)
+    sim.run_until(9000)                         # 2 has taken over meanwhile
+    before = max(m["step"] for _, s, _, m in entries(sim, "round") if s == 2)
+    resume = sim.now_ms()
+    sim.run_until(resume + 8000)
+    steps_after = [m["step"] for _, s, _, m in entries(sim, "round", since=resume) if m["assign"]]
+    assert min(steps_after) >= before
+    assert sim.ranks[1].machine.counters["suspended"] == 1
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+    check_updates_use_only_buckets_of_their_step(sim)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_faults_keep_invariants(seed):
+    rng = random.Random(seed)
+    ids = list(range(1, 7))
+    sim = make(len(ids), seed=seed, compute_ms=15.0)
+    for a, b in itertools.combinations(ids, 2):
+        sim.network.set_link(a, b, delay_ms=rng.uniform(0, 5), jitter_ms=2, loss=0.01)
+    t = 2000.0
+    killed = set()
+    for _ in range(4):
+        t += rng.uniform(1000, 3000)
+        kind = rng.choice(["kill", "partition", "add", "slow"])
+        if kind == "kill":
+            victim = rng.choice([k for k in sim.ranks if k not in killed])
+            killed.add(victim)
+            sim.at(t, sim.ranks[victim].kill)
+        elif kind == "partition":
+            alive = [k for k in sim.ranks if k not in killed]
+            half = set(rng.sample(alive, len(alive) // 2))
+            sim.at(t, lambda h=half, a=alive: sim.network.partition([h, set(a) - h]))
+            sim.at(t + rng.uniform(1000, 4000), sim.network.heal)
+        elif kind == "add":   # the new id is chosen when the add runs
+            sim.at(t, lambda: sim.add(max(sim.ranks) + 1, ToyWorker(bucket_len=N_PARAMS, batch=3),
+                                      compute_ms=15.0, lr=0.05))
+        else:
+            k = rng.choice([k for k in sim.ranks if k not in killed])
+            sim.at(t, lambda k=k: setattr(sim.ranks[k], "compute_ms", 150.0))
+    sim.run_until(t + 5000)
+    sim.network.heal()
+    p = policy(len(sim.alive()), T)
+    quiet = sim.now_ms() + p.drop_ms + p.takeover_ms + 4 * p.beat_ms
+    sim.run_until(quiet)
+    sim.run_until(quiet + 3000)
+    # one leader once takeover has elapsed (the network is whole again)
+    assert len(rounds_by_sender(sim, since=quiet)) == 1
+    check_updates_use_only_buckets_of_their_step(sim)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
