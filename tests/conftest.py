@@ -15,9 +15,20 @@ import sys
 import pytest
 
 try:  # an installed tabcohort (pip install -e .) wins; else the work tree's source
-    import tabcohort  # noqa: F401
+    import tabcohort
 except ImportError:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "client_py"))
+    import tabcohort
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # tests/mutations/run.py runs the suite against a mutated copy of client_py/: make sure
+    # that copy, not an installed tabcohort, is what the tests import.
+    import os
+
+    expect = os.environ.get("TABCOHORT_EXPECT_SRC")
+    if expect and not pathlib.Path(tabcohort.__file__).resolve().is_relative_to(pathlib.Path(expect).resolve()):
+        raise pytest.UsageError(f"tabcohort imported from {tabcohort.__file__}, not from {expect}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

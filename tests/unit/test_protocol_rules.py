@@ -189,9 +189,10 @@ def test_leader_round_carries_params_assignment_loss_samples_cohort_in_one_messa
 def test_uses_members_reported_batch_for_assignment():
     r = rig(1, ready=True)
     r.m.handle(beat(2, batch=10), now_ms=0)
+    r.m.handle(beat(3, batch=1), now_ms=0)
     r.m.start(now_ms=0)
     rd = r.posts(r.drain(), "round")[0]
-    assert rd["assign"] == {1: 0, 2: 2}
+    assert rd["assign"] == {1: 0, 2: 2, 3: 12}
     assert r.m._collection is not None
 
 
@@ -319,6 +320,19 @@ def test_nan_own_bucket_never_reaches_params_and_round_without_buckets_does_not_
     r.m.bucket_ready(own.token, 1.0, to_vector([math.nan] * 4), now_ms=1)
     assert list(r.w.params()) == before and r.m.step == 0
     assert r.m.counters["empty_round"] == 1
+
+
+def test_nan_own_bucket_is_dropped_and_peer_buckets_still_apply():
+    r = leader_rig([2])
+    r.w.set_params([0.0] * 4)
+    r.m.set_lr(1.0)
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.handle(grad(2, 1, 0, g=[0.5] * 4), now_ms=1)
+    r.m.bucket_ready(own.token, 1.0, to_vector([math.nan] * 4), now_ms=2)
+    assert r.m.drops["own_bucket_invalid"] == 1
+    tick(r, 2 + r.m.policy.collect_ms, peers=[2])      # quorum unreachable: the window ends it
+    assert r.m.step == 1 and list(r.w.params()) == [-0.5] * 4
 
 
 def test_leader_paces_on_pressure_then_drives_anyway():
@@ -500,6 +514,15 @@ def test_contribute_when_running_and_assigned_and_grad_goes_to_sender():
     r.m.bucket_ready(c.token, *r.w.grads_sync(c.offset), now_ms=2)
     g = r.posts(t="grad")
     assert len(g) == 1 and g[0]["to"] == 1 and g[0]["step"] == 3 and g[0]["samples"] == 2
+
+
+def test_follower_does_not_send_a_non_finite_bucket():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 3, assign={1: 0, 5: 17}), now_ms=1)
+    c = r.computes(r.drain())[0]
+    r.m.bucket_ready(c.token, 1.0, to_vector([math.inf] * 4), now_ms=2)
+    assert r.posts(t="grad") == [] and r.m.drops["own_bucket_invalid"] == 1
 
 
 def test_no_contribution_when_not_running_or_not_assigned():

@@ -24,16 +24,19 @@ class ToyWorker:
         batch: samples per bucket.
         train_len: size of the virtual training set (offsets index it modulo this).
         backend: the backend name to report.
+        compute_ms: simulated compute time per bucket in :meth:`grads` (an awaited sleep, so
+            it costs loop time, not CPU: benchmarks use it so two cores do not limit scaling).
     """
 
     model = "toy-lsq"
 
     def __init__(self, bucket_len: int = 8, batch: int = 4, *, train_len: int = 1000,
-                 backend: str = "python") -> None:
+                 backend: str = "python", compute_ms: float = 0.0) -> None:
         self.bucket_len = int(bucket_len)
         self.batch = int(batch)
         self.train_len = int(train_len)
         self.backend = backend
+        self.compute_ms = float(compute_ms)
         self._p = array("f", [0.0] * self.bucket_len)
         self.calls = 0
         self.nan_offsets: set[int] = set()   # knob: offsets whose bucket is NaN (tests)
@@ -63,7 +66,11 @@ class ToyWorker:
         return loss / b, to_vector([x / b for x in g])
 
     async def grads(self, offset: int) -> tuple[float, Any]:
-        return self.grads_sync(offset)
+        result = self.grads_sync(offset)   # against the parameters held when compute starts
+        if self.compute_ms > 0:
+            import asyncio
+            await asyncio.sleep(self.compute_ms / 1000.0)
+        return result
 
     def apply(self, avg: Any, lr: float) -> None:
         p = self._p

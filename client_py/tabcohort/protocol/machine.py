@@ -329,6 +329,8 @@ class RankMachine:
             self._inflight = None
             if seq != self._adopt_seq:
                 self.counters["stale_bucket"] += 1      # a newer round was adopted meanwhile
+            elif not all_finite(g) or not math.isfinite(loss) or len(g) != self.worker.bucket_len:
+                self.drops["own_bucket_invalid"] += 1  # never send what the leader must drop
             else:
                 self._actions.append(Post({"t": "grad", "from": self.id, "to": to, "step": step,
                                            "loss": float(loss), "samples": samples, "g": g}))

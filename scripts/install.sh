@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what tabcohort needs on a fresh machine (idempotent): the package with its test
+# extras (pip, editable) and the Node packages (npm ci: Pyodide for the tab tier).
+# Usage: bash scripts/install.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3}"
+echo "[install] pip install -e .[test]" >&2
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[test]"
+if command -v npm >/dev/null; then
+  if [ ! -f node_modules/pyodide/pyodide.mjs ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
+    echo "[install] npm ci" >&2
+    npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2
+  fi
+else
+  echo "[install] npm not found: the Pyodide test tier will not run" >&2
+fi

@@ -1,0 +1,267 @@
+"""Break each PROTOCOL.md rule on purpose, one at a time, and check that its test fails.
+
+Each mutation is an exact text replacement in a copy of ``client_py/`` (the work tree is never
+touched); the rule's named tests then run against the copy and at least one must fail.
+docs/RULES.md is the table of rules and tests; this file is its executable form.
+
+Usage: python tests/mutations/run.py [-k SUBSTRING] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+M = "tabcohort/protocol/machine.py"
+U = "tests/unit/test_protocol_rules.py"
+S = "tests/sim/test_cohort_sim.py"
+D = "tests/runtime/test_driver.py"
+
+# (rule, file, old text, new text, [tests that must catch it])
+MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
+    ("ignore messages addressed to another rank", M,
+     'if to is not None and to != self.id:', 'if False:',
+     [f"{U}::test_message_to_other_rank_is_ignored_entirely"]),
+    ("ignore own messages", M,
+     'if sender == self.id:\n            return "from_self"', 'if False:\n            return "from_self"',
+     [f"{U}::test_message_from_self_is_ignored"]),
+    ("hello: foreign version/job ignored", M,
+     'if msg["version"] != PROTOCOL_VERSION or msg["job"] != self.job:', 'if msg["version"] != PROTOCOL_VERSION:',
+     [f"{U}::test_hello_with_other_version_or_job_is_ignored_and_peer_stays_ignored"]),
+    ("member refresh keeps fields a message lacks", "tabcohort/protocol/roster.py",
+     'if key in msg:\n                setattr(m, key, msg[key])', 'setattr(m, key, msg.get(key))',
+     [f"{U}::test_member_record_refresh_keeps_fields_a_message_lacks"]),
+    ("member first seen without ready/running is neither", "tabcohort/protocol/roster.py",
+     'ready: bool = False', 'ready: bool = True',
+     [f"{U}::test_member_first_seen_without_ready_running_counts_as_neither"]),
+    ("round params length checked", M,
+     'if t == "round" and len(msg["params"]) != self.worker.bucket_len:', 'if False:',
+     [f"{U}::test_round_or_grad_with_wrong_length_is_dropped_and_counted"]),
+    ("policy: quorum formula", "tabcohort/protocol/policy.py",
+     'quorum = n if n <= 3 else max(2, math.ceil(0.6 * n))', 'quorum = n',
+     [f"{U}::test_policy_formula"]),
+    ("policy: drop derived from the stretched beat", "tabcohort/protocol/policy.py",
+     'drop = max(timing.drop_ms, 4 * beat)', 'drop = timing.drop_ms',
+     [f"{U}::test_policy_formula"]),
+    ("policy recomputed at heartbeat", M,
+     'self.policy = policy(len(self.roster.members) + 1, self.timing)', 'pass',
+     [f"{U}::test_policy_is_recomputed_at_heartbeat_from_live_count"]),
+    ("live = seen within drop", "tabcohort/protocol/roster.py",
+     'if now_ms - m.seen_ms <= drop_ms:', 'if True:',
+     [f"{U}::test_members_older_than_drop_are_not_live_and_pruned"]),
+    ("cohort: only ready and running members", M,
+     'if m.ready and m.running]', 'if m.ready]',
+     [f"{U}::test_stopped_rank_leaves_cohort_at_once", f"{U}::test_leader_is_lowest_ready_running_not_lowest_alive"]),
+    ("is leader requires now >= deferUntil", M,
+     'and now_ms >= self.defer_until_ms)', ')',
+     [f"{U}::test_is_leader_requires_defer_until_passed"]),
+    ("assignment: consecutive windows", "tabcohort/protocol/assign.py",
+     'offset += int(batches[k])', 'pass',
+     [f"{U}::test_assignment_is_consecutive_windows_mod_2_32"]),
+    ("assignment: uses the member's reported batch", M,
+     'batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch',
+     'batches[k] = self.worker.batch',
+     [f"{U}::test_uses_members_reported_batch_for_assignment"]),
+    ("collection installed before the round is sent", M,
+     '''            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum))
+        else:
+            self._collection = None
+        self._actions.append(Post({''',
+     '''            pass
+        self._collection = None
+        self._actions.append(Post({''',
+     [f"{U}::test_collection_installed_before_round_so_fast_bucket_is_kept"]),
+    ("own bucket always part of the reduce", M,
+     'col.received[self.id] = self._own_bucket', 'pass',
+     [f"{U}::test_own_bucket_always_in_reduce_and_quorum_finishes_at_once", f"{U}::test_reduce_is_sample_weighted"]),
+    ("collect window bounds the wait", M,
+     'self._phase_deadline_ms = now_ms + self.policy.collect_ms', 'self._phase_deadline_ms = None',
+     [f"{U}::test_collect_window_arms_after_own_bucket_and_finishes_at_window_end"]),
+    ("quorum reached during collect finishes", M,
+     'if self._phase == "collect" and len(col.received) >= col.quorum:', 'if False:',
+     [f"{U}::test_grad_reaching_quorum_during_collect_finishes"]),
+    ("reduce is sample-weighted", M,
+     'weights = [s / total for _, s, _ in buckets]', 'weights = [1 / len(buckets) for _ in buckets]',
+     [f"{U}::test_reduce_is_sample_weighted"]),
+    ("leader quantizes its own parameters", M,
+     'if q is not None:\n            self.worker.set_params(q)', 'if False:\n            self.worker.set_params(q)',
+     [f"{U}::test_leader_replaces_params_with_quantized_values"]),
+    ("bucket: step must match", M,
+     'if msg["step"] != col.step:', 'if False:',
+     [f"{U}::test_bucket_acceptance_rules", f"{S}::test_random_faults_keep_invariants"]),
+    ("bucket: sender must be wanted", M,
+     'if sender not in col.wanted:', 'if False:',
+     [f"{U}::test_bucket_acceptance_rules"]),
+    ("bucket: first wins", M,
+     'if sender in col.received:\n            self.drops["grad_duplicate"]', 'if False:\n            self.drops["grad_duplicate"]',
+     [f"{U}::test_first_bucket_wins_duplicate_dropped"]),
+    ("bucket: values finite", M,
+     'if not all_finite(g) or not math.isfinite(loss):', 'if False:',
+     [f"{U}::test_bucket_acceptance_rules"]),
+    ("bucket: positive samples", M,
+     'if msg["samples"] <= 0:', 'if False:',
+     [f"{U}::test_bucket_acceptance_rules"]),
+    ("own bucket validated (a NaN never reaches the parameters)", M,
+     'if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:',
+     'if False:',
+     [f"{U}::test_nan_own_bucket_is_dropped_and_peer_buckets_still_apply"]),
+    ("pace on transport pressure", M,
+     'if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:', 'if False:',
+     [f"{U}::test_leader_paces_on_pressure_then_drives_anyway"]),
+    ("pacing is bounded (20 beats)", M,
+     'if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:', 'if self.link.pressure() > 1:',
+     [f"{U}::test_leader_paces_on_pressure_then_drives_anyway"]),
+    ("a fault in a round does not end the loop", M,
+     'self._phase = "fault"', 'self._phase = None',
+     [f"{U}::test_fault_in_round_is_recorded_and_loop_goes_on"]),
+    ("unclamped yield between rounds (machine)", M,
+     '''        self._phase = "yield"
+        self._phase_deadline_ms = now_ms''', '''        self._phase = "yield"
+        self._phase_deadline_ms = now_ms + 4''',
+     [f"{U}::test_yield_between_rounds_is_due_now_not_a_timer"]),
+    ("unclamped yield between rounds (driver)", "tabcohort/runtime/driver.py",
+     'self._soon = self.loop.call_soon(self._on_soon)', 'self._soon = self.loop.call_later(0.004, self._on_soon)',
+     [f"{D}::test_no_timer_armed_between_rounds_of_a_busy_leader"]),
+    ("publish when the run stops", M,
+     'if stopped and self.ready and not self.disposed:', 'if False:',
+     [f"{U}::test_stop_publishes_once_after_busy_loop_drains"]),
+    ("no publish when leadership is lost", M,
+     'stopped = not self.running or self._stopping_publish', 'stopped = True',
+     [f"{U}::test_leadership_lost_exits_loop_without_publish"]),
+    ("hello answered with a beat", M,
+     'self._beat(now_ms)       # so the newcomer learns the roster', 'pass',
+     [f"{U}::test_hello_is_answered_with_a_broadcast_beat_and_no_params"]),
+    ("acting leader stands down for a lower sender", M,
+     'if sender < self.id:\n                self._stand_down(now_ms)', 'if False:\n                self._stand_down(now_ms)',
+     [f"{U}::test_acting_leader_stands_down_for_lower_sender_and_does_not_adopt", f"{S}::test_islands_merge_under_lowest_id"]),
+    ("reject a pretender", M,
+     'if leader is not None and sender > leader and not', 'if False and not',
+     [f"{U}::test_pretender_round_is_ignored"]),
+    ("reject an out-of-order duplicate from the followed leader", M,
+     'if sender == self.following and msg["step"] < self.step:', 'if False:',
+     [f"{U}::test_out_of_order_round_from_followed_leader_is_ignored"]),
+    ("do not reject a lower step from another leader", M,
+     'if sender == self.following and msg["step"] < self.step:', 'if msg["step"] < self.step:',
+     [f"{U}::test_lower_step_from_a_different_leader_is_adopted"]),
+    ("adopt the learning rate", M,
+     'self.lr = float(lr)\n        self.ready = True', 'self.ready = True',
+     [f"{U}::test_adopt_sets_params_step_lr_ready_and_stops_joining"]),
+    ("contribute only when running", M,
+     'if self.running and offset is not None:', 'if offset is not None:',
+     [f"{U}::test_no_contribution_when_not_running_or_not_assigned"]),
+    ("drop a bucket computed against older parameters", M,
+     'if seq != self._adopt_seq:\n                self.counters["stale_bucket"]', 'if False:\n                self.counters["stale_bucket"]',
+     [f"{U}::test_one_bucket_in_flight_and_stale_bucket_dropped"]),
+    ("join: bootstrap only from the second attempt", M,
+     'if self._join_attempts >= 2 and', 'if self._join_attempts >= 1 and',
+     [f"{U}::test_joiner_announces_every_base_beat_and_bootstraps_on_second_attempt"]),
+    ("join: only the lowest running id bootstraps", M,
+     'self.id == min([self.id] + [m.id for m in live if m.running])', 'True',
+     [f"{U}::test_only_lowest_running_id_bootstraps_and_lower_idle_rank_does_not_block"]),
+    ("join: lowest among running peers only", M,
+     'self.id == min([self.id] + [m.id for m in live if m.running])', 'self.id == min([self.id] + [m.id for m in live])',
+     [f"{U}::test_only_lowest_running_id_bootstraps_and_lower_idle_rank_does_not_block"]),
+    ("join: no bootstrap while a live peer is ready", M,
+     'if any(m.ready for m in live):\n            return', 'pass',
+     [f"{U}::test_joiner_does_not_bootstrap_while_a_live_peer_is_ready"]),
+    ("takeover after the takeover window", M,
+     'and now_ms - self.last_open_ms > self.policy.takeover_ms and self.is_leader(now_ms)):',
+     'and self.is_leader(now_ms)):',
+     [f"{U}::test_heartbeat_sends_beat_and_takes_over_after_takeover_window"]),
+    ("suspension: a long gap clears ready", M,
+     'if gap > self.policy.drop_ms and (self.ready or self.looping):', 'if False:',
+     [f"{U}::test_suspended_rank_clears_ready_and_rejoins", f"{U}::test_resumed_leader_does_not_rewind_cohort"]),
+    ("a stopped rank leaves the cohort (stop clears running)", M,
+     '        self.running = False\n        self.joining = False\n        if was_leader', '        self.joining = False\n        if was_leader',
+     [f"{U}::test_stop_beats_and_reports"]),
+    ("dispose stops message handling", M,
+     'if self.disposed:\n            return True', 'if False:\n            return True',
+     [f"{U}::test_dispose_stops_everything"]),
+]
+
+
+SIM_ONLY = [
+    ("after the leader is killed, the first round from the new leader comes within drop + takeover + 2 beats",
+     f"{S}::test_killed_leader_is_replaced_within_bound"),
+    ("a late joiner is synced by one round (adopt is idempotent and order-independent)",
+     f"{S}::test_late_joiner_is_synced_by_one_round"),
+    ("islands merge under the lowest id", f"{S}::test_islands_merge_under_lowest_id"),
+    ("a suspended leader that resumes does not rewind the cohort",
+     f"{S}::test_suspended_leader_that_resumes_does_not_rewind_the_cohort"),
+    ("every applied step is reduced only from buckets of that step; all ranks bit-identical after stop",
+     f"{S}::test_random_faults_keep_invariants"),
+    ("the driver yields between rounds without arming a timer", f"{D}::test_no_timer_armed_between_rounds_of_a_busy_leader"),
+    ("a failure inside a round becomes fault; the loop goes on", f"{D}::test_worker_failure_becomes_fault_and_loop_goes_on"),
+]
+
+
+def markdown() -> str:
+    lines = ["# PROTOCOL.md rules and the tests that catch them", "",
+             "Generated by `python tests/mutations/run.py --markdown`. Each row of the first table is a",
+             "mutation that `tests/mutations/run.py` applies to a copy of `client_py/` (the rule broken on",
+             "purpose); at least one named test must then fail. CI runs it as the `mutations` tier.", "",
+             "| # | rule | where it is broken | tests that must fail |", "|---|---|---|---|"]
+    for i, (rule, rel, _, _, tests) in enumerate(MUTATIONS, 1):
+        names = "<br>".join(f"`{t.split('::')[0].split('/')[-1]}::{t.split('::')[1]}`" for t in tests)
+        lines.append(f"| {i} | {rule} | `{rel}` | {names} |")
+    lines += ["", "Properties checked end to end by the seeded simulation and the driver tests (invariants read",
+              "from the in-memory network's own delivery log):", "", "| property | test |", "|---|---|"]
+    for prop, t in SIM_ONLY:
+        lines.append(f"| {prop} | `{t.split('::')[0].split('/')[-1]}::{t.split('::')[1]}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only mutations whose rule contains this text")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print docs/RULES.md")
+    a = ap.parse_args()
+    muts = [m for m in MUTATIONS if a.k in m[0]]
+    if a.markdown:
+        print(markdown(), end="")
+        return 0
+    rules_md = REPO / "docs" / "RULES.md"
+    if not a.k and (not rules_md.exists() or rules_md.read_text() != markdown()):
+        print("docs/RULES.md is out of date: python tests/mutations/run.py --markdown > docs/RULES.md")
+        return 1
+    if a.list:
+        for rule, f, _, _, tests in muts:
+            print(f"{rule}: {f} -> {', '.join(tests)}")
+        return 0
+    survived = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (rule, rel, old, new, tests) in enumerate(muts, 1):
+            src = pathlib.Path(tmp) / f"m{i}"
+            shutil.copytree(REPO / "client_py", src, ignore=shutil.ignore_patterns("__pycache__"))
+            path = src / rel
+            text = path.read_text()
+            if text.count(old) != 1:
+                print(f"[{i:2d}] {rule}: PATCH DOES NOT APPLY ({text.count(old)} matches) in {rel}")
+                survived.append(rule)
+                continue
+            path.write_text(text.replace(old, new))
+            env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{REPO / 'server'}",
+                       TABCOHORT_EXPECT_SRC=str(src))
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--timeout=300",
+                   "-o", "addopts=", *tests]
+            r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            caught = r.returncode == 1
+            print(f"[{i:2d}] {'caught  ' if caught else 'SURVIVED'} {rule}")
+            if not caught:
+                survived.append(rule)
+                print(r.stdout[-1500:], r.stderr[-800:])
+    print(f"{len(muts) - len(survived)}/{len(muts)} mutations caught in {time.time() - t0:.0f} s")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
