@@ -6,12 +6,39 @@ import pytest
 
 from .bus_harness import BusHarness, MemoryHarness
 
+
+def _ws_available() -> bool:
+    """The WebSocket star harness needs aiohttp and the server package (native tiers only)."""
+    import pathlib
+    import sys
+
+    if sys.platform == "emscripten":
+        return False
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        import tabcohort_server  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "server"))
+        try:
+            import tabcohort_server  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
 #: name -> factory(precision) of every transport that must pass the battery.
 HARNESSES = {
     "memory": lambda p: MemoryHarness(p),
     "memory-delayed-chunked": lambda p: MemoryHarness(p, max_message_bytes=1024, delay_ms=5.0,
                                                       jitter_ms=0.0),
 }
+if _ws_available():
+    from .ws_harness import WsHarness
+
+    HARNESSES["ws-star"] = lambda p: WsHarness(p)
+    HARNESSES["ws-star-chunked"] = lambda p: WsHarness(p, max_message_bytes=1024)
 PRECISIONS = ["f32", "f16", "bf16", "int8"]
 
 

@@ -1,0 +1,387 @@
+"""The aiohttp application: ``create_app(config) -> web.Application``.
+
+Endpoints (room-scoped ones need the room token, if the room has one, as ``?token=`` or
+``Authorization: Bearer``):
+
+- ``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /api/rooms``
+- ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON)
+- ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable)
+- ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.ws`` for the wire)
+- ``GET /api/rooms/{room}/checkpoint`` (alias ``/model``): float32 LE parameters; 404 if none
+- ``PUT /api/rooms/{room}/checkpoint``: upload by a registered rank
+- ``POST /api/rooms/{room}/stop``: stop the room now
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+import weakref
+from typing import Any, AsyncIterator
+
+from aiohttp import WSCloseCode, WSMsgType, web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from . import checkpoint as ckpt
+from .config import ServerConfig
+from .metrics import RoomCollector
+from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, Peer, Room, RoomError, RoomRegistry)
+
+log = logging.getLogger("tabcohort.server")
+
+
+class RoomAssets:
+    """What a room serves besides its bookkeeping: the job JSON, the dataset, the evaluator."""
+
+    def __init__(self, room: Room) -> None:
+        from tabcohort.model import load_dataset, make_worker
+        from tabcohort.protocol import job_hash
+
+        job = room.job
+        self.dataset = load_dataset(job.dataset, seed=job.seed)
+        self.worker = make_worker(self.dataset, hidden=job.hidden, batch=job.batch, seed=job.seed,
+                                  activation=job.activation)
+        self.bucket_len = self.worker.bucket_len
+        self.job_hash = job_hash(self.worker.spec(), self.dataset.content_hash(), self.bucket_len)
+        d = job.public()
+        d.update(room=room.name, bucket_len=self.bucket_len, job_hash=self.job_hash,
+                 model=self.worker.spec(),
+                 dataset_info={"name": self.dataset.name, "sha256": self.dataset.content_hash(),
+                               "url": f"/api/rooms/{room.name}/dataset"})
+        self.job_json = json.dumps(d).encode()
+        self.dataset_json = json.dumps(self.dataset.to_portable()).encode()
+        self.checkpoint_data: bytes | None = None
+
+    def evaluate(self, data: bytes) -> float:
+        from array import array
+        v = array("f")
+        v.frombytes(data)
+        self.worker.set_params(v)
+        return float(self.worker.evaluate())
+
+
+CONFIG = web.AppKey("config", ServerConfig)
+ROOMS = web.AppKey("rooms", RoomRegistry)
+ASSETS = web.AppKey("assets", dict)
+SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+METRICS = web.AppKey("metrics", CollectorRegistry)
+
+
+def create_app(config: ServerConfig | None = None) -> web.Application:
+    """Build the server application.
+
+    Raises:
+        ConfigError: a bad room or limit (before anything listens).
+    """
+    config = config or ServerConfig()
+    config.validate()
+    limits = config.limits
+    app = web.Application(client_max_size=limits.max_checkpoint_bytes + 4096)
+    app[CONFIG] = config
+    rooms = app[ROOMS] = RoomRegistry(config.rooms, limits, seed=config.seed)
+    assets: dict[str, RoomAssets] = {}
+    for name, room in rooms.rooms.items():
+        a = assets[name] = RoomAssets(room)
+        if config.checkpoint_dir:
+            got = ckpt.load(config.checkpoint_dir, name)
+            if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
+                room.checkpoint, a.checkpoint_data = got
+    app[ASSETS] = assets
+    app[SOCKETS] = weakref.WeakSet()
+    reg = app[METRICS] = CollectorRegistry()
+    reg.register(RoomCollector(rooms))
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/api/rooms", list_rooms)
+    app.router.add_get("/api/rooms/{room}", room_state)
+    app.router.add_get("/api/rooms/{room}/job", room_job)
+    app.router.add_get("/api/rooms/{room}/dataset", room_dataset)
+    app.router.add_get("/api/rooms/{room}/ws", room_ws)
+    app.router.add_get("/api/rooms/{room}/checkpoint", get_checkpoint)
+    app.router.add_get("/api/rooms/{room}/model", get_checkpoint)
+    app.router.add_put("/api/rooms/{room}/checkpoint", put_checkpoint)
+    app.router.add_post("/api/rooms/{room}/checkpoint", put_checkpoint)
+    app.router.add_post("/api/rooms/{room}/stop", stop_room)
+    app.cleanup_ctx.append(_ticker)
+    app.on_shutdown.append(_close_sockets)
+    return app
+
+
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
+    """Background: release expired ids and check duration stop conditions, once a second."""
+    async def run() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                app[ROOMS].tick(time.monotonic())
+            except Exception:  # pragma: no cover - keep ticking, but say so
+                log.exception("room tick failed")
+    task = asyncio.create_task(run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _close_sockets(app: web.Application) -> None:
+    """Graceful shutdown: close every open WebSocket with GOING_AWAY (bounded)."""
+    socks = list(app[SOCKETS])
+    t = app[CONFIG].limits.close_timeout_s
+
+    async def close(ws: web.WebSocketResponse) -> None:
+        try:
+            await asyncio.wait_for(ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown"), t)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+    await asyncio.gather(*(close(ws) for ws in socks), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------- helpers
+def _room(request: web.Request) -> Room:
+    room = request.app[ROOMS].get(request.match_info["room"])
+    if room is None:
+        raise web.HTTPNotFound(text=json.dumps({"error": "no such room"}), content_type="application/json")
+    return room
+
+
+def _token_ok(room: Room, given: str | None) -> bool:
+    want = room.job.token
+    if want is None:
+        return True
+    import secrets
+    return isinstance(given, str) and secrets.compare_digest(want.encode(), given.encode())
+
+
+def _request_token(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[7:]
+    return request.query.get("token")
+
+
+def _authorized_room(request: web.Request) -> Room:
+    room = _room(request)
+    if not _token_ok(room, _request_token(request)):
+        raise web.HTTPForbidden(text=json.dumps({"error": "bad or missing room token"}),
+                                content_type="application/json")
+    return room
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj, allow_nan=False, default=_nan_none), status=status,
+                        content_type="application/json")
+
+
+def _nan_none(o: Any) -> Any:  # pragma: no cover - json only calls this for unknown types
+    return None
+
+
+def _clean(o: Any) -> Any:
+    """Replace non-finite floats by None so the JSON is standard."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+# ---------------------------------------------------------------------- HTTP
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"ok": True, "rooms": len(request.app[ROOMS].rooms)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def list_rooms(request: web.Request) -> web.Response:
+    rooms = request.app[ROOMS].rooms
+    return _json({"rooms": [{"room": r.name, "n_connected": len(r.connected), "stopped": r.stopped,
+                             "token": r.job.token is not None} for r in rooms.values()]})
+
+
+async def room_state(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    return _json(_clean(room.summary(time.monotonic())))
+
+
+async def room_job(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    return web.Response(body=request.app[ASSETS][room.name].job_json, content_type="application/json")
+
+
+async def room_dataset(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    resp = web.Response(body=request.app[ASSETS][room.name].dataset_json, content_type="application/json")
+    resp.enable_compression()
+    return resp
+
+
+async def stop_room(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    room.stop("stopped by request")
+    return _json({"stopped": True})
+
+
+async def get_checkpoint(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    data = request.app[ASSETS][room.name].checkpoint_data
+    meta = room.checkpoint
+    if data is None or meta is None:
+        return _json({"error": "no checkpoint yet"}, status=404)
+    return web.Response(body=data, content_type="application/octet-stream", headers={
+        "X-Tabcohort-Step": str(meta["step"]), "X-Tabcohort-Digest": meta["digest"],
+        "Content-Disposition": f'attachment; filename="{room.name}-step{meta["step"]}.f32"'})
+
+
+async def put_checkpoint(request: web.Request) -> web.Response:
+    """Store the leader's parameters (float32 LE) with step and digest; atomic on disk."""
+    room = _authorized_room(request)
+    a: RoomAssets = request.app[ASSETS][room.name]
+    h = request.headers
+    try:
+        rank = int(h.get("X-Tabcohort-Rank", ""))
+        step = int(h.get("X-Tabcohort-Step", ""))
+    except ValueError:
+        raise web.HTTPBadRequest(text="X-Tabcohort-Rank and X-Tabcohort-Step must be integers")
+    peer = room.peers.get(rank)
+    import secrets
+    if peer is None or not secrets.compare_digest(peer.secret.encode(),
+                                                  h.get("X-Tabcohort-Secret", "").encode()):
+        raise web.HTTPForbidden(text="only a registered rank may upload a checkpoint")
+    data = await request.read()
+    if len(data) != 4 * a.bucket_len:
+        raise web.HTTPBadRequest(text=f"expected {4 * a.bucket_len} bytes (bucket_len float32), got {len(data)}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != h.get("X-Tabcohort-Digest"):
+        raise web.HTTPBadRequest(text=f"digest mismatch: content is {digest}")
+    if room.checkpoint is not None and step < room.checkpoint["step"] and not h.get("X-Tabcohort-Final"):
+        return _json({"stored": False, "reason": "older than the stored checkpoint"}, status=409)
+    try:
+        loss = float(h.get("X-Tabcohort-Loss", "nan"))
+    except ValueError:
+        loss = math.nan
+    meta = {"step": step, "digest": digest, "n": a.bucket_len, "job_hash": a.job_hash, "rank": rank,
+            "loss": loss if math.isfinite(loss) else None, "final": bool(h.get("X-Tabcohort-Final")),
+            "time": time.time(), "accuracy": a.evaluate(data)}
+    cfg = request.app[CONFIG]
+    if cfg.checkpoint_dir:
+        await asyncio.get_running_loop().run_in_executor(None, ckpt.save, cfg.checkpoint_dir, room.name,
+                                                         meta, data)
+    room.checkpoint, a.checkpoint_data = meta, data
+    return _json({"stored": True, "step": step, "accuracy": meta["accuracy"]})
+
+
+# ---------------------------------------------------------------------- WebSocket relay
+async def room_ws(request: web.Request) -> web.WebSocketResponse:
+    """The star relay for one rank: register (first text message), then chunks and controls."""
+    room = _room(request)
+    limits = request.app[CONFIG].limits
+    ws = web.WebSocketResponse(heartbeat=limits.heartbeat_s, max_msg_size=limits.max_ws_message_bytes)
+    await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
+    try:
+        first = await asyncio.wait_for(ws.receive(), limits.register_timeout_s)
+    except asyncio.TimeoutError:
+        await ws.close(code=CLOSE_BAD_REGISTER, message=b"register timeout")
+        return ws
+    reg = None
+    if first.type == WSMsgType.TEXT and len(first.data) <= limits.max_control_bytes:
+        with contextlib.suppress(ValueError):
+            reg = json.loads(first.data)
+    if not isinstance(reg, dict) or reg.get("type") != "register":
+        room.drop("bad_register")
+        await ws.close(code=CLOSE_BAD_REGISTER, message=b"first message must be a register")
+        return ws
+    if not _token_ok(room, reg.get("token") or request.query.get("token")):
+        room.drop("bad_token")
+        await ws.close(code=CLOSE_BAD_TOKEN, message=b"bad or missing room token")
+        return ws
+    resume = reg.get("resume")
+    now = time.monotonic()
+    try:
+        if isinstance(resume, dict):
+            rid = resume.get("id")
+            if isinstance(rid, bool) or not isinstance(rid, int):
+                raise RoomError(CLOSE_BAD_REGISTER, "resume.id must be an integer")
+            peer = room.register(now=now, resume_id=rid, resume_secret=resume.get("secret"))
+        else:
+            peer = room.register(now=now)
+    except RoomError as e:
+        room.drop("register_refused")
+        await ws.close(code=e.code, message=e.reason.encode()[:120])
+        return ws
+    await _serve_peer(request, ws, room, peer, resumed=isinstance(resume, dict))
+    return ws
+
+
+async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Room, peer: Peer,
+                      *, resumed: bool) -> None:
+    limits = request.app[CONFIG].limits
+    wake = asyncio.Event()
+    peer.wake = wake.set
+    kicked: list[tuple[int, str]] = []
+    tasks: list[asyncio.Task] = []
+
+    def kick(code: int, reason: str) -> None:
+        kicked.append((code, reason))
+        for t in tasks:  # a blocked send must not hold the consumer's seat
+            t.cancel()
+    peer.kick = kick
+
+    async def writer() -> None:
+        while True:
+            await wake.wait()
+            wake.clear()
+            while peer.queue and peer.connected:
+                item = peer.pop()
+                if isinstance(item, bytes):
+                    await ws.send_bytes(item)
+                else:
+                    await ws.send_str(item)
+                room.sent(peer, item)
+
+    room.send_control(peer, room.welcome(peer, resumed=resumed))
+    room.announce(peer, True)
+    wtask = asyncio.create_task(writer())
+    rtask = asyncio.create_task(_reader(ws, room, peer))
+    tasks += (wtask, rtask)
+    try:
+        await asyncio.wait({wtask, rtask}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (wtask, rtask):
+            t.cancel()
+        res = await asyncio.gather(wtask, rtask, return_exceptions=True)
+        room.disconnect(peer, time.monotonic())
+        code, reason = kicked[0] if kicked else (WSCloseCode.OK, "bye")
+        if not ws.closed:
+            try:
+                await asyncio.wait_for(ws.close(code=code, message=reason.encode()[:120]), limits.close_timeout_s)
+            except (asyncio.TimeoutError, ConnectionError):
+                tr = request.transport
+                if tr is not None:
+                    tr.abort()
+        for r in res:
+            if isinstance(r, Exception) and not isinstance(r, (ConnectionError, asyncio.CancelledError)):
+                log.warning("relay task for %08x failed: %r", peer.id, r)
+
+
+async def _reader(ws: web.WebSocketResponse, room: Room, peer: Peer) -> None:
+    async for msg in ws:
+        if msg.type == WSMsgType.BINARY:
+            room.relay(peer, msg.data)
+        elif msg.type == WSMsgType.TEXT:
+            room.control(peer, msg.data, now=time.monotonic())
+        elif msg.type == WSMsgType.ERROR:
+            room.drop("ws_error")
+            return

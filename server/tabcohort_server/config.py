@@ -1,0 +1,162 @@
+"""Server and room configuration, validated before anything listens (STYLE.md, errors)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tabcohort.errors import ConfigError
+from tabcohort.protocol.policy import Timing
+from tabcohort.wire.chunk import DATA_CHANNEL_MAX_MESSAGE_BYTES
+
+TOPOLOGIES = ("star", "mesh")
+LINKS = ("ws",)
+
+
+@dataclass
+class JobConfig:
+    """What a room trains; served to ranks as JSON (``GET /api/rooms/{room}/job``).
+
+    Attributes:
+        dataset: dataset name (``digits``, ``synthetic``) or an ``.npz`` path on the server.
+        hidden: hidden layer widths.
+        activation: ``relu`` or ``tanh``.
+        batch: default samples per bucket per rank (a rank may override its own).
+        lr: learning rate.
+        seed: dataset shuffle seed and init seed.
+        precision: wire precision (``f32``, ``f16``, ``bf16``, ``int8``).
+        timing: protocol base periods, milliseconds.
+        topology: ``star`` (implemented, over ``ws`` links) or ``mesh`` (reserved: rejected).
+        steps: stop after this step (0 = no step limit).
+        target_accuracy: stop once the leader's held-out accuracy reaches this (0 = off).
+        duration_s: stop this long after the first rank joined (0 = off).
+        eval_every: the leader evaluates every this many steps.
+        checkpoint_interval_s: the leader uploads parameters this often (and at stop).
+        report_interval_s: ranks send their state report this often.
+        token: optional room token; ranks must present it.
+    """
+
+    dataset: str = "digits"
+    hidden: tuple[int, ...] = (32,)
+    activation: str = "relu"
+    batch: int = 32
+    lr: float = 0.5
+    seed: int = 0
+    precision: str = "f32"
+    timing: Timing = field(default_factory=Timing)
+    topology: str = "star"
+    steps: int = 0
+    target_accuracy: float = 0.0
+    duration_s: float = 0.0
+    eval_every: int = 10
+    checkpoint_interval_s: float = 5.0
+    report_interval_s: float = 1.0
+    token: str | None = None
+
+    def validate(self, room: str = "room") -> None:
+        """Raises:
+            ConfigError: naming the first bad setting (``room.field``) and its value.
+        """
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{room}.{name}", getattr(self, name), why)
+
+        for name in ("batch",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, "must be an integer >= 1")
+        for name in ("steps", "seed", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(name, "must be an integer >= 0")
+        for name, lo, hi in (("lr", 0.0, 1e6), ("target_accuracy", 0.0, 1.0), ("duration_s", 0.0, 1e9),
+                             ("checkpoint_interval_s", 0.05, 1e9), ("report_interval_s", 0.05, 3600.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                raise bad(name, f"must be a number in [{lo}, {hi}]")
+        if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.hidden):
+            if self.hidden != ():
+                raise bad("hidden", "layer widths must be positive integers")
+        if self.topology not in TOPOLOGIES:
+            raise bad("topology", f"expected one of {TOPOLOGIES}")
+        if self.topology == "mesh":
+            raise bad("topology", "mesh (WebRTC data channels between ranks) is reserved and not "
+                                  "implemented yet; use star")
+        from tabcohort.wire.codecs import get_codec
+        get_codec(self.precision)
+        if self.token is not None and (not isinstance(self.token, str) or not 1 <= len(self.token) <= 256):
+            raise bad("token", "must be a string of 1..256 characters")
+
+    def public(self) -> dict[str, Any]:
+        """The job without its token, as JSON-ready data."""
+        d = asdict(self)
+        d.pop("token")
+        d["hidden"] = list(self.hidden)
+        d["timing"] = asdict(self.timing)
+        d["link"] = "ws"
+        d["stop"] = {"steps": self.steps, "target_accuracy": self.target_accuracy,
+                     "duration_s": self.duration_s}
+        return d
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Explicit bounds on every input.
+
+    Attributes:
+        max_rooms: rooms per server.
+        max_ranks_per_room: connected plus reserved ranks per room (>= 200 required).
+        max_ws_message_bytes: largest WebSocket message (a chunk or a control message).
+        max_control_bytes: largest text (control) message.
+        queue_high_water_bytes: per-peer relay queue at which the room reports pressure 1.
+        queue_max_bytes: per-peer relay queue bound; a consumer beyond it is dropped.
+        queue_max_items: per-peer relay queue bound in messages.
+        resume_grace_s: a disconnected rank's id stays reserved this long.
+        register_timeout_s: a socket must register within this.
+        heartbeat_s: WebSocket ping period (aiohttp ``heartbeat``).
+        close_timeout_s: bound on a close handshake before the transport is aborted.
+        max_checkpoint_bytes: largest checkpoint upload.
+    """
+
+    max_rooms: int = 64
+    max_ranks_per_room: int = 1024
+    max_ws_message_bytes: int = DATA_CHANNEL_MAX_MESSAGE_BYTES + 1024
+    max_control_bytes: int = 65536
+    queue_high_water_bytes: int = 1 << 20
+    queue_max_bytes: int = 16 << 20
+    queue_max_items: int = 8192
+    resume_grace_s: float = 30.0
+    register_timeout_s: float = 10.0
+    heartbeat_s: float = 10.0
+    close_timeout_s: float = 2.0
+    max_checkpoint_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(name, v, "must be a positive number")
+        if self.max_ranks_per_room < 200:
+            raise ConfigError("max_ranks_per_room", self.max_ranks_per_room, "must be >= 200")
+        if self.queue_max_bytes < self.queue_high_water_bytes:
+            raise ConfigError("queue_max_bytes", self.queue_max_bytes, "must be >= queue_high_water_bytes")
+
+
+@dataclass
+class ServerConfig:
+    """The server: its rooms, limits and checkpoint directory (``None`` = no checkpoints)."""
+
+    rooms: dict[str, JobConfig] = field(default_factory=lambda: {"digits": JobConfig()})
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    checkpoint_dir: str | None = None
+    seed: int | None = None  # rank-id randomness (None = os entropy)
+
+    def validate(self) -> None:
+        if not self.rooms:
+            raise ConfigError("rooms", self.rooms, "at least one room is needed")
+        if len(self.rooms) > self.limits.max_rooms:
+            raise ConfigError("rooms", len(self.rooms), f"more than max_rooms={self.limits.max_rooms}")
+        for name, job in self.rooms.items():
+            if not isinstance(name, str) or not name or len(name) > 64 or not all(
+                    c.isalnum() or c in "-_." for c in name):
+                raise ConfigError("room", name, "room names are 1..64 characters of [A-Za-z0-9._-]")
+            job.validate(name)

@@ -1,0 +1,48 @@
+"""Prometheus metrics read from the room bookkeeping at scrape time (no double counting)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .rooms import RoomRegistry
+
+
+class RoomCollector(Collector):
+    def __init__(self, rooms: RoomRegistry) -> None:
+        self.rooms = rooms
+
+    def collect(self) -> Iterator:
+        rooms = self.rooms.rooms.values()
+        yield GaugeMetricFamily("tabcohort_rooms", "Rooms on this server", value=len(self.rooms.rooms))
+        ranks = GaugeMetricFamily("tabcohort_ranks", "Connected ranks", labels=["room"])
+        reserved = GaugeMetricFamily("tabcohort_ranks_reserved", "Disconnected ranks whose id is reserved",
+                                     labels=["room"])
+        step = GaugeMetricFamily("tabcohort_step", "Highest step reported", labels=["room"])
+        loss = GaugeMetricFamily("tabcohort_loss", "Leader's last reduced loss", labels=["room"])
+        acc = GaugeMetricFamily("tabcohort_accuracy", "Leader's held-out accuracy", labels=["room"])
+        pres = GaugeMetricFamily("tabcohort_relay_pressure", "Max relay queue / high-water mark", labels=["room"])
+        frames = CounterMetricFamily("tabcohort_frames_relayed", "Chunks written to relay queues", labels=["room"])
+        nbytes = CounterMetricFamily("tabcohort_bytes_relayed", "Chunk bytes written to relay queues",
+                                     labels=["room"])
+        fin = CounterMetricFamily("tabcohort_frames_received", "Chunks received from ranks", labels=["room"])
+        drops = CounterMetricFamily("tabcohort_drops", "Relay drops by reason", labels=["room", "reason"])
+        for r in rooms:
+            ranks.add_metric([r.name], len(r.connected))
+            reserved.add_metric([r.name], len(r.peers) - len(r.connected))
+            step.add_metric([r.name], r.step())
+            lead = r.leader_report() or {}
+            for fam, key in ((loss, "loss"), (acc, "accuracy")):
+                v = lead.get(key)
+                fam.add_metric([r.name], float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                               and math.isfinite(v) else math.nan)
+            pres.add_metric([r.name], r.pressure())
+            frames.add_metric([r.name], r.frames_relayed)
+            nbytes.add_metric([r.name], r.bytes_relayed)
+            fin.add_metric([r.name], r.frames_in)
+            for reason, n in sorted(r.drops.items()):
+                drops.add_metric([r.name, reason], n)
+        yield from (ranks, reserved, step, loss, acc, pres, frames, nbytes, fin, drops)

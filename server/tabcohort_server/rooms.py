@@ -1,0 +1,363 @@
+"""Room bookkeeping as plain Python (no aiohttp): ids, the star relay's routing and queues,
+state reports, stop conditions and counters. The aiohttp layer (app.py) owns the sockets and
+calls in here; this module tells it whom to wake (``Peer.wake``) and whom to drop
+(``Peer.kick``).
+
+Relay rules (issue 4, "Relay (star)"): each chunk is routed by its routing header
+(:func:`tabcohort.wire.parse_route`) without decoding the payload; a chunk whose ``from``
+disagrees with the link's bound id is dropped (``spoofed``); a peer whose queue exceeds its
+bounds is dropped (``slow_consumer``) instead of blocking the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import secrets
+import time
+from collections import deque
+from typing import Any, Callable
+
+from tabcohort.errors import RemoteProtocolError
+from tabcohort.wire import WireLimits, parse_route
+
+from .config import JobConfig, ServerLimits
+
+#: WebSocket close codes (application range 4000-4999) with their reasons.
+CLOSE_BAD_REGISTER = 4000
+CLOSE_BAD_TOKEN = 4001
+CLOSE_UNKNOWN_ID = 4004
+CLOSE_SLOW_CONSUMER = 4008
+CLOSE_ROOM_FULL = 4009
+CLOSE_REPLACED = 4010
+
+#: Report fields kept from a rank's state report (anything else is ignored).
+REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
+                 "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
+                 "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
+                 "leaders", "first_loss", "start_step", "final", "wire_drops")
+
+
+class RoomError(Exception):
+    """A registration the room refuses; ``code`` and ``reason`` become the close frame."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Peer:
+    """One rank's seat in a room: its id, resume secret, relay queue and last report."""
+
+    def __init__(self, rank_id: int, secret: str) -> None:
+        self.id = rank_id
+        self.secret = secret
+        self.connected = False
+        self.disconnected_at: float | None = None
+        self.queue: deque[bytes | str] = deque()
+        self.queued_bytes = 0
+        self.n_in = 0              # messages received from this rank (chunks + controls)
+        self.n_out = 0             # messages written to this rank's socket
+        self.bytes_out = 0
+        self.report: dict | None = None
+        self.report_at: float | None = None
+        #: set by the socket layer: wake the writer / close the socket with (code, reason)
+        self.wake: Callable[[], None] | None = None
+        self.kick: Callable[[int, str], None] | None = None
+
+    def pop(self) -> bytes | str:
+        item = self.queue.popleft()
+        self.queued_bytes -= len(item)
+        return item
+
+
+class Room:
+    """One room: a job and the ranks training it over the star relay.
+
+    Args:
+        name: the room name.
+        job: the job configuration.
+        limits: server limits (queue bounds, room size, grace).
+        rng: source of rank ids and resume secrets.
+    """
+
+    def __init__(self, name: str, job: JobConfig, limits: ServerLimits,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.clock = clock
+        self.job = job
+        self.limits = limits
+        self.rng = rng or random.SystemRandom()
+        self.wire_limits = WireLimits()
+        self.peers: dict[int, Peer] = {}        # connected and reserved
+        self.connected: dict[int, Peer] = {}
+        self.frames_in = 0
+        self.bytes_in = 0
+        self.frames_relayed = 0
+        self.bytes_relayed = 0
+        self.drops: dict[str, int] = {}
+        self.started_at: float | None = None
+        self.stopped = False
+        self.stop_reason: str | None = None
+        self.checkpoint: dict | None = None     # meta of the latest checkpoint
+        self._pressure_sent = 0.0
+        self._in_pressure = False
+
+    # ------------------------------------------------------------------ membership
+    def register(self, *, now: float, resume_id: int | None = None, resume_secret: str | None = None) -> Peer:
+        """Seat a rank: a fresh random uint32 id, or its old id when resuming within grace.
+
+        Raises:
+            RoomError: room full, or a resume with an unknown id or wrong secret.
+        """
+        if resume_id is not None:
+            p = self.peers.get(resume_id)
+            if p is None or not isinstance(resume_secret, str) or not secrets.compare_digest(
+                    p.secret, resume_secret):
+                raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired?)")
+            if p.connected:  # the old socket is half-dead: the new one replaces it
+                self._disconnect(p, now, reason=(CLOSE_REPLACED, "replaced by a newer connection"))
+        else:
+            if len(self.peers) >= self.limits.max_ranks_per_room:
+                self.expire(now)
+                if len(self.peers) >= self.limits.max_ranks_per_room:
+                    raise RoomError(CLOSE_ROOM_FULL, f"room full ({self.limits.max_ranks_per_room} ranks)")
+            while True:
+                k = self.rng.getrandbits(32)
+                if k not in self.peers and k != 0:
+                    break
+            p = self.peers[k] = Peer(k, "%032x" % self.rng.getrandbits(128))
+        p.connected = True
+        p.disconnected_at = None
+        self.connected[p.id] = p
+        if self.started_at is None:
+            self.started_at = now
+        return p
+
+    def welcome(self, p: Peer, *, resumed: bool) -> dict:
+        return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
+                "resumed": resumed, "stopped": self.stopped,
+                "peers": sorted(k for k in self.connected if k != p.id),
+                "high_water_bytes": self.limits.queue_high_water_bytes,
+                "max_message_bytes": self.limits.max_ws_message_bytes}
+
+    def announce(self, p: Peer, up: bool) -> None:
+        """Tell the other connected ranks that ``p`` joined or left the relay."""
+        self.broadcast_control({"type": "peer", "id": p.id, "up": up}, exclude=p.id)
+
+    def disconnect(self, p: Peer, now: float) -> None:
+        """The socket of ``p`` ended; its id stays reserved for ``resume_grace_s``."""
+        if p.connected and self.connected.get(p.id) is p:
+            self._disconnect(p, now)
+
+    def _disconnect(self, p: Peer, now: float, reason: tuple[int, str] | None = None) -> None:
+        p.connected = False
+        p.disconnected_at = now
+        self.connected.pop(p.id, None)
+        p.queue.clear()
+        p.queued_bytes = 0
+        kick, p.kick, p.wake = p.kick, None, None
+        if reason is not None and kick is not None:
+            kick(*reason)
+        self.announce(p, False)
+        self._update_pressure()
+
+    def expire(self, now: float) -> list[int]:
+        """Release the ids of ranks disconnected longer than the grace period."""
+        gone = [k for k, p in self.peers.items()
+                if not p.connected and p.disconnected_at is not None
+                and now - p.disconnected_at > self.limits.resume_grace_s]
+        for k in gone:
+            del self.peers[k]
+        return gone
+
+    # ------------------------------------------------------------------ relay
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def relay(self, sender: Peer, chunk: bytes) -> None:
+        """Route one chunk from ``sender``'s link by its header; never decodes the payload."""
+        sender.n_in += 1
+        self.frames_in += 1
+        self.bytes_in += len(chunk)
+        try:
+            r = parse_route(chunk, self.wire_limits)
+        except RemoteProtocolError as e:
+            self.drop(e.reason)
+            return
+        if r.sender != sender.id:
+            self.drop("spoofed")
+            return
+        if r.recipient is not None:
+            p = self.connected.get(r.recipient)
+            if p is None or p is sender:
+                self.drop("no_route")
+                return
+            self._enqueue(p, chunk)
+        else:
+            for p in list(self.connected.values()):
+                if p is not sender:
+                    self._enqueue(p, chunk)
+        self._update_pressure()
+
+    def _enqueue(self, p: Peer, item: bytes | str) -> None:
+        if not p.connected:
+            return
+        n = len(item)
+        if (p.queued_bytes + n > self.limits.queue_max_bytes
+                or len(p.queue) >= self.limits.queue_max_items):
+            self.drop("slow_consumer")
+            self._disconnect(p, self.clock(),
+                             reason=(CLOSE_SLOW_CONSUMER, "slow consumer: relay queue over its bound"))
+            return
+        p.queue.append(item)
+        p.queued_bytes += n
+        if isinstance(item, bytes):
+            self.frames_relayed += 1
+            self.bytes_relayed += n
+        if p.wake is not None:
+            p.wake()
+
+    def sent(self, p: Peer, item: bytes | str) -> None:
+        """The socket layer wrote ``item`` (popped from ``p.queue``) to the socket."""
+        p.n_out += 1
+        p.bytes_out += len(item)
+        self._update_pressure()
+
+    def pressure(self) -> float:
+        """Max over connected ranks of queued relay bytes / high-water mark."""
+        hw = self.limits.queue_high_water_bytes
+        return max((p.queued_bytes for p in self.connected.values()), default=0) / hw
+
+    def _update_pressure(self) -> None:
+        """Tell every rank the relay pressure when it moved by >= 0.1, crossed 1, or went to 0."""
+        if self._in_pressure:
+            return
+        p = round(self.pressure(), 2)
+        last = self._pressure_sent
+        if abs(p - last) < 0.1 and (p > 1) == (last > 1) and (p == 0) == (last == 0):
+            return
+        self._pressure_sent = p
+        self._in_pressure = True
+        try:
+            self.broadcast_control({"type": "pressure", "p": p})
+        finally:
+            self._in_pressure = False
+
+    def broadcast_control(self, obj: dict, exclude: int | None = None) -> None:
+        text = json.dumps(obj, separators=(",", ":"))
+        for p in list(self.connected.values()):
+            if p.id != exclude:
+                self._enqueue(p, text)
+
+    def send_control(self, p: Peer, obj: dict) -> None:
+        self._enqueue(p, json.dumps(obj, separators=(",", ":")))
+
+    # ------------------------------------------------------------------ control messages
+    def control(self, p: Peer, text: str, *, now: float) -> None:
+        """Handle a text message from a registered rank; bad input is counted, never raised."""
+        p.n_in += 1
+        if len(text) > self.limits.max_control_bytes:
+            self.drop("control_too_big")
+            return
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            self.drop("bad_control")
+            return
+        if not isinstance(obj, dict) or obj.get("type") != "report" or not isinstance(obj.get("state"), dict):
+            self.drop("bad_control")
+            return
+        st = obj["state"]
+        rep = {k: st[k] for k in REPORT_FIELDS if k in st}
+        rep["id"] = p.id
+        p.report = rep
+        p.report_at = now
+        self.check_stop(now)
+
+    # ------------------------------------------------------------------ state and stop
+    def leader_report(self) -> dict | None:
+        """The freshest report of a connected rank that says it leads (or the highest step)."""
+        reps = [p.report for p in self.connected.values() if p.report]
+        if not reps:
+            return None
+        leaders = [r for r in reps if r.get("is_leader")]
+        return max(leaders or reps, key=lambda r: _num(r.get("step")))
+
+    def step(self) -> int:
+        return max((int(_num(p.report.get("step"))) for p in self.peers.values() if p.report), default=0)
+
+    def check_stop(self, now: float) -> bool:
+        """Stop the room when its stop condition is met: tell every rank (``stop`` control)."""
+        if self.stopped:
+            return True
+        job = self.job
+        why = None
+        lead = self.leader_report()
+        if job.steps and self.step() >= job.steps:
+            why = f"steps {job.steps} reached"
+        elif job.target_accuracy and lead is not None and _num(lead.get("accuracy")) >= job.target_accuracy:
+            why = f"target accuracy {job.target_accuracy} reached"
+        elif job.duration_s and self.started_at is not None and now - self.started_at >= job.duration_s:
+            why = f"duration {job.duration_s} s reached"
+        if why is not None:
+            self.stop(why)
+        return self.stopped
+
+    def stop(self, reason: str) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.stop_reason = reason
+        self.broadcast_control({"type": "stop", "reason": reason})
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """The room as JSON-ready data (``GET /api/rooms/{room}``)."""
+        lead = self.leader_report()
+        ranks = []
+        for p in sorted(self.peers.values(), key=lambda p: p.id):
+            ranks.append({"id": p.id, "id_hex": f"{p.id:08x}", "connected": p.connected,
+                          "queued_bytes": p.queued_bytes,
+                          "report_age_s": None if p.report_at is None else round(now - p.report_at, 3),
+                          "report": p.report})
+        return {"room": self.name, "topology": self.job.topology, "link": "ws",
+                "n_connected": len(self.connected), "n_reserved": len(self.peers) - len(self.connected),
+                "step": self.step(), "leader": None if lead is None else lead.get("leader"),
+                "loss": None if lead is None else _json_num(lead.get("loss")),
+                "accuracy": None if lead is None else _json_num(lead.get("accuracy")),
+                "stopped": self.stopped, "stop_reason": self.stop_reason,
+                "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
+                "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
+                             "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},
+                "drops": dict(self.drops), "ranks": ranks}
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return -math.inf
+    return float(v)
+
+
+def _json_num(v: Any) -> float | None:
+    x = _num(v)
+    return None if x == -math.inf else x
+
+
+class RoomRegistry:
+    """All rooms of one server."""
+
+    def __init__(self, jobs: dict[str, JobConfig], limits: ServerLimits, seed: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self.rooms = {name: Room(name, job, limits, rng, clock) for name, job in jobs.items()}
+
+    def get(self, name: str) -> Room | None:
+        return self.rooms.get(name)
+
+    def tick(self, now: float) -> None:
+        """Periodic work: release expired ids, check duration stop conditions."""
+        for room in self.rooms.values():
+            room.expire(now)
+            room.check_stop(now)
