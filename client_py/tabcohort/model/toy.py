@@ -45,6 +45,14 @@ class ToyWorker:
     def _target(self, i: int, j: int) -> float:
         return ((i * 7 + j * 13) % 17) / 17.0
 
+    def _targets(self, r: int) -> list[float]:
+        """Targets of every sample index i with i % 17 == r (they repeat with period 17)."""
+        table = self.__dict__.setdefault("_table", {})
+        row = table.get(r)
+        if row is None:
+            row = table[r] = [self._target(r, j) for j in range(self.bucket_len)]
+        return row
+
     def grads_sync(self, offset: int) -> tuple[float, Any]:
         """Mean loss and gradient over samples ``offset .. offset+batch-1`` (mod train_len)."""
         self.calls += 1
@@ -52,12 +60,13 @@ class ToyWorker:
             self.fail_next -= 1
             raise RuntimeError("injected worker failure")
         n = self.bucket_len
+        p = self._p
         g = [0.0] * n
         loss = 0.0
         for s in range(self.batch):
-            i = (offset + s) % self.train_len
+            t = self._targets(((offset + s) % self.train_len) % 17)
             for j in range(n):
-                d = self._p[j] - self._target(i, j)
+                d = p[j] - t[j]
                 g[j] += d
                 loss += 0.5 * d * d
         b = float(self.batch)
