@@ -1,6 +1,7 @@
 """The ``tabcohort`` command line (argparse, stdlib: the client package stays dependency-free).
 
-Subcommands: ``simulate`` (an in-process cohort). ``serve`` and ``rank`` come with the server.
+Subcommands: ``simulate`` (an in-process cohort), ``serve`` (the server; imports
+``tabcohort_server`` lazily) and ``rank`` (a native rank over the server's star relay).
 """
 
 from __future__ import annotations
@@ -54,6 +55,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-loss", type=float, default=0.0, help="per-message loss probability on every link")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    r = sub.add_parser("rank", help="run a native rank that joins a room on a server",
+                       description="Join a room's cohort over the server (star topology, WebSocket "
+                                   "link). Settings also come from TABCOHORT_SERVER, TABCOHORT_ROOM, "
+                                   "TABCOHORT_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK (arguments win).")
+    r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080")
+    r.add_argument("--room", default=None, help="room name")
+    r.add_argument("--token", default=None, help="room token, if the room has one")
+    r.add_argument("--batch", default=None, help="samples per bucket for this rank (default: the job's)")
+    r.add_argument("--link", default=None, help="link kind to the server: ws")
+    r.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
+
+    v = sub.add_parser("serve", help="run the server with one room",
+                       description="Serve a room: job and dataset over HTTP, the WebSocket star relay, "
+                                   "checkpoints, /metrics and /healthz.")
+    v.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0 = any free port)")
+    v.add_argument("--room", default="digits", help="room name (default digits)")
+    v.add_argument("--dataset", default="digits", help="digits, synthetic, or an .npz path")
+    v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32")
+    v.add_argument("--batch", type=int, default=32, help="default samples per bucket per rank")
+    v.add_argument("--lr", type=float, default=0.5, help="learning rate")
+    v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
+    v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
+    v.add_argument("--topology", default="star", help="star (mesh is reserved)")
+    v.add_argument("--steps", type=int, default=0, help="stop the room at this step (0 = no limit)")
+    v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy")
+    v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
+    v.add_argument("--token", default=None, help="room token ranks must present")
+    v.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints (default: none)")
+    v.add_argument("--checkpoint-interval", type=float, default=5.0, help="leader uploads every N seconds")
+    v.add_argument("--report-interval", type=float, default=1.0, help="ranks report every N seconds")
+    v.add_argument("--beat-ms", type=float, default=400.0, help="protocol beat period")
+    v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period")
+    v.add_argument("--collect-ms", type=float, default=2000.0, help="protocol collect window")
+    v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period")
+    v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
     return p
 
 
@@ -80,6 +118,33 @@ def _simulate(a: argparse.Namespace) -> int:
     return 0 if res.bit_identical else 1
 
 
+def _rank(a: argparse.Namespace) -> int:
+    from .runtime.native import RankConfig, run_rank
+
+    cfg = RankConfig.from_sources({"server": a.server, "room": a.room, "token": a.token, "batch": a.batch,
+                                   "link": a.link, "backend": a.backend})
+    cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
+    return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True)))
+
+
+def _serve(a: argparse.Namespace) -> int:
+    try:
+        from tabcohort_server.config import JobConfig, ServerConfig, ServerLimits
+        from tabcohort_server.serve import serve
+    except ImportError as exc:
+        raise ConfigError("serve", "tabcohort_server", f"the server package is not importable: {exc}")
+    from .protocol.policy import Timing
+
+    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, lr=a.lr, seed=a.seed,
+                    precision=a.precision, topology=a.topology, steps=a.steps,
+                    target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
+                    checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
+                    timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
+    cfg = ServerConfig(rooms={a.room: job}, checkpoint_dir=a.checkpoint_dir,
+                       limits=ServerLimits(resume_grace_s=a.grace))
+    return serve(cfg, host=a.host, port=a.port, progress=lambda line: print(line, flush=True))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -88,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if a.command == "simulate":
             return _simulate(a)
+        if a.command == "rank":
+            return _rank(a)
+        if a.command == "serve":
+            return _serve(a)
     except ConfigError as exc:
         print(f"tabcohort: configuration error: {exc}", file=sys.stderr)
         return 2

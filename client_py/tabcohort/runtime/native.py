@@ -1,0 +1,314 @@
+"""A native rank over a real transport: ``tabcohort rank --server URL --room NAME``.
+
+Bring-up (PROTOCOL.md, "Native bring-up"): configuration from arguments or the environment
+(``TABCOHORT_SERVER``, ``TABCOHORT_ROOM``, ``TABCOHORT_TOKEN``, ``TABCOHORT_BATCH``,
+``TABCOHORT_LINK``) is validated, and the server's host resolved, before any connection; then the
+rank fetches the job and the dataset (verifying the dataset's content hash and the job hash
+itself), loads the room's latest checkpoint if there is one (every rank does, so whichever rank
+bootstraps drives from it), joins over the star relay, reports its state every
+``report_interval_s``, uploads checkpoints while it leads, and stops when the server says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import socket
+import time
+import urllib.parse
+from array import array
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..errors import ConfigError, TabcohortError
+
+LINKS = ("ws",)
+ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
+       "batch": "TABCOHORT_BATCH", "link": "TABCOHORT_LINK"}
+
+
+@dataclass
+class RankConfig:
+    """A native rank's settings. Build with :meth:`from_sources`, then :meth:`validate`."""
+
+    server: str = ""
+    room: str = ""
+    token: str | None = None
+    batch: int | None = None
+    link: str = "ws"
+    backend: str = "auto"
+    sources: dict[str, str] | None = None  # setting -> the variable it came from (for errors)
+
+    @classmethod
+    def from_sources(cls, args: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "RankConfig":
+        """Arguments win over environment variables. Nothing is validated here.
+
+        Args:
+            args: ``server``, ``room``, ``token``, ``batch`` (str or int), ``link``, ``backend``;
+                ``None`` = not given.
+            env: the environment (default ``os.environ``).
+        """
+        env = os.environ if env is None else env
+        vals: dict[str, Any] = {}
+        src: dict[str, str] = {}
+        for key, var in ENV.items():
+            if args.get(key) is not None:
+                vals[key], src[key] = args[key], f"--{key}"
+            elif env.get(var) not in (None, ""):
+                vals[key], src[key] = env[var], var
+        cfg = cls(server=vals.get("server", ""), room=vals.get("room", ""), token=vals.get("token"),
+                  link=vals.get("link", "ws"), backend=args.get("backend") or "auto", sources=src)
+        cfg.batch = vals.get("batch")  # validated (int) in validate()
+        return cfg
+
+    def _name(self, key: str) -> str:
+        return (self.sources or {}).get(key, f"--{key}")
+
+    def validate(self, *, resolve: bool = True) -> None:
+        """Check every setting and resolve the server's host (getaddrinfo), before any connection.
+
+        Raises:
+            ConfigError: naming the variable (``--batch`` or ``TABCOHORT_BATCH``...) and its value.
+        """
+        if not self.server:
+            raise ConfigError("TABCOHORT_SERVER", self.server, "a server URL is needed (--server or TABCOHORT_SERVER)")
+        u = urllib.parse.urlsplit(str(self.server))
+        if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
+            raise ConfigError(self._name("server"), self.server,
+                              "expected a URL with scheme and host, e.g. http://127.0.0.1:8080")
+        try:
+            port = u.port or (443 if u.scheme in ("https", "wss") else 80)
+        except ValueError:
+            raise ConfigError(self._name("server"), self.server, "the port is not a number in 0..65535") from None
+        if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
+            raise ConfigError(self._name("room") if self.room else "TABCOHORT_ROOM", self.room,
+                              "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
+        if self.batch is not None:
+            b = self.batch
+            try:
+                b = int(b) if not isinstance(b, bool) and str(b).strip().lstrip("-").isdigit() else None
+            except ValueError:
+                b = None
+            if b is None or b < 1:
+                raise ConfigError(self._name("batch"), self.batch, "must be an integer >= 1")
+            self.batch = b
+        if self.link not in LINKS:
+            raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
+        if resolve:
+            try:
+                infos = socket.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
+            except (socket.gaierror, UnicodeError) as e:
+                raise ConfigError(self._name("server"), self.server,
+                                  f"host {u.hostname!r} does not resolve: {e}") from None
+            if not infos:
+                raise ConfigError(self._name("server"), self.server, f"host {u.hostname!r} resolves to nothing")
+
+    @property
+    def base_url(self) -> str:
+        u = urllib.parse.urlsplit(self.server)
+        scheme = {"ws": "http", "wss": "https"}.get(u.scheme, u.scheme)
+        return f"{scheme}://{u.netloc}"
+
+
+class RankRun:
+    """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
+
+    def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.progress = progress or (lambda line: None)
+        self.stop_event: asyncio.Event | None = None
+        self.stop_reason: str | None = None
+        self.failed: str | None = None
+        self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
+        self.first_loss: float | None = None
+        self.publish_seen = False
+        self.start_step = 0
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
+
+    async def _get(self, http: Any, path: str) -> Any:
+        url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
+        async with http.get(url, headers=self._headers()) as r:
+            if r.status == 403:
+                raise ConfigError(self.cfg._name("token"), "<hidden>", "the server rejected the room token")
+            if r.status == 404 and path != "/checkpoint":
+                raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
+            if r.status == 404:
+                return None
+            if r.status != 200:
+                raise TabcohortError(f"GET {url}: HTTP {r.status}")
+            if path == "/checkpoint":
+                return dict(r.headers), await r.read()
+            return await r.json()
+
+    async def run(self) -> int:
+        import aiohttp
+
+        from ..bus.ws import WsBus, ws_url
+        from ..model import Dataset, make_worker
+        from ..protocol import RankMachine, Timing, job_hash
+        from ..vec import digest
+        from .driver import RankDriver
+
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            job = await self._get(http, "/job")
+            if job.get("topology") != "star" or job.get("link") not in cfg_links():
+                raise ConfigError("topology", job.get("topology"), "this rank supports the star topology over ws")
+            portable = await self._get(http, "/dataset")
+            ds = Dataset.from_portable(portable)  # verifies the embedded sha256 against the content
+            want = job["dataset_info"]["sha256"]
+            if ds.content_hash() != want:
+                raise TabcohortError(f"dataset content hash {ds.content_hash()} != the job's {want}")
+            m = job["model"]
+            worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=cfg.batch or job["batch"],
+                                 seed=job["seed"], backend=cfg.backend, activation=job["activation"])
+            jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len)
+            if jh != job["job_hash"] or m.get("bucket_len") != worker.bucket_len:
+                raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different model code?")
+            got = await self._get(http, "/checkpoint")
+            if got is not None:
+                headers, data = got
+                import hashlib
+                if len(data) != 4 * worker.bucket_len or hashlib.sha256(data).hexdigest() != headers.get(
+                        "X-Tabcohort-Digest"):
+                    raise TabcohortError("the server's checkpoint is corrupt (length or digest mismatch)")
+                v = array("f")
+                v.frombytes(data)
+                worker.set_params(v)
+                self.start_step = int(headers.get("X-Tabcohort-Step", "0"))
+                self.progress(f"loaded checkpoint at step {self.start_step} ({headers.get('X-Tabcohort-Digest', '')[:12]})")
+
+            bus = WsBus(ws_url(cfg.base_url, cfg.room), token=cfg.token, precision=job["precision"],
+                        on_control=self._on_control)
+            await bus.connect()
+            if bus.stopped_reason is not None or self.stop_event.is_set():
+                self.progress(f"room already stopped: {bus.stopped_reason}")
+                await bus.aclose()
+                return 0
+            timing = Timing(**job["timing"])
+            machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
+                                  lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"])
+            if self.start_step:
+                machine.step = self.start_step
+            driver = RankDriver(machine, worker, bus)
+            inner = bus.on_message
+
+            def tap(msg: dict) -> None:
+                if msg.get("t") == "round":
+                    k = msg["from"]
+                    if not self.leaders or self.leaders[-1][0] != k:
+                        self.leaders.append([k, time.time(), int(msg["step"])])
+                        del self.leaders[:-20]
+                    loss = msg.get("loss")
+                    if self.first_loss is None and isinstance(loss, float) and math.isfinite(loss):
+                        self.first_loss = loss
+                    if not msg.get("assign"):
+                        self.publish_seen = True
+                inner(msg)
+            bus.on_message = tap
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    loop.add_signal_handler(sig, self._request_stop, f"signal {sig.name}")
+                except (NotImplementedError, RuntimeError):  # pragma: no cover
+                    pass
+            self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
+                          f"bucket_len {worker.bucket_len})")
+            driver.start(job["lr"])
+            t0 = time.monotonic()
+            next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+            period = job["report_interval_s"]
+            while not self.stop_event.is_set():
+                try:
+                    await asyncio.wait_for(self.stop_event.wait(), period)
+                except asyncio.TimeoutError:
+                    pass
+                st = self._state(driver, digest)
+                bus.send_control({"type": "report", "state": st})
+                self._print(time.monotonic() - t0, st)
+                if machine.looping and time.monotonic() >= next_ckpt:
+                    next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+                    await self._upload(http, bus, machine, worker, digest, final=False)
+            # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
+            was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            driver.stop()
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and (machine.looping if was_leader else not self.publish_seen):
+                await asyncio.sleep(0.02)
+            if was_leader and not bus.failed:
+                await self._upload(http, bus, machine, worker, digest, final=True)
+            st = self._state(driver, digest)
+            st["final"] = True
+            bus.send_control({"type": "report", "state": st})
+            end = time.monotonic() + 2.0
+            while bus.queued_bytes() and bus.connected and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            self._print(time.monotonic() - t0, st)
+            self.progress(f"stopped ({self.stop_reason}); step {machine.step}, digest {st['digest'][:16]}")
+            await driver.close()
+            await bus.aclose()
+        return 1 if self.failed else 0
+
+    def _on_control(self, obj: dict) -> None:
+        t = obj.get("type")
+        if t == "stop":
+            self._request_stop(f"server: {obj.get('reason')}")
+        elif t == "failed":
+            self.failed = str(obj.get("reason"))
+            self._request_stop(f"link failed: {self.failed}")
+
+    def _request_stop(self, why: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = why
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    def _state(self, driver: Any, digest: Callable[[Any], str]) -> dict:
+        st = driver.state()
+        st.pop("peers", None)
+        st["digest"] = digest(driver.worker.params())
+        st["pid"] = os.getpid()
+        st["leaders"] = self.leaders
+        st["first_loss"] = self.first_loss
+        st["start_step"] = self.start_step
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
+
+    def _print(self, t: float, st: dict) -> None:
+        lead = st.get("leader")
+        loss = st.get("loss")
+        acc = st.get("accuracy")
+        self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
+                      f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
+                      f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
+                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s")
+
+    async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
+        p = worker.params()
+        data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
+        h = dict(self._headers())
+        h.update({"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
+                  "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": digest(p),
+                  "X-Tabcohort-Loss": repr(float(machine.loss))})
+        if final:
+            h["X-Tabcohort-Final"] = "1"
+        url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}/checkpoint"
+        try:
+            async with http.put(url, data=data, headers=h) as r:
+                if r.status not in (200, 409):
+                    self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
+        except Exception as e:  # a failed upload must not stop training
+            self.progress(f"checkpoint upload failed: {type(e).__name__}: {e}")
+
+
+def cfg_links() -> tuple[str, ...]:
+    return LINKS
+
+
+async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> int:
+    """Run one native rank until the room stops, the rank is signalled, or its link fails."""
+    return await RankRun(cfg, progress=progress).run()
