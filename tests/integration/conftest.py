@@ -1,0 +1,143 @@
+"""Integration tier: real sockets and processes on loopback. Helpers to start ``tabcohort serve``
+and ``tabcohort rank`` as subprocesses and to wait on the server's JSON with a bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Callable
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+try:
+    import tabcohort_server  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT / "server"))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "client_py"), str(ROOT / "server"),
+                                         env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    for k in ("TABCOHORT_SERVER", "TABCOHORT_ROOM", "TABCOHORT_TOKEN", "TABCOHORT_BATCH", "TABCOHORT_LINK"):
+        env.pop(k, None)
+    return env
+
+
+class Proc:
+    """A subprocess whose output goes to a log file (read it on failure)."""
+
+    def __init__(self, args: list[str], log: pathlib.Path) -> None:
+        self.log = log
+        self.fh = open(log, "wb")
+        self.p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", *args], stdout=self.fh,
+                                  stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+    def terminate(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Poll ``cond`` until truthy; fail with ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Cluster:
+    """One ``tabcohort serve`` and its ranks, all subprocesses on 127.0.0.1."""
+
+    def __init__(self, tmp: pathlib.Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self.server: Proc | None = None
+        self.url = ""
+        self.room = "digits"
+
+    def serve(self, *args: str) -> str:
+        self.server = Proc(["serve", "--port", "0", "--room", self.room, *args], self.tmp / "serve.log")
+        self.procs.append(self.server)
+
+        def url() -> str | None:
+            for line in self.server.text().splitlines():
+                if line.startswith("URL "):
+                    return line.split()[1]
+            if self.server.p.poll() is not None:
+                raise AssertionError("serve exited:\n" + self.server.text())
+            return None
+        self.url = wait_for(url, 30, "the server URL")
+        return self.url
+
+    def rank(self, *args: str) -> Proc:
+        n = sum(1 for p in self.procs if p is not self.server)
+        p = Proc(["rank", "--server", self.url, "--room", self.room, *args], self.tmp / f"rank{n}.log")
+        self.procs.append(p)
+        return p
+
+    def state(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/api/rooms/{self.room}", timeout=5) as r:
+            return json.load(r)
+
+    def reports(self, connected_only: bool = True) -> list[dict]:
+        return [r["report"] for r in self.state()["ranks"]
+                if r["report"] and (r["connected"] or not connected_only)]
+
+    def post(self, path: str) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.load(r)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.log.name}\n{p.text()[-3000:]}" for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p is not self.server:
+                p.kill()
+        if self.server is not None:
+            self.server.terminate()
+        for p in self.procs:
+            p.fh.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: pathlib.Path, request: pytest.FixtureRequest):
+    c = Cluster(tmp_path)
+    yield c
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(c.logs())
+    c.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,108 @@
+"""End to end over real processes and sockets: ``tabcohort serve`` + ``tabcohort rank``s on
+127.0.0.1 (issue 4, the WebSocket star topology). Every wait is a bounded poll of the server's
+JSON; nothing sleeps to wait."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+# PROTOCOL.md defaults (ms): handover bound = drop + takeover + 2 * beat + 1 s
+BEAT, DROP, TAKEOVER = 400, 1600, 3200
+HANDOVER_BOUND_S = (DROP + TAKEOVER + 2 * BEAT) / 1000 + 1.0
+
+
+def _leader(reports: list[dict]) -> dict | None:
+    leads = [r for r in reports if r.get("is_leader")]
+    return leads[0] if len(leads) == 1 else None
+
+
+def test_three_ranks_train_survive_leader_kill_sync_joiner_end_bit_identical(cluster, tmp_path):
+    cluster.serve("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2")
+    ranks = [cluster.rank() for _ in range(3)]
+    st = wait_for(lambda: (s := cluster.state())["accuracy"] is not None and s["accuracy"] >= 0.95 and s,
+                  60, "3 ranks to reach 95 % held-out accuracy")
+    print(f"\n95 % accuracy at step {st['step']} (acc {st['accuracy']:.4f})")
+
+    # kill the leader's process: the new leader's first round must come within the bound
+    lead = wait_for(lambda: _leader(cluster.reports()), 10, "exactly one leader")
+    victim = next(p for p in ranks if p.p.pid == lead["pid"])
+    t_kill = time.time()
+    victim.kill()
+    survivors = [p for p in ranks if p is not victim]
+
+    def new_leader_round():
+        for r in cluster.reports():
+            if r["pid"] == lead["pid"]:
+                continue
+            for k, t_first, _step in r.get("leaders") or []:
+                if k != lead["id"] and t_first > t_kill:
+                    return k, t_first
+        return None
+    new_id, t_first = wait_for(new_leader_round, HANDOVER_BOUND_S + 10, "a new leader's first round")
+    handover = t_first - t_kill
+    print(f"handover: new leader {new_id:08x} first round {handover:.2f} s after the kill "
+          f"(bound {HANDOVER_BOUND_S:.1f} s)")
+    assert handover <= HANDOVER_BOUND_S
+
+    # a 4th rank mid-run is synced by the next round: ready, following the new leader
+    step_at_join = cluster.state()["step"]
+    joiner = cluster.rank()
+    synced = wait_for(lambda: next((r for r in cluster.reports() if r["pid"] == joiner.p.pid and r["ready"]
+                                    and r["step"] > step_at_join and r["leader"] == new_id), None),
+                      30, "the joiner to be synced")
+    assert synced["cohort"] >= 2
+
+    # stop the room: every surviving rank ends with the leader's published parameters
+    alive = survivors + [joiner]
+    cluster.post(f"/api/rooms/{cluster.room}/stop")
+    finals = wait_for(lambda: (fs := [r for r in cluster.reports(connected_only=False)
+                                      if r.get("final") and r["pid"] != lead["pid"]]) and len(fs) == 3 and fs,
+                      30, "final reports of the 3 surviving ranks")
+    digests = {r["digest"] for r in finals}
+    assert len(digests) == 1, finals
+    for p in alive:
+        assert p.p.wait(20) == 0, p.text()
+    ck = wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 10, "the final checkpoint")
+    assert ck["digest"] in digests
+    assert ck["accuracy"] >= 0.95
+    print(f"final: step {ck['step']}, checkpoint accuracy {ck['accuracy']:.4f}, "
+          f"3 ranks bit-identical ({ck['digest'][:16]})")
+    with urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}/model", timeout=5) as r:
+        assert len(r.read()) == 4 * finals[0]["bucket_len"]
+
+
+def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
+    ckdir = str(tmp_path / "ck")
+    cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "1")
+    ranks = [cluster.rank() for _ in range(3)]
+    ck = wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["step"] >= 300 and c, 60,
+                  "a checkpoint at step >= 300")
+    for p in ranks:
+        p.kill()
+    cluster.server.terminate()
+    # the server restarts from the same directory; a fresh cohort resumes from its checkpoint
+    from tabcohort_server import checkpoint
+    meta, _data = checkpoint.load(ckdir, cluster.room)
+    stop_at = meta["step"] + 200
+    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at))
+    assert cluster.state()["checkpoint"]["digest"] == meta["digest"]
+    ranks = [cluster.rank() for _ in range(3)]
+    first = wait_for(lambda: next((r for r in cluster.reports() if r.get("first_loss") is not None), None),
+                     30, "a rank's first loss after restart")
+    print(f"\nlast checkpoint loss {meta['loss']:.4f} at step {meta['step']}; "
+          f"first loss after restart {first['first_loss']:.4f} (fresh init is ~2.3)")
+    assert first["start_step"] == meta["step"]
+    assert first["first_loss"] < 0.5 and abs(first["first_loss"] - meta["loss"]) < 0.4
+    # the room stops itself at --steps; ranks exit cleanly and the final checkpoint is there
+    for p in ranks:
+        assert p.p.wait(60) == 0, p.text()
+    fin = cluster.state()
+    assert fin["stopped"] and fin["checkpoint"]["final"] and fin["checkpoint"]["step"] >= stop_at
