@@ -7,6 +7,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 echo "[install] pip install -e .[test]" >&2
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[test]"
+# pyenv installs console scripts behind shims: make `tabcohort` visible on PATH now
+if command -v pyenv >/dev/null; then pyenv rehash || true; fi
+if ! command -v tabcohort >/dev/null; then
+  echo "[install] note: 'tabcohort' is not on PATH; use '$PY -m tabcohort' or add $("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))') to PATH" >&2
+fi
 if command -v npm >/dev/null; then
   if [ ! -f node_modules/pyodide/pyodide.mjs ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
     echo "[install] npm ci" >&2

@@ -208,7 +208,7 @@ class InprocCohort:
         ld = self.leader()
         st = ld.state() if ld is not None else None
         if st is None:
-            self.progress(f"[{now:6.1f}s] step {step:5d}  no leader yet ({len(self.drivers)} ranks)")
+            self.progress(f"[{now:6.1f}s] step {step:5d}  no rank driving rounds: joining or handover ({len(self.drivers)} ranks)")
             return
         acc_s = f"{acc * 100:5.1f}%" if acc is not None else "  n/a"
         self.progress(f"[{now:6.1f}s] step {step:5d}  leader {st['id_hex']}  cohort {st['cohort']}  "
