@@ -1,0 +1,47 @@
+"""Native rank configuration: clear ConfigErrors naming the variable, before any network use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tabcohort.errors import ConfigError
+from tabcohort.runtime.native import RankConfig
+
+from .conftest import ROOT, _env
+
+
+def cfg(env: dict, **args) -> RankConfig:
+    return RankConfig.from_sources({k: None for k in ("server", "room", "token", "batch", "link")} | args, env)
+
+
+@pytest.mark.parametrize("env,var,value", [
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "3.5"},
+     "TABCOHORT_BATCH", "3.5"),
+    ({"TABCOHORT_SERVER": "127.0.0.1:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "127.0.0.1:8080"),
+    ({"TABCOHORT_SERVER": "http://no-such-host.invalid:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
+     "http://no-such-host.invalid:8080"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_LINK": "carrier-pigeon"},
+     "TABCOHORT_LINK", "carrier-pigeon"),
+])
+def test_bad_environment_is_a_config_error_naming_the_variable(env, var, value):
+    with pytest.raises(ConfigError) as e:
+        cfg(env).validate()
+    assert e.value.variable == var and e.value.value == value
+
+
+def test_arguments_win_and_are_named():
+    c = cfg({"TABCOHORT_BATCH": "8"}, server="http://127.0.0.1:1", room="d", batch="x")
+    with pytest.raises(ConfigError) as e:
+        c.validate()
+    assert e.value.variable == "--batch"
+
+
+@pytest.mark.integration
+def test_cli_exits_2_with_the_variable_before_connecting():
+    env = _env() | {"TABCOHORT_SERVER": "http://127.0.0.1:9", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "many"}
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank"], env=env, cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "TABCOHORT_BATCH='many'" in r.stderr

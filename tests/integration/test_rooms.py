@@ -1,0 +1,99 @@
+"""Room bookkeeping without aiohttp: ids, routing, spoofing, slow consumers, stop conditions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tabcohort.wire import FrameWriter
+from tabcohort_server.config import JobConfig, ServerConfig, ServerLimits
+from tabcohort_server.rooms import CLOSE_SLOW_CONSUMER, CLOSE_UNKNOWN_ID, Room, RoomError
+from tabcohort.errors import ConfigError
+
+
+def beat() -> dict:
+    return {"t": "beat", "batch": 4, "ready": True, "running": True, "step": 1, "backend": "py"}
+
+
+def room(**lim) -> Room:
+    clock = [0.0]
+    r = Room("r", JobConfig(dataset="synthetic", steps=10), ServerLimits(**lim), clock=lambda: clock[0])
+    r._clock = clock
+    return r
+
+
+def drain(p) -> list:
+    out = []
+    while p.queue:
+        out.append(p.pop())
+    return out
+
+
+def test_ids_are_unique_uint32_and_resume_needs_the_secret():
+    r = room()
+    ps = [r.register(now=0) for _ in range(300)]  # >= 200 ranks per room
+    assert len({p.id for p in ps}) == 300 and all(0 < p.id < 2**32 for p in ps)
+    a = ps[0]
+    r.disconnect(a, 1.0)
+    with pytest.raises(RoomError) as e:
+        r.register(now=2.0, resume_id=a.id, resume_secret="wrong")
+    assert e.value.code == CLOSE_UNKNOWN_ID
+    assert r.register(now=2.0, resume_id=a.id, resume_secret=a.secret) is a and a.connected
+    r.disconnect(a, 3.0)
+    assert a.id in r.expire(3.0 + r.limits.resume_grace_s + 1)
+    with pytest.raises(RoomError):
+        r.register(now=50.0, resume_id=a.id, resume_secret=a.secret)
+
+
+def test_broadcast_to_others_addressed_to_one_spoofed_dropped():
+    r = room()
+    a, b, c = (r.register(now=0) for _ in range(3))
+    for p in (a, b, c):
+        drain(p)
+    chunk = FrameWriter(a.id).write(beat())[0]
+    r.relay(a, chunk)
+    assert drain(a) == [] and drain(b) == [chunk] and drain(c) == [chunk]
+    to_c = FrameWriter(a.id).write({**beat(), "t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [1.0],
+                                    "to": c.id})[0]
+    r.relay(a, to_c)
+    assert drain(b) == [] and drain(c) == [to_c]
+    r.relay(b, chunk)  # b sends a chunk claiming to be from a
+    assert r.drops == {"spoofed": 1} and drain(a) == drain(c) == []
+    r.relay(a, b"\x01garbage")
+    assert r.drops["truncated"] == 1
+
+
+def test_a_consumer_over_its_queue_bound_is_dropped_not_waited_for():
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=5000)
+    a, b, c = (r.register(now=0) for _ in range(3))
+    kicked = []
+    b.kick = lambda code, reason: kicked.append(code)
+    chunk = FrameWriter(a.id).write({"t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 120})[0]
+    for _ in range(12):
+        r.relay(a, chunk)
+        drain(c)  # c keeps up, b never reads
+    assert kicked == [CLOSE_SLOW_CONSUMER] and not b.connected and r.drops["slow_consumer"] == 1
+    assert r.pressure() < 1.0
+    texts = [json.loads(x) for x in drain(a) if isinstance(x, str)]
+    assert {"type": "peer", "id": b.id, "up": False} in texts
+    assert any(t["type"] == "pressure" and t["p"] > 1 for t in texts)
+
+
+def test_reports_drive_the_stop_condition():
+    r = room()
+    a = r.register(now=0)
+    drain(a)
+    r.control(a, json.dumps({"type": "report", "state": {"step": 5, "is_leader": True, "junk": 1}}), now=1)
+    assert not r.stopped and "junk" not in a.report
+    r.control(a, "not json", now=1)
+    r.control(a, json.dumps({"type": "report", "state": {"step": 10, "is_leader": True}}), now=2)
+    assert r.stopped and r.drops["bad_control"] == 1
+    assert json.loads(drain(a)[-1]) == {"type": "stop", "reason": "steps 10 reached"}
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(ConfigError, match="topology.*mesh"):
+        ServerConfig(rooms={"r": JobConfig(topology="mesh")}).validate()
+    with pytest.raises(ConfigError, match="max_ranks_per_room"):
+        ServerLimits(max_ranks_per_room=100)
