@@ -1,0 +1,118 @@
+"""Fixed-world process group: classic collectives over direct TCP links (issue 6).
+
+One-call bring-up, like ``torch.distributed.init_process_group``::
+
+    # RANK=0 WORLD=2 PEERS=127.0.0.1:29500,127.0.0.1:29501 (TOPOLOGY=mesh|star)
+    from tabcohort.pg import init_process_group
+    pg = await init_process_group()                       # or rank=, world=, peers=, ...
+    y = await pg.all_reduce(x, op="sum")                   # x: float32 numpy or array('f')
+    y = await pg.all_reduce(x, op="mean", precision="int8")
+    z = await pg.broadcast(x, root=0)
+    await pg.barrier()
+    avg = await pg.federated_average(x, weight=n_samples)
+    await pg.close()
+
+or synchronously with :func:`init_process_group_sync` (same methods, no ``await``).
+Configuration: :mod:`tabcohort.pg.config`; semantics: :mod:`tabcohort.pg.group`; transport:
+:mod:`tabcohort.pg.tcp`; errors: :mod:`tabcohort.pg.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping
+
+from .config import PGConfig, load_config
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupSetupError, MemoryBoundError,
+                     PeerLostError, PGError)
+from .group import ProcessGroup
+from .tcp import TcpBus
+
+
+async def init_process_group(*, env: Mapping[str, str] | None = None, **options: Any) -> ProcessGroup:
+    """Validate the configuration, then connect the group (asyncio).
+
+    Args:
+        env: environment to read (default ``os.environ``).
+        **options: ``rank``, ``world``, ``peers``, ``topology``, ``discovery``, ``timeout_s``,
+            ``connect_timeout_s``, ``max_memory_bytes``, ``listen_host``; each overrides its
+            environment variable (:mod:`tabcohort.pg.config`).
+
+    Returns:
+        A connected :class:`ProcessGroup`.
+
+    Raises:
+        ConfigError: a bad option or variable, named, before any socket is opened.
+        GroupSetupError: peers did not connect within ``connect_timeout_s``.
+    """
+    cfg = load_config(env=env, **options)
+    if cfg.discovery == "mdns":
+        from .discovery import discover_mdns
+
+        return await discover_mdns(cfg)
+    return await ProcessGroup.connect(cfg)
+
+
+class SyncProcessGroup:
+    """Blocking wrapper: the same collectives without ``await``, on a private event loop.
+
+    The loop runs only inside calls, so a peer's loss is noticed at the next call (at once:
+    the closed socket is already readable).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, group: ProcessGroup) -> None:
+        self._loop, self.group = loop, group
+        self.rank, self.world, self.topology = group.rank, group.world, group.topology
+
+    def all_reduce(self, x: Any, op: str = "sum", *, precision: str = "f32") -> Any:
+        """See :meth:`ProcessGroup.all_reduce`."""
+        return self._loop.run_until_complete(self.group.all_reduce(x, op, precision=precision))
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        """See :meth:`ProcessGroup.broadcast`."""
+        return self._loop.run_until_complete(self.group.broadcast(x, root))
+
+    def barrier(self) -> None:
+        """See :meth:`ProcessGroup.barrier`."""
+        self._loop.run_until_complete(self.group.barrier())
+
+    def federated_average(self, x: Any, weight: float) -> Any:
+        """See :meth:`ProcessGroup.federated_average`."""
+        return self._loop.run_until_complete(self.group.federated_average(x, weight))
+
+    def close(self) -> None:
+        """Leave the group and close the loop (idempotent)."""
+        if self._loop.is_closed():
+            return
+        self._loop.run_until_complete(self.group.close())
+        self._loop.close()
+
+    def __enter__(self) -> "SyncProcessGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def init_process_group_sync(*, env: Mapping[str, str] | None = None, **options: Any) -> SyncProcessGroup:
+    """Blocking :func:`init_process_group`; returns a :class:`SyncProcessGroup`."""
+    cfg = load_config(env=env, **options)  # before the loop exists: no network activity
+    loop = asyncio.new_event_loop()
+    try:
+        if cfg.discovery == "mdns":
+            from .discovery import discover_mdns
+
+            group = loop.run_until_complete(discover_mdns(cfg))
+        else:
+            group = loop.run_until_complete(ProcessGroup.connect(cfg))
+    except BaseException:
+        loop.close()
+        raise
+    return SyncProcessGroup(loop, group)
+
+
+__all__ = [
+    "CollectiveMismatchError", "CollectiveTimeoutError", "GroupSetupError", "MemoryBoundError", "PGConfig",
+    "PGError", "PeerLostError", "ProcessGroup", "SyncProcessGroup", "TcpBus", "init_process_group",
+    "init_process_group_sync", "load_config",
+]
