@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from .bus_harness import BusHarness, MemoryHarness
@@ -39,6 +41,19 @@ if _ws_available():
 
     HARNESSES["ws-star"] = lambda p: WsHarness(p)
     HARNESSES["ws-star-chunked"] = lambda p: WsHarness(p, max_message_bytes=1024)
+    try:
+        import aiortc  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from .rtc_harness import RtcMeshHarness
+
+        HARNESSES["rtc-mesh"] = lambda p: RtcMeshHarness(p)
+if sys.platform != "emscripten":
+    from .tcp_harness import TcpHarness
+
+    HARNESSES["tcp"] = lambda p: TcpHarness(p)
+    HARNESSES["tcp-chunked"] = lambda p: TcpHarness(p, max_message_bytes=1024)
 PRECISIONS = ["f32", "f16", "bf16", "int8"]
 
 
