@@ -72,6 +72,7 @@ ROOMS = web.AppKey("rooms", RoomRegistry)
 ASSETS = web.AppKey("assets", dict)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 METRICS = web.AppKey("metrics", CollectorRegistry)
+RTC = web.AppKey("rtc", object)
 
 
 def create_app(config: ServerConfig | None = None) -> web.Application:
@@ -94,6 +95,11 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
             if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
                 room.checkpoint, a.checkpoint_data = got
     app[ASSETS] = assets
+    from .rtc_relay import RtcTerminator
+    rtc = app[RTC] = RtcTerminator(config.rtc_ice_servers, config.rtc_host_addresses)
+    for room in rooms.rooms.values():
+        if room.job.topology == "star":
+            rtc.attach(room)
     app[SOCKETS] = weakref.WeakSet()
     reg = app[METRICS] = CollectorRegistry()
     reg.register(RoomCollector(rooms))
@@ -109,9 +115,16 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_put("/api/rooms/{room}/checkpoint", put_checkpoint)
     app.router.add_post("/api/rooms/{room}/checkpoint", put_checkpoint)
     app.router.add_post("/api/rooms/{room}/stop", stop_room)
+    from .static import setup_static
+    setup_static(app)  # the page, Pyodide, the client wheel (static.py)
     app.cleanup_ctx.append(_ticker)
     app.on_shutdown.append(_close_sockets)
+    app.on_cleanup.append(_close_rtc)
     return app
+
+
+async def _close_rtc(app: web.Application) -> None:
+    await app[RTC].aclose()
 
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
@@ -346,7 +359,9 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
             while peer.queue and peer.connected:
                 item = peer.pop()
                 if isinstance(item, bytes):
-                    await ws.send_bytes(item)
+                    link = peer.rtc
+                    if link is None or not link.up or not await link.send(item):
+                        await ws.send_bytes(item)
                 else:
                     await ws.send_str(item)
                 room.sent(peer, item)
@@ -363,6 +378,7 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
             t.cancel()
         res = await asyncio.gather(wtask, rtask, return_exceptions=True)
         room.disconnect(peer, time.monotonic())
+        request.app[RTC].detach(peer)
         code, reason = kicked[0] if kicked else (WSCloseCode.OK, "bye")
         if not ws.closed:
             try:

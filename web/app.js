@@ -1,0 +1,198 @@
+// The room page: a thin boot and UI layer. It owns the WebSocket(s) and relays frames to and from
+// the rank's worker (web/rank-worker.js) as transferred ArrayBuffers; the protocol is Python.
+import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
+  stopped: null, sockets: 0, pageStart: performance.now(), phase: "starting" });
+const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
+setPhase("starting");
+
+function status(text) { $("status").textContent = text; }
+function fail(kind, text) {
+  tc.errors.push({ kind, text });
+  setPhase("error");
+  const e = $("error");
+  e.hidden = false;
+  e.textContent = text;
+  status("Not running.");
+}
+function note(text) { const li = document.createElement("li"); li.textContent = text; $("notes").append(li); }
+
+async function getJSON(url) {
+  let r;
+  try { r = await fetch(url, { cache: "no-store" }); } catch (e) { return { unreachable: true, error: String(e) }; }
+  let body = null;
+  try { body = await r.json(); } catch {}
+  return { status: r.status, body };
+}
+
+const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
+const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
+
+async function main() {
+  const token = params.get("token") || "";
+  const q = token ? `?token=${encodeURIComponent(token)}` : "";
+  status("Contacting the server…");
+  const boot = await getJSON("/api/boot");
+  if (boot.unreachable || boot.status !== 200) return fail("unreachable", "The server is unreachable. Check the address and that tabcohort serve is running.");
+  let room = params.get("room");
+  if (!room) {
+    const rooms = await getJSON("/api/rooms");
+    room = rooms.body && rooms.body.rooms && rooms.body.rooms[0] && rooms.body.rooms[0].room;
+    if (!room) return fail("room", "This server has no room to join.");
+  }
+  $("room-name").textContent = `room ${room}`;
+  document.title = `tabcohort: room ${room}`;
+  $("operator-link").href = `/operator?room=${encodeURIComponent(room)}${token ? `&token=${encodeURIComponent(token)}` : ""}`;
+  const check = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
+  if (check.unreachable) return fail("unreachable", "The server is unreachable.");
+  if (check.status === 403) return fail("token", "The room token is wrong or missing: ask the operator for the room link.");
+  if (check.status === 404) return fail("room", `There is no room named “${room}” on this server.`);
+  if (check.body && check.body.stopped) note(`This room has stopped (${check.body.stop_reason}).`);
+  note(`Python runtime: Pyodide ${boot.body.pyodide.version} from ${boot.body.pyodide.source === "local" ? "this server" : "the public CDN (no local copy on the server)"}.`);
+  tc.bootInfo = boot.body;
+
+  setPhase("loading");
+  status("Loading the Python runtime…");
+  const worker = (tc.worker = new Worker("/web/rank-worker.js", { type: "module" }));
+  const sockets = new Map();
+  const post = (m, transfer) => worker.postMessage(m, transfer || []);
+  const watch = new Set();
+  let watchTimer = null;
+  const ack = (link, ws, n) => {
+    post({ k: "ack", link, bytes: n, buffered: ws.bufferedAmount });
+    if (ws.bufferedAmount > 0) { watch.add(link); if (!watchTimer) watchTimer = setInterval(pollBuffered, 50); }
+  };
+  function pollBuffered() {
+    for (const link of watch) {
+      const ws = sockets.get(link);
+      const b = ws ? ws.bufferedAmount : 0;
+      post({ k: "ack", link, bytes: 0, buffered: b });
+      if (!b) watch.delete(link);
+    }
+    if (!watch.size) { clearInterval(watchTimer); watchTimer = null; }
+  }
+  worker.onerror = (e) => fail("worker", `The rank's worker failed: ${e.message || e}`);
+  worker.onmessage = (ev) => {
+    const d = ev.data;
+    switch (d.k) {
+      case "ws-open": {
+        const ws = new WebSocket(d.url);
+        ws.binaryType = "arraybuffer";
+        sockets.set(d.link, ws);
+        tc.sockets++;
+        ws.onopen = () => post({ k: "ws-opened", link: d.link });
+        ws.onmessage = (e) => {
+          if (typeof e.data === "string") post({ k: "ws-text", link: d.link, text: e.data });
+          else post({ k: "ws-chunk", link: d.link, data: e.data }, [e.data]);
+        };
+        ws.onclose = (e) => {
+          if (sockets.get(d.link) === ws) sockets.delete(d.link);
+          post({ k: "ws-closed", link: d.link, code: e.code, reason: e.reason });
+        };
+        break;
+      }
+      case "send": {
+        const ws = sockets.get(d.link);
+        let n = 0;
+        if (ws && ws.readyState === WebSocket.OPEN) for (const b of d.data) { ws.send(b); n += b.byteLength; }
+        else for (const b of d.data) n += b.byteLength;
+        ack(d.link, ws || { bufferedAmount: 0 }, n);
+        break;
+      }
+      case "send-text": {
+        const ws = sockets.get(d.link);
+        if (ws && ws.readyState === WebSocket.OPEN) ws.send(d.text);
+        ack(d.link, ws || { bufferedAmount: 0 }, d.text.length);
+        break;
+      }
+      case "ws-close": {
+        const ws = sockets.get(d.link);
+        if (ws) { sockets.delete(d.link); ws.close(1000, "bye"); }
+        break;
+      }
+      case "py": onPy(JSON.parse(d.json)); break;
+    }
+  };
+  tc.sendControl = (action, value) => post({ k: "control", action, value });
+  $("start").onclick = () => tc.sendControl("start");
+  $("stop").onclick = () => tc.sendControl("stop");
+  $("leader-controls").onsubmit = (e) => {
+    e.preventDefault();
+    const lr = parseFloat($("lr").value);
+    if (Number.isFinite(lr) && lr > 0) tc.sendControl("lr", lr);
+    tc.sendControl("precision", $("precision").value);
+  };
+  document.addEventListener("freeze", () => tc.events.push({ k: "freeze", t: performance.now() }));
+  document.addEventListener("resume", () => tc.events.push({ k: "resume", t: performance.now() }));
+  post({ k: "boot", cfg: { base: location.origin, room, token: token || null, boot: boot.body,
+    autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
+    batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null } });
+}
+
+function onPy(m) {
+  tc.events.push(m.k === "state" ? { k: "state", step: m.state.step } : m);
+  if (tc.events.length > 500) tc.events.splice(0, 250);
+  switch (m.k) {
+    case "progress": status(m.text + "…"); break;
+    case "boot": tc.boot = m; note(`Pyodide booted in ${m.pyodide_s.toFixed(2)} s.`); break;
+    case "numpy": tc.numpy = m; note(m.ok ? `Compute: ${m.text}.` : `Compute: ${m.text}.`); break;
+    case "joined":
+      tc.joinedAt = (performance.now() - tc.pageStart) / 1000;
+      setPhase("training");
+      status(`Joined as rank ${hex(m.id)}.`);
+      break;
+    case "state": render(m.state); break;
+    case "error": fail(m.kind || "error", m.text); break;
+    case "stopped":
+      tc.stopped = m;
+      setPhase("stopped");
+      status(`Stopped (${m.reason || "by request"}) at step ${m.step}.`);
+      $("start").disabled = $("stop").disabled = true;
+      $("leader-controls").hidden = true;
+      break;
+    case "log": if (m.stream === "stderr") tc.errors.push({ kind: "stderr", text: m.text }); break;
+  }
+}
+
+function render(s) {
+  tc.state = s;
+  $("s-id").textContent = hex(s.id);
+  $("s-role").textContent = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
+  $("s-role").className = s.is_leader ? "leader" : "";
+  $("s-cohort").textContent = s.cohort;
+  $("s-step").textContent = s.step;
+  $("s-loss").textContent = num(s.loss, 4);
+  $("s-acc").textContent = s.accuracy === null || s.accuracy === undefined ? "–" : `${(s.accuracy * 100).toFixed(1)} %`;
+  $("s-sps").textContent = num(s.steps_per_s, 1);
+  $("s-samples").textContent = num(s.samples_per_s, 0);
+  $("s-bytes").textContent = `${fmtBytes(s.wire_bytes_per_s)}/s`;
+  $("s-precision").textContent = s.precision;
+  $("s-policy").textContent = s.policy ? `${s.policy.n}, ${s.policy.quorum}, ${s.policy.beat_ms} ms` : "–";
+  $("s-backend").textContent = `${s.backend} (${s.transport})`;
+  const drops = Object.entries(s.wire_drops || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);
+  $("s-fault").textContent = [s.fault, ...drops].filter(Boolean).join("; ") || "none";
+  lossChart.push(s.step, s.loss);
+  accChart.push(s.step, s.accuracy);
+  if (!s.final && tc.phase !== "stopped") {
+    $("start").disabled = s.running;
+    $("stop").disabled = !s.running;
+  }
+  const lead = !!s.is_leader && !s.final;
+  const form = $("leader-controls");
+  if (form.hidden === lead) {
+    form.hidden = !lead;
+    if (lead) { $("lr").value = s.lr; $("precision").value = s.precision; }
+  }
+  const links = new Map((s.links || []).map((l) => [l.peer, l]));
+  const rows = (s.peers || []).map((p) => {
+    const l = links.get(p.id) || { transport: s.transport, sent: 0, received: 0 };
+    return `<tr><td>${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}</td><td>${p.backend || "–"}</td>` +
+      `<td>${l.transport}</td><td>${fmtBytes(l.sent)}</td><td>${fmtBytes(l.received)}</td></tr>`;
+  });
+  document.querySelector("#peers tbody").innerHTML = rows.join("") || `<tr><td colspan="5">no peers yet</td></tr>`;
+}
+
+main().catch((e) => fail("page", `The page failed: ${e.message || e}`));

@@ -1,0 +1,105 @@
+// The rank's Python runs here: a dedicated module Web Worker (Pyodide requires a module worker;
+// timers in a worker are not throttled when the tab is hidden). This file only boots Pyodide,
+// installs the client wheel, and moves messages: protocol logic is Python
+// (tabcohort.runtime.tab, tabcohort.bus.browser). The page owns the WebSocket.
+//
+// page -> worker: {k: "boot", cfg}, then link and control messages (queued in `inbox`; Python
+// drains the whole inbox per wake-up). worker -> page: {k: "py", json} UI messages, and the
+// link messages of tabcohort.bus.browser (chunks as transferred ArrayBuffers).
+
+const inbox = [];
+let wake = null;
+
+self.tcSetWake = (f) => {
+  wake = f || null;
+  if (wake && inbox.length) wake();
+};
+self.tcTakeInbox = () => inbox.splice(0, inbox.length);
+self.tcPost = (obj) => self.postMessage(obj);
+self.tcPostJson = (json) => self.postMessage({ k: "py", json });
+self.tcSendText = (link, text) => self.postMessage({ k: "send-text", link, text });
+self.tcSendChunks = (link, arr) => {
+  const bufs = [];
+  for (const u8 of arr) {
+    const whole = u8.byteOffset === 0 && u8.byteLength === u8.buffer.byteLength;
+    bufs.push(whole ? u8.buffer : u8.slice().buffer);
+  }
+  self.postMessage({ k: "send", link, data: bufs }, bufs);
+};
+
+const ui = (obj) => self.postMessage({ k: "py", json: JSON.stringify(obj) });
+const progress = (text, t0) =>
+  ui({ k: "progress", text, t: t0 === undefined ? undefined : (performance.now() - t0) / 1000 });
+
+self.onmessage = (ev) => {
+  const d = ev.data;
+  if (d && d.k === "boot") {
+    boot(d.cfg).catch((e) => ui({ k: "error", kind: "boot", text: `boot failed: ${e && (e.message || e)}` }));
+    return;
+  }
+  inbox.push(d);
+  if (wake && inbox.length === 1) wake();
+};
+
+async function withTimeout(p, ms) {
+  let t;
+  const to = new Promise((resolve) => { t = setTimeout(() => resolve("timeout"), ms); });
+  try { return await Promise.race([p, to]); } finally { clearTimeout(t); }
+}
+
+async function boot(cfg) {
+  const t0 = performance.now();
+  const b = cfg.boot;
+  const indexURL = new URL(b.pyodide.url, cfg.base).href;
+  progress(`loading the Python runtime: Pyodide ${b.pyodide.version} from ${b.pyodide.source === "local" ? "this server" : "the public CDN"}`, t0);
+  const { loadPyodide } = await import(new URL("pyodide.mjs", indexURL).href);
+  const opts = { indexURL, env: { HOME: "/home/pyodide" } };
+  if (b.packages.source === "local") {
+    opts.lockFileURL = new URL("pyodide-lock.json", new URL(b.packages.url, cfg.base)).href;
+  } else {
+    opts.packageBaseUrl = b.packages.url;
+  }
+  const logs = [];
+  opts.stdout = (line) => ui({ k: "log", text: line });
+  opts.stderr = (line) => ui({ k: "log", text: line, stream: "stderr" });
+  const py = await loadPyodide(opts);
+  const tBoot = (performance.now() - t0) / 1000;
+  ui({ k: "boot", pyodide_s: tBoot, source: b.pyodide.source, version: b.pyodide.version });
+
+  progress("installing the tabcohort client package", t0);
+  const resp = await fetch(new URL(b.wheel.url, cfg.base).href, { cache: "no-store" });
+  if (!resp.ok) throw new Error(`wheel: HTTP ${resp.status}`);
+  py.unpackArchive(new Uint8Array(await resp.arrayBuffer()), "wheel", { extractDir: b.site_packages });
+
+  let numpy = false;
+  let numpyNote = "not requested";
+  if (cfg.numpy !== false) {
+    progress(`loading numpy from ${b.packages.source === "local" ? "this server" : "the public CDN"}`, t0);
+    const errors = [];
+    // loadPackage does not throw when a package cannot be fetched: only its error callback says so.
+    const r = await withTimeout(
+      py.loadPackage("numpy", { messageCallback: () => {}, errorCallback: (m) => errors.push(m) }).catch((e) => errors.push(String(e))),
+      cfg.numpyTimeoutMs || 20000,
+    );
+    if (r === "timeout") errors.push("timed out");
+    try {
+      py.runPython("import numpy");
+      numpy = true;
+      numpyNote = `numpy from ${b.packages.source === "local" ? "this server" : "the CDN"}`;
+    } catch {
+      numpyNote = `numpy unavailable (${b.packages.source} packages: ${errors[0] || "import failed"}); pure-Python backend`;
+    }
+  }
+  ui({ k: "numpy", ok: numpy, text: numpyNote });
+  const pycfg = {
+    base: cfg.base, room: cfg.room, token: cfg.token || null, autostart: cfg.autostart !== false,
+    backend: numpy ? (cfg.backend || "auto") : "python", batch: cfg.batch || null,
+  };
+  progress("starting the rank", t0);
+  py.globals.set("_tc_cfg", JSON.stringify(pycfg));
+  const rc = await py.runPythonAsync(`
+from tabcohort.runtime.tab import run_tab
+await run_tab(_tc_cfg)
+`);
+  ui({ k: "exit", code: rc });
+}
