@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     s.add_argument("--seed", type=int, default=0, help="seed of data shuffle, init and rank ids")
     s.add_argument("--eval-every", type=int, default=10, help="leader evaluates every K steps")
+    s.add_argument("--collect-rule", choices=("grace", "quorum"), default="grace",
+                   help="grace (default: a short wait after the quorum, see docs/PROTOCOL-NOTES.md) "
+                        "or quorum (finish at the quorum, as PROTOCOL.md)")
     g = s.add_argument_group("fault injection")
     g.add_argument("--kill-leader-at", type=int, default=0, metavar="STEP", help="kill the leader at STEP")
     g.add_argument("--add-rank-at", type=int, default=0, metavar="STEP", help="add a rank at STEP")
@@ -79,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--lr", type=float, default=0.5, help="learning rate")
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
-    v.add_argument("--topology", default="star", help="star (mesh is reserved)")
+    v.add_argument("--topology", default="star", help="star (ranks link to the server) or mesh (WebRTC data channels between ranks)")
     v.add_argument("--steps", type=int, default=0, help="stop the room at this step (0 = no limit)")
     v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy")
     v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
@@ -103,7 +106,7 @@ def _simulate(a: argparse.Namespace) -> int:
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
                        partition_at_step=a.partition_at, heal_after_ms=a.heal_after_ms,
-                       loss=a.link_loss, delay_ms=a.link_delay_ms)
+                       loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule)
     cfg.validate()
     print(f"tabcohort simulate: {cfg.ranks} ranks, dataset {cfg.dataset}, batch {cfg.batch}/rank, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True)

@@ -683,3 +683,52 @@ def test_state_report_fields():
                 "backend", "precision", "fault", "policy", "drops", "accuracy"):
         assert key in st
     assert st["peers"] == [{"id": 2, "backend": "python"}] and st["leader"] == 1
+
+
+# ---------------------------------------------------------------- collection rule "grace" (PROTOCOL-NOTES)
+def grace_rig():
+    r = leader_rig([2, 3, 4, 5], collect_rule="grace")     # n = 5: quorum 3
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    return r, own
+
+
+def test_grace_waits_briefly_after_quorum_and_finishes_when_all_arrived():
+    r, own = grace_rig()
+    assert r.m._collection.quorum == 3
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=50)
+    r.m.handle(grad(2, 1, 0), now_ms=52)
+    r.m.handle(grad(3, 1, 0), now_ms=54)          # quorum: grace = min(54-50, 0.1*54) = 4
+    assert r.m.step == 0 and r.m._collection.grace_until_ms == 58
+    r.m.handle(grad(4, 1, 0), now_ms=55)
+    r.m.handle(grad(5, 1, 0), now_ms=56)          # everyone: finish at once
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 5
+
+
+def test_grace_window_ends_the_round_without_the_straggler():
+    r, own = grace_rig()
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=50)
+    r.m.handle(grad(2, 1, 0), now_ms=52)
+    r.m.handle(grad(3, 1, 0), now_ms=54)
+    r.m.handle(grad(4, 1, 0), now_ms=55)
+    assert r.m.next_deadline_ms() == 58
+    r.m.on_timer(now_ms=58)
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 4
+
+
+def test_grace_window_is_bounded_by_elapsed_fraction_and_collect_window():
+    r, own = grace_rig()
+    r.m.handle(grad(2, 1, 0), now_ms=1)           # a very early bucket: spread would be large
+    r.m.handle(grad(3, 1, 0), now_ms=2)
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
+    assert r.m._collection.grace_until_ms == 110   # 0.1 * elapsed, not the 99 ms spread
+
+
+def test_quorum_rule_finishes_at_quorum():
+    r = leader_rig([2, 3, 4, 5])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=50)
+    r.m.handle(grad(2, 1, 0), now_ms=52)
+    r.m.handle(grad(3, 1, 0), now_ms=54)
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 3

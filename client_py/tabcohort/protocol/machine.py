@@ -67,13 +67,16 @@ class Link(Protocol):
 class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
-    __slots__ = ("step", "wanted", "quorum", "received")
+    __slots__ = ("step", "wanted", "quorum", "received", "opened_ms", "first_ms", "grace_until_ms")
 
-    def __init__(self, step: int, wanted: set[int], quorum: int) -> None:
+    def __init__(self, step: int, wanted: set[int], quorum: int, opened_ms: float) -> None:
         self.step = step
         self.wanted = wanted
         self.quorum = quorum
         self.received: dict[int, tuple[float, int, Any]] = {}  # id -> (loss, samples, g)
+        self.opened_ms = opened_ms              # when the round was sent
+        self.first_ms: float | None = None      # first bucket arrival (own included)
+        self.grace_until_ms: float | None = None
 
 
 class RankMachine:
@@ -91,6 +94,12 @@ class RankMachine:
             (a checkpoint); False to join.
         eval_every: the leader evaluates held-out accuracy every this many steps (0: never).
         precision: the wire precision name, for the state report.
+        collect_rule: ``"quorum"`` (PROTOCOL.md: finish as soon as the quorum is reached) or
+            ``"grace"`` (docs/PROTOCOL-NOTES.md, "Collection rule"): once the quorum is reached,
+            wait a short grace window for the remaining buckets, of length
+            ``min(spread, grace_fraction * elapsed)`` (spread: time since the first bucket
+            arrived; elapsed: time since the round was sent), never past the collect window.
+        grace_fraction: bound of the grace window relative to the round's elapsed time.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -98,11 +107,18 @@ class RankMachine:
 
     def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
-                 eval_every: int = 10, precision: str = "f32") -> None:
+                 eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
+                 grace_fraction: float = 0.1) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
             raise LocalProtocolError("worker.batch and worker.bucket_len must be positive")
+        if collect_rule not in ("quorum", "grace"):
+            raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
+        if not 0 <= grace_fraction <= 1:
+            raise LocalProtocolError(f"grace_fraction must be in [0, 1], got {grace_fraction!r}")
+        self.collect_rule = collect_rule
+        self.grace_fraction = float(grace_fraction)
         self.id = rank_id
         self.worker = worker
         self.link = link
@@ -590,7 +606,7 @@ class RankMachine:
         self._round_step = self.step
         if len(ids) > 1:
             # install the collection state BEFORE sending the round (step 3)
-            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum))
+            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum), now_ms)
         else:
             self._collection = None
         self._actions.append(Post({
@@ -619,11 +635,12 @@ class RankMachine:
             return
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
+            if col.first_ms is None:
+                col.first_ms = now_ms
+        self._phase = "collect"
+        self._phase_deadline_ms = now_ms + self.policy.collect_ms
         if len(col.received) >= col.quorum:
-            self._finish_round(now_ms)
-        else:
-            self._phase = "collect"
-            self._phase_deadline_ms = now_ms + self.policy.collect_ms
+            self._quorum_reached(col, now_ms)
 
     def _on_grad(self, msg: dict, now_ms: float) -> None:
         col = self._collection
@@ -649,8 +666,26 @@ class RankMachine:
             self.drops["grad_bad_samples"] += 1
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
+        if col.first_ms is None:
+            col.first_ms = now_ms
         if self._phase == "collect" and len(col.received) >= col.quorum:
+            self._quorum_reached(col, now_ms)
+
+    def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
+        """Received buckets (own included) reached the quorum while collecting."""
+        if self.collect_rule == "quorum" or len(col.received) >= len(col.wanted):
             self._finish_round(now_ms)
+            return
+        if col.grace_until_ms is None:
+            spread = now_ms - (col.first_ms if col.first_ms is not None else now_ms)
+            grace = min(spread, self.grace_fraction * (now_ms - col.opened_ms))
+            if grace <= 0:
+                self._finish_round(now_ms)
+                return
+            col.grace_until_ms = now_ms + grace
+            self.counters["grace_windows"] += 1
+            if self._phase_deadline_ms is None or col.grace_until_ms < self._phase_deadline_ms:
+                self._phase_deadline_ms = col.grace_until_ms
 
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection

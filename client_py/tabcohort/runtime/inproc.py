@@ -49,6 +49,7 @@ class InprocConfig:
     heal_after_ms: float = 3000.0
     loss: float = 0.0
     delay_ms: float = 0.0
+    collect_rule: str = "grace"
 
     def validate(self) -> None:
         """Raises:
@@ -72,6 +73,8 @@ class InprocConfig:
                 raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
         from ..wire.codecs import get_codec
         get_codec(self.precision)
+        if self.collect_rule not in ("quorum", "grace"):
+            raise ConfigError("collect_rule", self.collect_rule, "must be 'quorum' or 'grace'")
         if any(h <= 0 for h in self.hidden):
             raise ConfigError("hidden", self.hidden, "layer widths must be positive integers")
 
@@ -125,7 +128,8 @@ class InprocCohort:
                 self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss)
         bus = self.network.attach(k)
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
-                        lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision)
+                        lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
+                        collect_rule=cfg.collect_rule)
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()
