@@ -27,7 +27,9 @@ class JobConfig:
         seed: dataset shuffle seed and init seed.
         precision: wire precision (``f32``, ``f16``, ``bf16``, ``int8``).
         timing: protocol base periods, milliseconds.
-        topology: ``star`` (implemented, over ``ws`` links) or ``mesh`` (reserved: rejected).
+        topology: ``star`` (each rank links to the server, ``ws`` or ``rtc``, which relays) or
+            ``mesh`` (a WebRTC data channel between every pair, negotiated through the server;
+            a pair that cannot connect uses the relay).
         steps: stop after this step (0 = no step limit).
         target_accuracy: stop once the leader's held-out accuracy reaches this (0 = off).
         duration_s: stop this long after the first rank joined (0 = off).
@@ -79,9 +81,6 @@ class JobConfig:
                 raise bad("hidden", "layer widths must be positive integers")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"expected one of {TOPOLOGIES}")
-        if self.topology == "mesh":
-            raise bad("topology", "mesh (WebRTC data channels between ranks) is reserved and not "
-                                  "implemented yet; use star")
         from tabcohort.wire.codecs import get_codec
         get_codec(self.precision)
         if self.token is not None and (not isinstance(self.token, str) or not 1 <= len(self.token) <= 256):
@@ -93,7 +92,7 @@ class JobConfig:
         d.pop("token")
         d["hidden"] = list(self.hidden)
         d["timing"] = asdict(self.timing)
-        d["link"] = "ws"
+        d["link"] = "rtc" if self.topology == "mesh" else "ws"  # star: each rank picks ws or rtc
         d["stop"] = {"steps": self.steps, "target_accuracy": self.target_accuracy,
                      "duration_s": self.duration_s}
         return d
@@ -149,6 +148,11 @@ class ServerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     checkpoint_dir: str | None = None
     seed: int | None = None  # rank-id randomness (None = os entropy)
+    #: WebRTC star links terminated here: ICE servers (STUN/TURN URLs; none by default) and the
+    #: host candidate addresses (``None`` = aioice's list, which never has 127.0.0.1; set
+    #: ``["127.0.0.1"]`` on a loopback-only host).
+    rtc_ice_servers: tuple[str, ...] = ()
+    rtc_host_addresses: list[str] | None = None
 
     def validate(self) -> None:
         if not self.rooms:

@@ -36,7 +36,7 @@ CLOSE_REPLACED = 4010
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
-                 "leaders", "first_loss", "start_step", "final", "wire_drops")
+                 "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes")
 
 
 class RoomError(Exception):
@@ -63,6 +63,11 @@ class Peer:
         self.bytes_out = 0
         self.report: dict | None = None
         self.report_at: float | None = None
+        #: mesh rooms: the peers this rank reaches through the relay (``relay_peers`` control);
+        #: its broadcast chunks are relayed to those only (the others get them on a channel).
+        self.relay_peers: set[int] = set()
+        #: star rooms: the rank's WebRTC link, when it has one (set by rtc_relay); ``None`` = ws.
+        self.rtc: Any = None
         #: set by the socket layer: wake the writer / close the socket with (code, reason)
         self.wake: Callable[[], None] | None = None
         self.kick: Callable[[int, str], None] | None = None
@@ -138,6 +143,7 @@ class Room:
 
     def welcome(self, p: Peer, *, resumed: bool) -> dict:
         return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
+                "topology": self.job.topology,
                 "resumed": resumed, "stopped": self.stopped,
                 "peers": sorted(k for k in self.connected if k != p.id),
                 "high_water_bytes": self.limits.queue_high_water_bytes,
@@ -156,6 +162,7 @@ class Room:
         p.connected = False
         p.disconnected_at = now
         self.connected.pop(p.id, None)
+        p.relay_peers = set()
         p.queue.clear()
         p.queued_bytes = 0
         kick, p.kick, p.wake = p.kick, None, None
@@ -197,8 +204,9 @@ class Room:
                 return
             self._enqueue(p, chunk)
         else:
+            mesh = self.job.topology == "mesh"
             for p in list(self.connected.values()):
-                if p is not sender:
+                if p is not sender and (not mesh or p.id in sender.relay_peers):
                     self._enqueue(p, chunk)
         self._update_pressure()
 
@@ -267,7 +275,18 @@ class Room:
         except ValueError:
             self.drop("bad_control")
             return
-        if not isinstance(obj, dict) or obj.get("type") != "report" or not isinstance(obj.get("state"), dict):
+        t = obj.get("type") if isinstance(obj, dict) else None
+        if t == "signal":
+            self.signal(p, obj)
+            return
+        if t == "relay_peers":
+            ids = obj.get("ids")
+            if not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
+                self.drop("bad_control")
+                return
+            p.relay_peers = set(ids)
+            return
+        if t != "report" or not isinstance(obj.get("state"), dict):
             self.drop("bad_control")
             return
         st = obj["state"]
@@ -276,6 +295,36 @@ class Room:
         p.report = rep
         p.report_at = now
         self.check_stop(now)
+
+    #: ``signal`` kinds the server forwards (WebRTC negotiation between two ranks).
+    SIGNAL_KINDS = ("offer", "answer", "candidate", "bye")
+    #: Set by the app when this server terminates WebRTC links (star over rtc): called with
+    #: (peer, signal) for signals addressed to the server (``to == 0``).
+    on_server_signal: Callable[[Peer, dict], None] | None = None
+
+    def signal(self, p: Peer, obj: dict) -> None:
+        """Forward a WebRTC ``signal`` to its recipient in this room, ``from`` bound to the link.
+
+        ``to == 0`` addresses the server itself (the WebRTC star link). Anything else that is not
+        a connected rank of this room is dropped (``no_route``); a bad message, ``bad_signal``.
+        """
+        to, kind = obj.get("to"), obj.get("kind")
+        if isinstance(to, bool) or not isinstance(to, int) or kind not in self.SIGNAL_KINDS:
+            self.drop("bad_signal")
+            return
+        fwd = {k: obj[k] for k in ("kind", "sdp", "candidate") if k in obj}
+        fwd.update(type="signal", to=to, **{"from": p.id})
+        if to == 0:
+            if self.on_server_signal is None:
+                self.drop("no_route")
+            else:
+                self.on_server_signal(p, fwd)
+            return
+        q = self.connected.get(to)
+        if q is None or q is p:
+            self.drop("no_route")
+            return
+        self.send_control(q, fwd)
 
     # ------------------------------------------------------------------ state and stop
     def leader_report(self) -> dict | None:
@@ -319,10 +368,12 @@ class Room:
         ranks = []
         for p in sorted(self.peers.values(), key=lambda p: p.id):
             ranks.append({"id": p.id, "id_hex": f"{p.id:08x}", "connected": p.connected,
+                          "link": "rtc" if p.rtc is not None and p.rtc.up else "ws",
                           "queued_bytes": p.queued_bytes,
                           "report_age_s": None if p.report_at is None else round(now - p.report_at, 3),
                           "report": p.report})
-        return {"room": self.name, "topology": self.job.topology, "link": "ws",
+        return {"room": self.name, "topology": self.job.topology,
+                "link": "rtc" if self.job.topology == "mesh" else "ws",
                 "n_connected": len(self.connected), "n_reserved": len(self.peers) - len(self.connected),
                 "step": self.step(), "leader": None if lead is None else lead.get("leader"),
                 "loss": None if lead is None else _json_num(lead.get("loss")),

@@ -89,6 +89,9 @@ class WsBus:
         self.max_queue_bytes = max_queue_bytes
         self.on_control = on_control
         self.on_message: Callable[[dict], None] | None = None
+        #: When set, every inbound chunk goes here raw instead of to this bus's reader and byte
+        #: counts (the mesh bus, which counts and decodes every path in one place).
+        self.on_chunk: Callable[[bytes], None] | None = None
         self.id = 0
         self.secret: str | None = None
         self.writer: FrameWriter | None = None
@@ -228,6 +231,24 @@ class WsBus:
         self._queued_bytes += size
         self._wake.set()
 
+    def send_raw(self, chunks: list[bytes]) -> bool:
+        """Queue already-encoded chunks to the relay as they are (no byte accounting here).
+
+        Returns:
+            False when they were dropped (closed, disconnected or the queue bound).
+        """
+        size = sum(map(len, chunks))
+        if self.closed or not self.connected:
+            self._count("disconnected")
+            return False
+        if self._queued_bytes + size > self.max_queue_bytes:
+            self._count("send_overflow")
+            return False
+        self._queue.extend(chunks)
+        self._queued_bytes += size
+        self._wake.set()
+        return True
+
     def send_control(self, obj: dict) -> None:
         """Queue a JSON control message (e.g. a state report) on the same socket."""
         if self.closed or not self.connected:
@@ -281,7 +302,7 @@ class WsBus:
                     if isinstance(item, str):
                         await ws.send_str(item)
                     else:
-                        await ws.send_bytes(item)
+                        await self._send_chunk(ws, item)
                 except (ConnectionError, RuntimeError, OSError):
                     break  # the receive loop notices and reconnects
                 if self._queue and self._queue[0] is item:
@@ -289,6 +310,10 @@ class WsBus:
                     self._queued_bytes -= len(item)
                 self.n_sent += 1
                 self.uplink_bytes += len(item)
+
+    async def _send_chunk(self, ws: Any, chunk: bytes) -> None:
+        """Put one chunk on the link (the WebRTC star link overrides this)."""
+        await ws.send_bytes(chunk)
 
     async def _recv_loop(self) -> None:
         import aiohttp
@@ -364,6 +389,10 @@ class WsBus:
     def _on_chunk(self, chunk: bytes) -> None:
         self.n_received += 1
         self.downlink_bytes += len(chunk)
+        if self.on_chunk is not None:
+            if not self.closed:
+                self.on_chunk(chunk)
+            return
         try:
             sender = parse_route(chunk).sender
         except RemoteProtocolError:

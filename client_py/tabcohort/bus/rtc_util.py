@@ -1,0 +1,135 @@
+"""aiortc helpers shared by the mesh bus, the WebRTC star link and the server's terminator.
+
+aiortc is imported inside the functions, so importing this module never needs it.
+
+- :func:`set_host_addresses`: aioice never offers 127.0.0.1 as a host candidate; a loopback-only
+  host (CI, a private network namespace) needs the host address list set explicitly. This is a
+  process-wide override of ``aioice.ice.get_host_addresses`` (aioice looks that function up at
+  every gather), off by default (``None`` = aioice's own list).
+- :func:`configuration`: ``RTCConfiguration`` with the given ICE servers and *no* default STUN
+  server (aiortc adds a public one when ``iceServers`` is left unset).
+- :func:`negotiated_max_message_bytes`: the chunk limit of a connected peer connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, negotiate_max_message_bytes
+
+_host_override: list[str] | None = None
+_patched = False
+
+#: The data channel label every tabcohort link uses.
+CHANNEL_LABEL = "tabcohort"
+
+
+def set_host_addresses(addresses: Sequence[str] | None) -> None:
+    """Use exactly ``addresses`` as ICE host candidates in this process (``None`` = aioice's list).
+
+    Raises:
+        ConfigError: an address that is not an IP literal.
+    """
+    global _host_override, _patched
+    import ipaddress
+
+    if addresses is not None:
+        addresses = list(addresses)
+        for a in addresses:
+            try:
+                ipaddress.ip_address(a)
+            except ValueError:
+                raise ConfigError("rtc host address", a, "must be an IP address literal, e.g. 127.0.0.1") from None
+    _host_override = addresses
+    if addresses is not None and not _patched:
+        import aioice.ice
+
+        original = aioice.ice.get_host_addresses
+
+        def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+            if _host_override is None:
+                return original(use_ipv4=use_ipv4, use_ipv6=use_ipv6)
+            return [a for a in _host_override if (":" in a and use_ipv6) or (":" not in a and use_ipv4)]
+
+        aioice.ice.get_host_addresses = get_host_addresses
+        _patched = True
+
+
+def parse_ice_servers(urls: Sequence[str] | str | None) -> list[str]:
+    """``"stun:h:3478,turn:u:p@h:3478"`` or a list -> validated URL list (empty = none).
+
+    A TURN URL may carry credentials as ``turn:user:password@host:port``.
+
+    Raises:
+        ConfigError: a URL whose scheme is not stun/stuns/turn/turns.
+    """
+    if urls is None:
+        return []
+    if isinstance(urls, str):
+        urls = [u.strip() for u in urls.split(",") if u.strip()]
+    out = []
+    for u in urls:
+        if u.split(":", 1)[0] not in ("stun", "stuns", "turn", "turns"):
+            raise ConfigError("ice server", u, "expected stun:, stuns:, turn: or turns: URL")
+        out.append(u)
+    return out
+
+
+def configuration(ice_servers: Sequence[str] = ()) -> Any:
+    """An ``RTCConfiguration`` with exactly these ICE servers (none by default)."""
+    from aiortc import RTCConfiguration, RTCIceServer
+
+    servers = []
+    for u in ice_servers:
+        scheme, rest = u.split(":", 1)
+        if scheme.startswith("turn") and "@" in rest:
+            cred, host = rest.rsplit("@", 1)
+            user, _, pw = cred.partition(":")
+            servers.append(RTCIceServer(urls=f"{scheme}:{host}", username=user, credential=pw))
+        else:
+            servers.append(RTCIceServer(urls=u))
+    return RTCConfiguration(iceServers=servers)
+
+
+def negotiated_max_message_bytes(pc: Any) -> int:
+    """The smaller of ours (256 KiB) and the remote's ``a=max-message-size`` (none -> 64 KiB)."""
+    sctp = getattr(pc, "sctp", None)
+    remote = getattr(sctp, "_remote_max_message_size", None) if sctp is not None else None
+    return negotiate_max_message_bytes(DATA_CHANNEL_MAX_MESSAGE_BYTES, remote or None)
+
+
+def gate_receive(pc: Any, gate: Any) -> None:
+    """Tests: make ``pc`` stop reading datagrams while ``gate`` (an asyncio.Event) is clear.
+
+    Datagrams wait in aioice's queue, so nothing is lost; the sender sees no SCTP acks and its
+    ``bufferedAmount`` grows, as with a real stalled receiver.
+    """
+    ice = pc.sctp.transport.transport
+    if getattr(ice, "_tabcohort_gated", False):
+        ice._tabcohort_gate = gate
+        return
+    inner = ice._recv
+
+    async def gated_recv() -> bytes:
+        await ice._tabcohort_gate.wait()
+        return await inner()
+    ice._tabcohort_gate = gate
+    ice._tabcohort_gated = True
+    ice._recv = gated_recv
+
+
+async def add_candidate(pc: Any, cand: dict) -> None:
+    """Add a trickled browser candidate (``{candidate, sdpMid, sdpMLineIndex}``); empty = end."""
+    from aiortc.sdp import candidate_from_sdp
+
+    text = cand.get("candidate") or ""
+    if not text:
+        await pc.addIceCandidate(None)
+        return
+    if text.startswith("candidate:"):
+        text = text[len("candidate:"):]
+    c = candidate_from_sdp(text)
+    c.sdpMid = cand.get("sdpMid")
+    c.sdpMLineIndex = cand.get("sdpMLineIndex")
+    await pc.addIceCandidate(c)

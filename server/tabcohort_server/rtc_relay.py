@@ -1,0 +1,176 @@
+"""The server end of WebRTC star links: a rank that picks ``--link rtc`` in a star room offers a
+data channel to the server (``signal`` with ``to == 0`` on its WebSocket); this module answers
+with aiortc and feeds the channel into the same relay as the WebSocket links.
+
+Inbound chunks go to :meth:`Room.relay` exactly as WebSocket chunks do (the routing header's
+sender must be the link's id). Outbound, the socket writer in ``app.py`` sends chunks on the
+channel while it is open (:meth:`RtcLink.send`, flow-controlled on ``bufferedAmount``: the chunks
+wait in the peer's relay queue, so relay pressure and the slow-consumer bound work unchanged),
+and controls on the WebSocket. When the channel closes the link falls back to the WebSocket.
+
+aiortc is imported lazily: a server without WebRTC star ranks never needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Sequence
+
+from tabcohort.bus.rtc_util import add_candidate, configuration, set_host_addresses
+
+from .rooms import Peer, Room
+
+log = logging.getLogger("tabcohort.server.rtc")
+
+#: Outbound flow control on the server's channel to one rank.
+HIGH_WATER_BYTES = 1 << 20
+LOW_WATER_BYTES = 256 << 10
+
+
+class RtcLink:
+    """One rank's data channel to the server."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.pc: Any = None
+        self.channel: Any = None
+        self.up = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._low = asyncio.Event()
+        self._low.set()
+
+    async def send(self, chunk: bytes) -> bool:
+        """Send one chunk on the channel, waiting (bounded by the channel closing) for room.
+
+        Returns:
+            False if the channel is gone (the caller sends on the WebSocket instead).
+        """
+        ch = self.channel
+        while self.up and ch is not None and ch.bufferedAmount >= HIGH_WATER_BYTES:
+            self._low.clear()
+            try:
+                await asyncio.wait_for(self._low.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        if not self.up or ch is None or ch.readyState != "open":
+            return False
+        ch.send(chunk)
+        self.bytes_out += len(chunk)
+        return True
+
+    def close(self) -> Any:
+        self.up = False
+        self._low.set()
+        pc, self.pc, self.channel = self.pc, None, None
+        return pc.close() if pc is not None else None
+
+
+class RtcTerminator:
+    """Answers ``signal``s addressed to the server for every room of one app.
+
+    Args:
+        ice_servers: STUN/TURN URLs (none by default).
+        host_addresses: ICE host addresses (``None`` = aioice's list; see ``rtc_util``).
+    """
+
+    def __init__(self, ice_servers: Sequence[str] = (), host_addresses: Sequence[str] | None = None) -> None:
+        self.ice_servers = list(ice_servers)
+        if host_addresses is not None:
+            set_host_addresses(host_addresses)
+        self.tasks: set[asyncio.Task] = set()
+
+    def attach(self, room: Room) -> None:
+        room.on_server_signal = lambda p, sig: self.on_signal(room, p, sig)
+
+    def on_signal(self, room: Room, p: Peer, sig: dict) -> None:
+        kind = sig.get("kind")
+        if room.job.topology != "star":
+            room.drop("no_route")
+            return
+        if kind == "offer" and isinstance(sig.get("sdp"), str):
+            self._spawn(self._answer(room, p, sig["sdp"]))
+        elif kind == "candidate" and isinstance(sig.get("candidate"), dict) and p.rtc is not None \
+                and p.rtc.pc is not None:
+            self._spawn(add_candidate(p.rtc.pc, sig["candidate"]))
+        elif kind == "bye":
+            self.detach(p)
+        else:
+            room.drop("bad_signal")
+
+    def detach(self, p: Peer) -> None:
+        """The rank's socket ended (or it gave up): close its channel."""
+        link, p.rtc = p.rtc, None
+        if link is not None:
+            c = link.close()
+            if c is not None:
+                self._spawn(c)
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self._done)
+
+    def _done(self, t: asyncio.Task) -> None:
+        self.tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("rtc link task failed: %r", t.exception())
+
+    async def _answer(self, room: Room, p: Peer, sdp: str) -> None:
+        from aiortc import RTCPeerConnection, RTCSessionDescription
+
+        self.detach(p)
+        link = p.rtc = RtcLink(p)
+        pc = link.pc = RTCPeerConnection(configuration(self.ice_servers))
+
+        @pc.on("datachannel")
+        def _channel(ch: Any) -> None:
+            if p.rtc is not link:
+                ch.close()
+                return
+            link.channel = ch
+            ch.bufferedAmountLowThreshold = LOW_WATER_BYTES
+
+            def opened() -> None:
+                link.up = True
+                log.info("rank %08x: WebRTC star link open", p.id)
+                if p.wake is not None:
+                    p.wake()
+
+            @ch.on("message")
+            def _message(data: Any) -> None:
+                if isinstance(data, (bytes, bytearray)) and p.connected and p.rtc is link:
+                    link.bytes_in += len(data)
+                    room.relay(p, bytes(data))
+
+            @ch.on("bufferedamountlow")
+            def _low() -> None:
+                link._low.set()
+
+            @ch.on("close")
+            def _closed() -> None:
+                link.up = False
+                link._low.set()
+
+            if ch.readyState == "open":
+                opened()
+            else:
+                ch.on("open", opened)
+
+        @pc.on("connectionstatechange")
+        def _state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                link.up = False
+                link._low.set()
+
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+        await pc.setLocalDescription(await pc.createAnswer())
+        if p.rtc is link and p.connected:
+            room.send_control(p, {"type": "signal", "from": 0, "kind": "answer", "sdp": pc.localDescription.sdp})
+
+    async def aclose(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=2.0)

@@ -1,0 +1,117 @@
+"""WebRTC buses under the conformance battery: a real server (tabcohort_server) on 127.0.0.1 in
+the harness's loop, and aiortc data channels on loopback (host candidates forced to 127.0.0.1).
+
+- ``RtcMeshHarness``: a mesh room; every pair must be on a data channel (``rtc``) before a case
+  runs, so a silent fallback to the relay fails the battery.
+- ``RtcStarHarness``: a star room whose ranks link to the server over WebRTC (``--link rtc``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tabcohort.bus import Bus
+
+from .bus_harness import LoopBusHarness
+
+SETTLE_TIMEOUT_S = 30.0
+LOOPBACK = ["127.0.0.1"]
+
+
+class _RtcHarness(LoopBusHarness):
+    topology = "star"
+
+    def __init__(self, precision: str = "f32") -> None:
+        super().__init__()
+        self.precision = precision
+        self.max_message_bytes = 262144
+        self.high_water_bytes = 1 << 20
+        self.buses: list = []
+        self.runner = None
+        self.room = None
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        from aiohttp import web
+        from tabcohort_server import JobConfig, ServerConfig, ServerLimits
+        from tabcohort_server.app import ROOMS, create_app
+
+        cfg = ServerConfig(rooms={"conf": JobConfig(dataset="synthetic", precision=self.precision,
+                                                    topology=self.topology)},
+                           limits=ServerLimits(queue_high_water_bytes=self.high_water_bytes,
+                                               queue_max_bytes=256 << 20, queue_max_items=100_000),
+                           rtc_host_addresses=LOOPBACK)
+        app = create_app(cfg)
+        self.room = app[ROOMS].get("conf")
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"ws://127.0.0.1:{port}/api/rooms/conf/ws"
+
+    async def _until(self, cond, what: str, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while not cond():
+            if loop.time() > end:
+                raise TimeoutError(f"condition not reached: {what}")
+            await asyncio.sleep(0.005)
+
+    def stall(self, bus: Bus, stalled: bool) -> None:
+        bus.stall(stalled)
+
+    def close(self) -> None:
+        async def down() -> None:
+            for b in self.buses:
+                await b.aclose()
+            await self.runner.cleanup()
+        self.loop.run_until_complete(down())
+        super().close()
+
+
+class RtcMeshHarness(_RtcHarness):
+    topology = "mesh"
+
+    async def amake(self, n: int) -> list[Bus]:
+        from tabcohort.bus.rtc import RtcMeshBus
+
+        new = []
+        for _ in range(n):
+            b = RtcMeshBus(self.url, precision=self.precision, host_addresses=LOOPBACK, idle_timeout_s=None,
+                           connect_timeout_s=20.0)
+            await b.connect()
+            new.append(b)
+        self.buses += new
+        live = [b for b in self.buses if not b.closed]
+        ids = {b.id for b in live}
+        await self._until(lambda: all(set(b.links()) == ids - {b.id} and set(b.links().values()) <= {"rtc"}
+                                      for b in live), "every pair on a data channel")
+        return new
+
+    def _quiet(self) -> bool:
+        live = {b.id: b for b in self.buses if not b.closed}
+        for a in live.values():
+            for p, lk in a.links_.items():
+                b = live.get(p)
+                if b is None:
+                    continue  # a closed peer: its link may have moved to the relay, nothing to carry
+                if lk.kind != "rtc":
+                    return False
+                if not b._stall_gate.is_set():
+                    continue  # a stalled receiver cannot make progress: nothing to wait for
+                if lk.queue or lk.channel is None or lk.channel.bufferedAmount:
+                    return False
+                if b.links_[a.id].received != lk.sent:
+                    return False
+        return True
+
+    async def asettle(self) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + SETTLE_TIMEOUT_S
+        stable = 0
+        while stable < 3:
+            await asyncio.sleep(0.005)
+            stable = stable + 1 if self._quiet() else 0
+            if loop.time() > end:
+                raise RuntimeError("WebRTC mesh did not settle")
