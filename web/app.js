@@ -5,7 +5,7 @@ import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
-  stopped: null, sockets: 0, pageStart: performance.now(), phase: "starting" });
+  stopped: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
 const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
 setPhase("starting");
 
@@ -159,6 +159,7 @@ function onPy(m) {
 
 function render(s) {
   tc.state = s;
+  tc.maxCohort = Math.max(tc.maxCohort, s.cohort || 0);
   $("s-id").textContent = hex(s.id);
   $("s-role").textContent = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
   $("s-role").className = s.is_leader ? "leader" : "";

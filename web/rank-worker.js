@@ -54,12 +54,12 @@ async function boot(cfg) {
   progress(`loading the Python runtime: Pyodide ${b.pyodide.version} from ${b.pyodide.source === "local" ? "this server" : "the public CDN"}`, t0);
   const { loadPyodide } = await import(new URL("pyodide.mjs", indexURL).href);
   const opts = { indexURL, env: { HOME: "/home/pyodide" } };
+  if (b.stdlib && b.stdlib.url) opts.stdLibURL = new URL(b.stdlib.url, cfg.base).href;  // precompiled .pyc
   if (b.packages.source === "local") {
     opts.lockFileURL = new URL("pyodide-lock.json", new URL(b.packages.url, cfg.base)).href;
   } else {
     opts.packageBaseUrl = b.packages.url;
   }
-  const logs = [];
   opts.stdout = (line) => ui({ k: "log", text: line });
   opts.stderr = (line) => ui({ k: "log", text: line, stream: "stderr" });
   const py = await loadPyodide(opts);

@@ -62,6 +62,24 @@ def _pyodide_version(d: pathlib.Path | None) -> str:
     return PYODIDE_VERSION
 
 
+def _stdlib_pyc(d: pathlib.Path | None) -> pathlib.Path | None:
+    """A precompiled (.pyc) copy of Pyodide's stdlib zip, as the Pyodide test tier caches it
+    (``.cache/pyodide-wheels/stdlib-py314-{key}.zip``, built by ``tests/pyodide/run.mjs``;
+    ``TABCOHORT_PYODIDE_STDLIB`` overrides). It halves Pyodide's boot; without it the tab boots
+    from the stock stdlib (sources only)."""
+    p = os.environ.get("TABCOHORT_PYODIDE_STDLIB")
+    if p:
+        return pathlib.Path(p) if pathlib.Path(p).is_file() else None
+    if d is None:
+        return None
+    src = d / "python_stdlib.zip"
+    if not src.is_file():
+        return None
+    key = hashlib.sha256(f"{_pyodide_version(d)}:{src.stat().st_size}".encode()).hexdigest()[:16]
+    f = ROOT / ".cache" / "pyodide-wheels" / f"stdlib-py314-{key}.zip"
+    return f if f.is_file() else None
+
+
 def _packages_dir() -> pathlib.Path | None:
     p = os.environ.get("TABCOHORT_PYODIDE_PACKAGES")
     return pathlib.Path(p) if p and pathlib.Path(p).is_dir() else None
@@ -150,6 +168,7 @@ def boot_info(wheel: WheelBuilder) -> dict[str, Any]:
                      "source": "local" if pk is not None else "cdn"},
         "wheel": {"url": f"/wheel/{wheel.filename}", "name": wheel.filename, "sha256": wheel.digest()},
         "site_packages": "/lib/python3.14/site-packages",
+        "stdlib": {"url": "/pyodide-stdlib.zip" if _stdlib_pyc(d) is not None else None},
     }
 
 
@@ -166,6 +185,13 @@ async def _wheel(request: web.Request) -> web.Response:
                         headers={"Cache-Control": "no-cache"})
 
 
+async def _stdlib(request: web.Request) -> web.StreamResponse:
+    f = _stdlib_pyc(_pyodide_dir())
+    if f is None:
+        raise web.HTTPNotFound(text="no precompiled stdlib")
+    return web.FileResponse(f, headers={"Content-Type": "application/zip"})
+
+
 def _page(name: str):
     async def handler(request: web.Request) -> web.FileResponse:
         return web.FileResponse(WEB_DIR / name, headers={"Cache-Control": "no-cache"})
@@ -179,6 +205,7 @@ def setup_static(app: web.Application) -> None:
     app.router.add_get("/operator", _page("operator.html"))
     app.router.add_get("/api/boot", _boot)
     app.router.add_get("/wheel/{name}", _wheel)
+    app.router.add_get("/pyodide-stdlib.zip", _stdlib)
     if WEB_DIR.is_dir():
         app.router.add_static("/web/", WEB_DIR)
     d = _pyodide_dir()
