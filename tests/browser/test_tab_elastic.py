@@ -1,0 +1,70 @@
+"""Elastic membership with real tabs: close a follower's tab (the others go on), reopen it (it
+rejoins and is synced by one round), close the leader's tab (a new leader takes over). Three tabs,
+no native rank, so the leader is always a tab."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import wait_for, wait_tab
+
+pytestmark = pytest.mark.browser
+
+# PROTOCOL.md defaults (ms): a handover takes at most drop + takeover + 2 beats (+ slack for 2 cores)
+BEAT, DROP, TAKEOVER = 400, 1600, 3200
+HANDOVER_BOUND_S = (DROP + TAKEOVER + 2 * BEAT) / 1000 + 4.0
+
+
+def _lead(tabs_: list) -> tuple:
+    for t in tabs_:
+        s = t.state()
+        if s and s["is_leader"]:
+            return t, s
+    return None
+
+
+def test_close_reopen_and_close_the_leaders_tab(cluster, tabs):
+    url = cluster.serve()
+    ts = [tabs(url, "?room=digits") for _ in range(3)]
+    for t in ts:
+        wait_tab(t, lambda s: s["ready"] and s["cohort"] == 3, 90, "a cohort of 3 tabs")
+
+    # 1. close a follower's tab: the others continue
+    lead_tab, lead = wait_for(lambda: _lead(ts), 20, "a leader tab")
+    victim = next(t for t in ts if t is not lead_tab)
+    victim_id = victim.state()["id"]
+    victim.close()
+    ts.remove(victim)
+    s0 = lead_tab.state()["step"]
+    wait_tab(lead_tab, lambda s: s["cohort"] == 2 and s["step"] >= s0 + 20, 30,
+             "the other two to drop the closed tab and go on (20 more steps)")
+
+    # 2. reopen it: a new rank joins and the next round syncs it (it never trains from its own init)
+    again = tabs(url, "?room=digits")
+    ts.append(again)
+    wait_for(lambda: again.tc("tc.joinedAt"), 60, "the reopened tab to join")
+    st_join = lead_tab.state()["step"]
+    first_ready = wait_tab(again, lambda s: s["ready"], 30, "the reopened tab to be synced")
+    assert first_ready["id"] != victim_id
+    # synced by one round: its first ready state already carries the cohort's step, not step 0
+    assert first_ready["step"] >= st_join, (first_ready["step"], st_join)
+    wait_tab(again, lambda s: s["cohort"] == 3, 30, "a cohort of 3 again")
+
+    # 3. close the leader's tab: a new leader takes over within the handover bound
+    lead_tab, lead = wait_for(lambda: _lead(ts), 30, "a leader tab")
+    old = lead["id"]
+    t_close = time.monotonic()
+    lead_tab.close()
+    ts.remove(lead_tab)
+    step_before = max(t.state()["step"] for t in ts)
+    new = wait_for(lambda: (x := _lead(ts)) and x[1]["id"] != old and x[1]["step"] > step_before and x,
+                   HANDOVER_BOUND_S + 10, "a new leader driving rounds")
+    handover = time.monotonic() - t_close
+    for t in ts:
+        wait_tab(t, lambda s: s["leader"] == new[1]["id"] and s["cohort"] == 2, 20, "both tabs following the new leader")
+    print(f"\nhandover after closing the leader's tab: {handover:.2f} s (bound {HANDOVER_BOUND_S:.1f} s); "
+          f"new leader {new[1]['id']:08x} at step {new[1]['step']}")
+    assert handover <= HANDOVER_BOUND_S + 10
+    assert not [e for t in ts for e in t.console_errors], [t.console_errors for t in ts]
