@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--room", default=None, help="room name")
     r.add_argument("--token", default=None, help="room token, if the room has one")
     r.add_argument("--batch", default=None, help="samples per bucket for this rank (default: the job's)")
-    r.add_argument("--link", default=None, help="link kind to the server: ws")
+    r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc")
+    r.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated "
+                   "(TABCOHORT_ICE_SERVERS; default none)")
+    r.add_argument("--rtc-hosts", default=None, help="WebRTC ICE host addresses, comma-separated, e.g. "
+                   "127.0.0.1 on a loopback-only host (TABCOHORT_RTC_HOSTS; default: the interfaces')")
+    r.add_argument("--rtc-timeout", default=None, help="seconds for a data channel to open before the "
+                   "relay is used (TABCOHORT_RTC_TIMEOUT; default 5)")
     r.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
 
     v = sub.add_parser("serve", help="run the server with one room",
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period")
     v.add_argument("--collect-ms", type=float, default=2000.0, help="protocol collect window")
     v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period")
+    v.add_argument("--rtc-hosts", default=None, help="WebRTC ICE host addresses for --link rtc ranks, "
+                   "comma-separated (e.g. 127.0.0.1 on a loopback-only host)")
+    v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default none)")
     v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
     return p
 
@@ -125,7 +134,8 @@ def _rank(a: argparse.Namespace) -> int:
     from .runtime.native import RankConfig, run_rank
 
     cfg = RankConfig.from_sources({"server": a.server, "room": a.room, "token": a.token, "batch": a.batch,
-                                   "link": a.link, "backend": a.backend})
+                                   "link": a.link, "backend": a.backend, "ice_servers": a.ice_servers,
+                                   "rtc_hosts": a.rtc_hosts, "rtc_timeout": a.rtc_timeout})
     cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
     return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True)))
 
@@ -143,8 +153,11 @@ def _serve(a: argparse.Namespace) -> int:
                     target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
+    from tabcohort.bus.rtc_util import parse_ice_servers
     cfg = ServerConfig(rooms={a.room: job}, checkpoint_dir=a.checkpoint_dir,
-                       limits=ServerLimits(resume_grace_s=a.grace))
+                       limits=ServerLimits(resume_grace_s=a.grace),
+                       rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers)),
+                       rtc_host_addresses=None if not a.rtc_hosts else [h.strip() for h in a.rtc_hosts.split(",")])
     return serve(cfg, host=a.host, port=a.port, progress=lambda line: print(line, flush=True))
 
 

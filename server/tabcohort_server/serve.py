@@ -24,7 +24,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{actual}"
     for name, job in config.rooms.items():
-        progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology}/ws)")
+        progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}")
     progress(f"URL {url}")

@@ -530,3 +530,147 @@ class RtcMeshBus:
             self._declare_relay()
         if self.on_control is not None and t not in ("signal",):
             self.on_control(obj)
+
+
+class RtcStarBus(WsBus):
+    """The star topology over WebRTC: this rank's one link to the server is a data channel
+    (``--link rtc``), negotiated over the rank WebSocket, which keeps carrying the controls.
+
+    If the channel is not open within ``connect_timeout_s`` (or closes later) chunks go on the
+    WebSocket instead; :meth:`links` says which (``{0: "rtc"|"ws"}``, 0 = the server) and
+    :meth:`transport_bytes` how many bytes each carried. Flow control as in :class:`RtcMeshBus`:
+    the send loop waits while the channel's ``bufferedAmount`` is above the high-water mark, so
+    chunks stay in this bus's queue and ``pressure()`` sees them.
+    """
+
+    def __init__(self, ws_url: str, *, ice_servers: Sequence[str] | str | None = None,
+                 host_addresses: Sequence[str] | None = None,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 channel_high_water_bytes: int = 1 << 20, channel_low_water_bytes: int = 256 << 10,
+                 **kw: Any) -> None:
+        super().__init__(ws_url, **kw)
+        self.ice_servers = parse_ice_servers(ice_servers)
+        if host_addresses is not None:
+            set_host_addresses(list(host_addresses))
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.channel_high_water_bytes = channel_high_water_bytes
+        self.channel_low_water_bytes = channel_low_water_bytes
+        self.pc: Any = None
+        self.channel: Any = None
+        self.rtc_up = False
+        self.rtc_why: str | None = None
+        self.rtc_sent = 0
+        self.rtc_received = 0
+        self._low: asyncio.Event | None = None
+        self._held: list[bytes] = []
+        self._rtc_tasks: set[asyncio.Task] = set()
+
+    async def connect(self, timeout_s: float = 10.0) -> "RtcStarBus":
+        """Register on the WebSocket, then open the data channel to the server (bounded).
+
+        Raises:
+            LinkFailed: the server refused or did not answer (the channel failing is not fatal).
+        """
+        import aiortc  # noqa: F401
+
+        await super().connect(timeout_s)
+        self._low = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._open_rtc(), self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            self._rtc_down(f"channel to the server not open within {self.connect_timeout_s:g} s")
+        return self
+
+    async def _open_rtc(self) -> None:
+        from aiortc import RTCPeerConnection
+
+        pc = self.pc = RTCPeerConnection(configuration(self.ice_servers))
+        ch = self.channel = pc.createDataChannel(CHANNEL_LABEL, ordered=True)
+        ch.bufferedAmountLowThreshold = self.channel_low_water_bytes
+        opened = asyncio.Event()
+        ch.on("open", opened.set)
+
+        @ch.on("message")
+        def _message(data: Any) -> None:
+            if isinstance(data, (bytes, bytearray)) and not self.closed:
+                self.rtc_received += len(data)
+                if self._recv_gate is not None and not self._recv_gate.is_set():
+                    self._held.append(bytes(data))
+                else:
+                    self._on_chunk(bytes(data))
+
+        ch.on("bufferedamountlow", self._low.set)
+        ch.on("close", lambda: self._rtc_down("data channel closed"))
+
+        @pc.on("connectionstatechange")
+        def _state() -> None:
+            if pc.connectionState in ("failed", "closed"):
+                self._rtc_down(f"peer connection {pc.connectionState}")
+
+        await pc.setLocalDescription(await pc.createOffer())
+        self.send_control({"type": "signal", "to": 0, "kind": "offer", "sdp": pc.localDescription.sdp})
+        await opened.wait()
+        self.rtc_up = True
+        self.writer.max_message_bytes = negotiated_max_message_bytes(pc)
+        log.info("rank %08x: WebRTC star link open (max message %d)", self.id, self.writer.max_message_bytes)
+
+    def _rtc_down(self, why: str) -> None:
+        if self.rtc_why is None and not self.closed:
+            self.rtc_why = why
+            log.warning("rank %08x: star link uses the WebSocket: %s", self.id, why)
+        self.rtc_up = False
+        if self._low is not None:
+            self._low.set()
+
+    def _handle_control(self, obj: dict) -> None:
+        if obj.get("type") == "signal" and obj.get("from") == 0 and obj.get("kind") == "answer" \
+                and self.pc is not None and isinstance(obj.get("sdp"), str):
+            from aiortc import RTCSessionDescription
+
+            t = asyncio.get_running_loop().create_task(
+                self.pc.setRemoteDescription(RTCSessionDescription(sdp=obj["sdp"], type="answer")))
+            self._rtc_tasks.add(t)
+            t.add_done_callback(self._rtc_tasks.discard)
+            return
+        super()._handle_control(obj)
+
+    async def _send_chunk(self, ws: Any, chunk: bytes) -> None:
+        ch = self.channel
+        while self.rtc_up and ch.bufferedAmount >= self.channel_high_water_bytes:
+            self._low.clear()
+            try:
+                await asyncio.wait_for(self._low.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        if self.rtc_up and ch.readyState == "open":
+            ch.send(chunk)
+            self.rtc_sent += len(chunk)
+        else:
+            await ws.send_bytes(chunk)
+
+    def links(self) -> dict[int, str]:
+        return {0: "rtc" if self.rtc_up else "ws"}
+
+    def transport_bytes(self) -> dict[str, int]:
+        rtc = self.rtc_sent + self.rtc_received
+        return {"rtc": rtc, "ws": self.total_bytes() - rtc}
+
+    def stall(self, stalled: bool) -> None:
+        super().stall(stalled)
+        if self.pc is not None and self.rtc_up:
+            if stalled:
+                self._gate = getattr(self, "_gate", None) or asyncio.Event()
+                self._gate.clear()
+                gate_receive(self.pc, self._gate)
+            elif getattr(self, "_gate", None) is not None:
+                self._gate.set()
+        if not stalled:
+            held, self._held = self._held, []
+            for c in held:
+                self._on_chunk(c)
+
+    async def _teardown(self) -> None:
+        await super()._teardown()
+        pc, self.pc = self.pc, None
+        if pc is not None:
+            await pc.close()

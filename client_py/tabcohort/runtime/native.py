@@ -24,9 +24,10 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
 
-LINKS = ("ws",)
+LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
-       "batch": "TABCOHORT_BATCH", "link": "TABCOHORT_LINK"}
+       "batch": "TABCOHORT_BATCH", "link": "TABCOHORT_LINK", "ice_servers": "TABCOHORT_ICE_SERVERS",
+       "rtc_hosts": "TABCOHORT_RTC_HOSTS", "rtc_timeout": "TABCOHORT_RTC_TIMEOUT"}
 
 
 @dataclass
@@ -39,6 +40,12 @@ class RankConfig:
     batch: int | None = None
     link: str = "ws"
     backend: str = "auto"
+    #: WebRTC (mesh rooms, or ``link="rtc"`` in star rooms): STUN/TURN URLs (comma-separated;
+    #: none by default), ICE host addresses (``None`` = aioice's list; ``127.0.0.1`` for a
+    #: loopback-only host) and the bound in seconds on a channel coming up before the relay is used.
+    ice_servers: str | None = None
+    rtc_hosts: str | None = None
+    rtc_timeout: Any = 5.0
     sources: dict[str, str] | None = None  # setting -> the variable it came from (for errors)
 
     @classmethod
@@ -61,6 +68,9 @@ class RankConfig:
         cfg = cls(server=vals.get("server", ""), room=vals.get("room", ""), token=vals.get("token"),
                   link=vals.get("link", "ws"), backend=args.get("backend") or "auto", sources=src)
         cfg.batch = vals.get("batch")  # validated (int) in validate()
+        cfg.ice_servers = vals.get("ice_servers")
+        cfg.rtc_hosts = vals.get("rtc_hosts")
+        cfg.rtc_timeout = vals.get("rtc_timeout", 5.0)
         return cfg
 
     def _name(self, key: str) -> str:
@@ -96,6 +106,23 @@ class RankConfig:
             self.batch = b
         if self.link not in LINKS:
             raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
+        from ..bus.rtc_util import parse_ice_servers, set_host_addresses  # noqa: F401
+        parse_ice_servers(self.ice_servers)
+        if self.rtc_hosts is not None:
+            import ipaddress
+            for a in str(self.rtc_hosts).split(","):
+                try:
+                    ipaddress.ip_address(a.strip())
+                except ValueError:
+                    raise ConfigError(self._name("rtc_hosts"), self.rtc_hosts,
+                                      "expected comma-separated IP addresses, e.g. 127.0.0.1") from None
+        try:
+            t = float(self.rtc_timeout)
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (0 < t <= 600):
+            raise ConfigError(self._name("rtc_timeout"), self.rtc_timeout, "must be seconds in (0, 600]")
+        self.rtc_timeout = t
         if resolve:
             try:
                 infos = socket.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
@@ -158,8 +185,8 @@ class RankRun:
         self.stop_event = asyncio.Event()
         async with aiohttp.ClientSession() as http:
             job = await self._get(http, "/job")
-            if job.get("topology") != "star" or job.get("link") not in cfg_links():
-                raise ConfigError("topology", job.get("topology"), "this rank supports the star topology over ws")
+            if job.get("topology") not in ("star", "mesh"):
+                raise ConfigError("topology", job.get("topology"), "this rank supports the star and mesh topologies")
             portable = await self._get(http, "/dataset")
             ds = Dataset.from_portable(portable)  # verifies the embedded sha256 against the content
             want = job["dataset_info"]["sha256"]
@@ -184,8 +211,7 @@ class RankRun:
                 self.start_step = int(headers.get("X-Tabcohort-Step", "0"))
                 self.progress(f"loaded checkpoint at step {self.start_step} ({headers.get('X-Tabcohort-Digest', '')[:12]})")
 
-            bus = WsBus(ws_url(cfg.base_url, cfg.room), token=cfg.token, precision=job["precision"],
-                        on_control=self._on_control)
+            bus = self._make_bus(job, ws_url(cfg.base_url, cfg.room))
             await bus.connect()
             if bus.stopped_reason is not None or self.stop_event.is_set():
                 self.progress(f"room already stopped: {bus.stopped_reason}")
@@ -254,6 +280,22 @@ class RankRun:
             await bus.aclose()
         return 1 if self.failed else 0
 
+    def _make_bus(self, job: dict, url: str) -> Any:
+        """The room decides the topology; in a star the rank picks its link (ws | rtc)."""
+        cfg = self.cfg
+        common = dict(token=cfg.token, precision=job["precision"], on_control=self._on_control)
+        if job.get("topology") == "star" and cfg.link == "ws":
+            from ..bus.ws import WsBus
+            return WsBus(url, **common)
+        from ..bus.rtc import RtcMeshBus, RtcStarBus
+        hosts = None if cfg.rtc_hosts is None else [a.strip() for a in str(cfg.rtc_hosts).split(",") if a.strip()]
+        rtc = dict(ice_servers=cfg.ice_servers, host_addresses=hosts, connect_timeout_s=cfg.rtc_timeout)
+        if job.get("topology") == "mesh":
+            # idle bound: a few beats' worth (beats go out every policy.beat while a rank runs)
+            beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
+            return RtcMeshBus(url, idle_timeout_s=max(5.0, 10 * beat_s), **rtc, **common)
+        return RtcStarBus(url, **rtc, **common)
+
     def _on_control(self, obj: dict) -> None:
         t = obj.get("type")
         if t == "stop":
@@ -276,6 +318,10 @@ class RankRun:
         st["leaders"] = self.leaders
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step
+        bus = driver.bus
+        if hasattr(bus, "links"):
+            st["links"] = {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.links().items()}
+            st["link_bytes"] = bus.transport_bytes()
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     def _print(self, t: float, st: dict) -> None:
