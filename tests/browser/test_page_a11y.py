@@ -1,0 +1,86 @@
+"""The page and the operator view: accessibility (axe-core: no serious or critical violations at
+375x667 and at desktop size), no console errors, clear errors (wrong token, server unreachable),
+and screenshots of loading / training / stopped / error / operator view in tests/browser/artifacts/."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from .conftest import wait_for, wait_tab
+
+pytestmark = pytest.mark.browser
+
+AXE = pathlib.Path(__file__).resolve().parents[2] / "node_modules" / "axe-core" / "axe.min.js"
+MOBILE = {"width": 375, "height": 667}
+DESKTOP = {"width": 1280, "height": 900}
+
+
+def axe_serious(page) -> list[dict]:
+    if not page.evaluate("typeof axe !== 'undefined'"):
+        page.add_script_tag(path=str(AXE))
+    got = page.evaluate("""async () => (await axe.run(document, {resultTypes: ['violations']})).violations
+        .map(v => ({id: v.id, impact: v.impact, help: v.help, nodes: v.nodes.map(n => n.target.join(' ')).slice(0, 3)}))""")
+    return [v for v in got if v["impact"] in ("serious", "critical")]
+
+
+def check_both_sizes(tab, name: str) -> None:
+    for label, vp in (("375x667", MOBILE), ("desktop", DESKTOP)):
+        tab.page.set_viewport_size(vp)
+        bad = axe_serious(tab.page)
+        assert not bad, f"{name} at {label}: {bad}"
+        tab.shot(f"{name}-{label}")
+
+
+def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
+    if not AXE.is_file():
+        pytest.fail("node_modules/axe-core is missing: run npm ci")
+    url = cluster.serve("--token", "s3cret")
+    t = tabs(url, "?room=digits&token=s3cret", viewport=MOBILE)
+    wait_for(lambda: t.tc("tc.phase") in ("loading", "training"), 20, "the loading phase")
+    if t.tc("tc.phase") == "loading":
+        t.shot("loading-375x667")
+        assert not axe_serious(t.page)
+
+    wait_tab(t, lambda s: s["ready"] and s["step"] >= 20, 60, "training (20 steps)")
+    check_both_sizes(t, "training")
+    assert t.page.is_visible("#leader-controls")  # a lone tab leads: lr and precision are offered
+
+    op = tabs(url, "operator?room=digits&token=s3cret", viewport=DESKTOP)
+    wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.last && tcOperator.last.ranks.length"),
+             20, "the operator view's first poll")
+    wait_for(lambda: op.page.evaluate("tcOperator.last.checkpoint"), 20, "a checkpoint in the operator view")
+    wait_for(lambda: op.page.is_visible("#ckpt-link"), 5, "the checkpoint download link")
+    check_both_sizes(op, "operator")
+
+    cluster.post(f"/api/rooms/{cluster.room}/stop?token=s3cret")
+    wait_for(lambda: t.tc("tc.phase") == "stopped", 20, "the tab to stop")
+    check_both_sizes(t, "stopped")
+
+    bad = tabs(url, "?room=digits&token=wrong", viewport=MOBILE)
+    wait_for(lambda: bad.tc("tc.phase") == "error", 20, "the wrong-token error")
+    assert "token" in bad.page.inner_text("#error").lower()
+    check_both_sizes(bad, "error-token")
+
+    for tab in (t, op):
+        assert not tab.console_errors, tab.console_errors
+    # the wrong token is a 403 the page handles; the browser still logs the failed request itself
+    assert all("403" in e for e in bad.console_errors), bad.console_errors
+
+
+def test_server_unreachable_is_a_clear_error(cluster, browser):
+    url = cluster.serve()
+    ctx = browser.new_context(viewport=MOBILE)
+    try:
+        page = ctx.new_page()
+        page.route("**/api/**", lambda route: route.abort("connectionrefused"))
+        page.goto(f"{url}/?room=digits")
+        wait_for(lambda: page.evaluate("window.tc && tc.phase") == "error", 20, "the unreachable error")
+        assert "unreachable" in page.inner_text("#error").lower()
+        assert not axe_serious(page)
+        from .conftest import ARTIFACTS
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "error-unreachable-375x667.png"), full_page=True)
+    finally:
+        ctx.close()
