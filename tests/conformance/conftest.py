@@ -46,9 +46,10 @@ if _ws_available():
     except ImportError:
         pass
     else:
-        from .rtc_harness import RtcMeshHarness
+        from .rtc_harness import RtcMeshHarness, RtcStarHarness
 
         HARNESSES["rtc-mesh"] = lambda p: RtcMeshHarness(p)
+        HARNESSES["rtc-star"] = lambda p: RtcStarHarness(p)
 if sys.platform != "emscripten":
     from .tcp_harness import TcpHarness
 

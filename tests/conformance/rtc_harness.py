@@ -115,3 +115,55 @@ class RtcMeshHarness(_RtcHarness):
             stable = stable + 1 if self._quiet() else 0
             if loop.time() > end:
                 raise RuntimeError("WebRTC mesh did not settle")
+
+
+class RtcStarHarness(_RtcHarness):
+    """A star room whose ranks all link to the server over a data channel; settles like the
+    WebSocket star (the relay's counters against the buses'), channel counters included."""
+
+    topology = "star"
+
+    async def amake(self, n: int) -> list[Bus]:
+        from tabcohort.bus.rtc import RtcStarBus
+
+        new = []
+        for _ in range(n):
+            b = RtcStarBus(self.url, precision=self.precision, host_addresses=LOOPBACK, connect_timeout_s=20.0)
+            await b.connect()
+            if not b.rtc_up:
+                raise RuntimeError(f"star data channel did not open: {b.rtc_why}")
+            new.append(b)
+        self.buses += new
+        ids = {b.id for b in self.buses}
+        await self._until(lambda: all(b.peers == ids - {b.id} for b in self.buses if not b.closed)
+                          and all(self.room.peers[b.id].rtc is not None and self.room.peers[b.id].rtc.up
+                                  for b in self.buses if not b.closed), "peers known, server channels up")
+        return new
+
+    def _quiet(self) -> bool:
+        room = self.room
+        for b in self.buses:
+            if b.closed:
+                continue
+            p = room.peers.get(b.id)
+            if p is None or b.queued_bytes() or (b.channel is not None and b.channel.bufferedAmount):
+                return False
+            if p.rtc is None:
+                return False
+            gated = b._recv_gate is not None and not b._recv_gate.is_set()
+            if not gated and (p.queue or (p.rtc.channel is not None and p.rtc.channel.bufferedAmount)
+                              or p.rtc.bytes_out != b.rtc_received):
+                return False
+        sent = sum(x.rtc_sent for x in self.buses)
+        got = sum(room.peers[x.id].rtc.bytes_in for x in self.buses if x.id in room.peers and room.peers[x.id].rtc)
+        return sent == got
+
+    async def asettle(self) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + SETTLE_TIMEOUT_S
+        stable = 0
+        while stable < 4:
+            await asyncio.sleep(0.005)
+            stable = stable + 1 if self._quiet() else 0
+            if loop.time() > end:
+                raise RuntimeError("WebRTC star did not settle")

@@ -54,7 +54,8 @@ def test_rtc_star_three_ranks_train_on_data_channels(cluster):
     for r in reps:
         assert r["links"] == {"server": "rtc"}, r["links"]
         lb = r["link_bytes"]
-        assert lb["ws"] == 0 and lb["rtc"] >= 4 * r["bucket_len"] * 50, lb
+        # (before the channel opens, a peer's first hello may reach this rank on the socket)
+        assert lb["rtc"] >= 4 * r["bucket_len"] * 50 and lb["ws"] <= 0.01 * lb["rtc"], lb
     assert all(r["link"] == "rtc" for r in cluster.state()["ranks"] if r["connected"])
 
 

@@ -563,6 +563,8 @@ class RtcStarBus(WsBus):
         self.rtc_received = 0
         self._low: asyncio.Event | None = None
         self._held: list[bytes] = []
+        self.chunk_bytes_in = 0      # chunk bytes taken off either path
+        self.ws_chunk_bytes_out = 0  # chunk bytes put on the WebSocket (channel not up)
         self._rtc_tasks: set[asyncio.Task] = set()
 
     async def connect(self, timeout_s: float = 10.0) -> "RtcStarBus":
@@ -647,13 +649,19 @@ class RtcStarBus(WsBus):
             self.rtc_sent += len(chunk)
         else:
             await ws.send_bytes(chunk)
+            self.ws_chunk_bytes_out += len(chunk)
+
+    def _on_chunk(self, chunk: bytes) -> None:
+        self.chunk_bytes_in += len(chunk)
+        super()._on_chunk(chunk)
 
     def links(self) -> dict[int, str]:
         return {0: "rtc" if self.rtc_up else "ws"}
 
     def transport_bytes(self) -> dict[str, int]:
-        rtc = self.rtc_sent + self.rtc_received
-        return {"rtc": rtc, "ws": self.total_bytes() - rtc}
+        """Chunk bytes this rank's link carried (up + down) on the channel and on the WebSocket."""
+        return {"rtc": self.rtc_sent + self.rtc_received,
+                "ws": self.ws_chunk_bytes_out + self.chunk_bytes_in - self.rtc_received}
 
     def stall(self, stalled: bool) -> None:
         super().stall(stalled)
