@@ -87,7 +87,8 @@ async function boot(cfg) {
       numpy = true;
       numpyNote = `numpy from ${b.packages.source === "local" ? "this server" : "the CDN"}`;
     } catch {
-      numpyNote = `numpy unavailable (${b.packages.source} packages: ${errors[0] || "import failed"}); pure-Python backend`;
+      const why = errors.join(" ").replace(/\s+/g, " ").replace("The following error occurred while loading numpy:", "").trim();
+      numpyNote = `numpy unavailable from ${b.packages.source === "local" ? "this server's package directory" : "the public CDN"} (${(why || "import failed").slice(0, 160)}); using the pure-Python backend`;
     }
   }
   ui({ k: "numpy", ok: numpy, text: numpyNote });

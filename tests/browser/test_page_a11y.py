@@ -36,7 +36,7 @@ def check_both_sizes(tab, name: str) -> None:
 def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
     if not AXE.is_file():
         pytest.fail("node_modules/axe-core is missing: run npm ci")
-    url = cluster.serve("--token", "s3cret")
+    url = cluster.serve("--token", "s3cret", "--checkpoint-interval", "1")
     t = tabs(url, "?room=digits&token=s3cret", viewport=MOBILE)
     wait_for(lambda: t.tc("tc.phase") in ("loading", "training"), 20, "the loading phase")
     if t.tc("tc.phase") == "loading":
