@@ -1,0 +1,191 @@
+"""Transports, measured in one run on this machine (ratios, never bare times across runs):
+
+1. goodput of our bus over an aiortc data channel (RtcMeshBus, two ranks via a local server)
+   vs a raw aiortc data channel (256 KiB messages, same flow control), same payload volume;
+2. round time of the same job (3 native ranks, digits, fixed steps) over the WebSocket star,
+   the WebRTC star (--link rtc) and the WebRTC mesh.
+
+    PYTHONPATH=client_py:server python bench/bench_transports.py [--mb 64] [--steps 300]
+
+Writes bench/results/bench_transports.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client_py"), str(ROOT / "server"), str(ROOT)]
+LOOPBACK = ["127.0.0.1"]
+
+
+async def raw_goodput(total_bytes: int, msg_bytes: int = 262144) -> float:
+    from aiortc import RTCPeerConnection
+
+    from tabcohort.bus.rtc_util import configuration, set_host_addresses
+
+    set_host_addresses(LOOPBACK)
+    a, b = RTCPeerConnection(configuration()), RTCPeerConnection(configuration())
+    ch = a.createDataChannel("raw", ordered=True)
+    got = {"n": 0}
+    done = asyncio.Event()
+    opened = asyncio.Event()
+    ch.on("open", opened.set)
+
+    @b.on("datachannel")
+    def _dc(c):
+        @c.on("message")
+        def _m(d):
+            got["n"] += len(d)
+            if got["n"] >= total_bytes:
+                done.set()
+    await a.setLocalDescription(await a.createOffer())
+    await b.setRemoteDescription(a.localDescription)
+    await b.setLocalDescription(await b.createAnswer())
+    await a.setRemoteDescription(b.localDescription)
+    await asyncio.wait_for(opened.wait(), 20)
+    payload = b"\0" * msg_bytes
+    low = asyncio.Event()
+    ch.bufferedAmountLowThreshold = 256 << 10
+    ch.on("bufferedamountlow", low.set)
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < total_bytes:
+        while ch.bufferedAmount >= (1 << 20):
+            low.clear()
+            await low.wait()
+        ch.send(payload)
+        sent += msg_bytes
+    await asyncio.wait_for(done.wait(), 300)
+    dt = time.perf_counter() - t0
+    await a.close()
+    await b.close()
+    return total_bytes / dt
+
+
+async def bus_goodput(total_bytes: int) -> tuple[float, float]:
+    """(payload bytes/s, wire bytes/s) of round messages over an RtcMeshBus pair."""
+    from aiohttp import web
+    from tabcohort_server import JobConfig, ServerConfig
+    from tabcohort_server.app import create_app
+
+    from tabcohort.bus.rtc import RtcMeshBus
+
+    app = create_app(ServerConfig(rooms={"b": JobConfig(dataset="synthetic", topology="mesh")}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/rooms/b/ws"
+    x = RtcMeshBus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
+    await x.connect()
+    y = RtcMeshBus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
+    await y.connect()
+    end = time.monotonic() + 20
+    while not (x.links() == {y.id: "rtc"} and y.links() == {x.id: "rtc"}):
+        if time.monotonic() > end:
+            raise RuntimeError("channel did not open")
+        await asyncio.sleep(0.01)
+    import numpy as np
+    n = 1 << 20  # 4 MiB of float32 parameters per message
+    params = np.arange(n, dtype=np.float32)
+    msg = {"t": "round", "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2, "assign": {}, "params": params}
+    n_msgs = max(1, total_bytes // (4 * n))
+    got = {"n": 0}
+    done = asyncio.Event()
+
+    def on(m):
+        got["n"] += 1
+        if got["n"] >= n_msgs:
+            done.set()
+    y.on_message = on
+    t0 = time.perf_counter()
+    for _ in range(n_msgs):
+        while x.pressure() > 1.0:  # the leader's pacing rule
+            await asyncio.sleep(0.001)
+        x.post(msg)
+    await asyncio.wait_for(done.wait(), 300)
+    dt = time.perf_counter() - t0
+    wire = x.bytes()[y.id].sent
+    assert x.transport_bytes()["relay"] == 0
+    await x.aclose()
+    await y.aclose()
+    await runner.cleanup()
+    return n_msgs * 4 * n / dt, wire / dt
+
+
+def round_time(kind: str, steps: int, tmp: pathlib.Path) -> dict:
+    from tests.integration.conftest import Cluster, wait_for
+
+    c = Cluster(tmp / kind)
+    (tmp / kind).mkdir()
+    try:
+        serve = ["--steps", str(steps + 50)]
+        rank: list[str] = []
+        if kind == "ws-star":
+            pass
+        elif kind == "rtc-star":
+            serve += ["--rtc-hosts", "127.0.0.1"]
+            rank = ["--link", "rtc", "--rtc-hosts", "127.0.0.1"]
+        else:
+            serve += ["--topology", "mesh"]
+            rank = ["--rtc-hosts", "127.0.0.1"]
+        c.serve(*serve)
+        for _ in range(3):
+            c.rank(*rank)
+        s0 = wait_for(lambda: (s := c.state())["step"] >= 30 and
+                      sum(1 for r in c.reports() if r.get("cohort") == 3) == 3 and s, 90, "warm-up", 0.02)
+        t0 = time.monotonic()
+        s1 = wait_for(lambda: (s := c.state())["step"] >= steps and s, 300, f"{steps} steps", 0.02)
+        dt = time.monotonic() - t0
+        n = s1["step"] - s0["step"]
+        reps = c.reports()
+        return {"round_ms": 1000 * dt / n, "steps": n, "links": [r.get("links") for r in reps],
+                "accuracy": s1["accuracy"]}
+    finally:
+        c.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=300)
+    a = ap.parse_args()
+    total = a.mb << 20
+    # interleave raw and bus twice each so drift on a shared machine hits both
+    raws, buses = [], []
+    for _ in range(2):
+        raws.append(asyncio.run(raw_goodput(total)))
+        buses.append(asyncio.run(bus_goodput(total)))
+    raw, (bus_payload, bus_wire) = max(raws), max(buses)
+    out = {"goodput": {"raw_MBps": raw / 1e6, "bus_payload_MBps": bus_payload / 1e6,
+                       "bus_wire_MBps": bus_wire / 1e6, "ratio_payload": bus_payload / raw,
+                       "runs_raw_MBps": [r / 1e6 for r in raws],
+                       "runs_bus_MBps": [b[0] / 1e6 for b in buses]}}
+    print(f"goodput: raw aiortc {raw / 1e6:.1f} MB/s, our bus {bus_payload / 1e6:.1f} MB/s payload "
+          f"({bus_wire / 1e6:.1f} MB/s on the wire): ratio {bus_payload / raw:.2f}")
+    rounds = {}
+    with tempfile.TemporaryDirectory() as d:
+        for kind in ("ws-star", "rtc-star", "rtc-mesh"):
+            rounds[kind] = round_time(kind, a.steps, pathlib.Path(d))
+            print(f"{kind:9s} round {rounds[kind]['round_ms']:.1f} ms over {rounds[kind]['steps']} steps")
+    base = rounds["ws-star"]["round_ms"]
+    for kind, r in rounds.items():
+        r["ratio_vs_ws_star"] = r["round_ms"] / base
+    out["rounds"] = rounds
+    print("| link | round ms | vs ws-star |\n|---|---|---|")
+    for kind, r in rounds.items():
+        print(f"| {kind} | {r['round_ms']:.1f} | {r['ratio_vs_ws_star']:.2f} |")
+    res = ROOT / "bench" / "results"
+    res.mkdir(exist_ok=True)
+    (res / "bench_transports.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
