@@ -47,6 +47,7 @@ CASES = [
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_TIMEOUT_S": "soon"}, "PG_TIMEOUT_S"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "MAX_MEMORY_BYTES": "1e6"}, "MAX_MEMORY_BYTES"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "DISCOVERY": "dns"}, "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns"}, "DISCOVERY"),
 ]
 
 

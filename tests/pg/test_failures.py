@@ -11,14 +11,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.needs_numpy, pytest.mark.time
 TIMEOUT_S = 10.0
 
 
-@pytest.mark.parametrize("topology", ["mesh", "star"])
-def test_peer_dies_mid_all_reduce(run_group, topology):
-    res = run_group(3, topology, "die", extra_env={"PG_TIMEOUT_S": str(TIMEOUT_S)})
-    assert res[2]["rc"] == 3
-    for item in res[:2]:
+@pytest.mark.parametrize("topology,dead,before_send", [("mesh", 2, False), ("mesh", 0, True),
+                                                       ("star", 2, True), ("star", 0, True)])
+def test_peer_dies_mid_all_reduce(run_group, topology, dead, before_send):
+    """Mesh: the dead rank sent its shards, then died (before the all-gather). Star: a worker
+    (or the hub) dies while the others are inside the all_reduce; the hub reports a dead worker
+    to the other workers."""
+    env = {"PG_TIMEOUT_S": str(TIMEOUT_S), "PG_TEST_DIE_RANK": str(dead)}
+    if before_send:
+        env["PG_TEST_DIE_BEFORE_SEND"] = "1"
+    res = run_group(3, topology, "die", extra_env=env)
+    assert res[dead]["rc"] == 3
+    for item in res:
+        if item["rank"] == dead:
+            continue
         assert item["rc"] == 0, item["log"][-2000:]
         assert item["error"] == "PeerLostError", item
-        assert item["lost_rank"] == 2
+        assert item["lost_rank"] == dead
         assert item["elapsed_s"] < TIMEOUT_S / 2  # the closed socket, not the timeout
         assert item["later"] == "PeerLostError"
 

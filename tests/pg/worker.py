@@ -61,7 +61,9 @@ async def main() -> None:
             await pg.barrier()
             t0 = time.monotonic()
             try:
-                if mode == "die" and r == w - 1:
+                if mode == "die" and r == int(os.environ.get("PG_TEST_DIE_RANK", w - 1)):
+                    if os.environ.get("PG_TEST_DIE_BEFORE_SEND"):
+                        os._exit(3)  # the others are already inside the all_reduce
                     task = asyncio.ensure_future(pg.all_reduce(inputs(r, N_ODD)))  # noqa: F841 - sends, then dies
                     await asyncio.sleep(0)
                     os._exit(3)

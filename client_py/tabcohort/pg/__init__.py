@@ -46,10 +46,6 @@ async def init_process_group(*, env: Mapping[str, str] | None = None, **options:
         GroupSetupError: peers did not connect within ``connect_timeout_s``.
     """
     cfg = load_config(env=env, **options)
-    if cfg.discovery == "mdns":
-        from .discovery import discover_mdns
-
-        return await discover_mdns(cfg)
     return await ProcessGroup.connect(cfg)
 
 
@@ -99,12 +95,7 @@ def init_process_group_sync(*, env: Mapping[str, str] | None = None, **options: 
     cfg = load_config(env=env, **options)  # before the loop exists: no network activity
     loop = asyncio.new_event_loop()
     try:
-        if cfg.discovery == "mdns":
-            from .discovery import discover_mdns
-
-            group = loop.run_until_complete(discover_mdns(cfg))
-        else:
-            group = loop.run_until_complete(ProcessGroup.connect(cfg))
+        group = loop.run_until_complete(ProcessGroup.connect(cfg))
     except BaseException:
         loop.close()
         raise

@@ -11,7 +11,8 @@ variable                  argument                 meaning
 ``PEERS``                 ``peers``                ``host:port,...`` in rank order (mesh: one
                                                    per rank; star: the hub's, or one per rank)
 ``TOPOLOGY``              ``topology``             ``mesh`` (default) or ``star`` (rank 0 hub)
-``DISCOVERY``             ``discovery``            ``static`` (default) or ``mdns``
+``DISCOVERY``             ``discovery``            ``static`` (default); ``mdns`` is reserved
+                                                   (rejected: not implemented yet)
 ``PG_TIMEOUT_S``          ``timeout_s``            collective timeout, seconds (default 10)
 ``PG_CONNECT_TIMEOUT_S``  ``connect_timeout_s``    bring-up bound, seconds (default 60)
 ``MAX_MEMORY_BYTES``      ``max_memory_bytes``     per-rank bound on buffered bytes (default
@@ -170,6 +171,8 @@ def load_config(*, env: Mapping[str, str] | None = None, resolve: bool = True, *
     discovery = "static" if v is None else str(v).strip().lower()
     if discovery not in DISCOVERIES:
         raise ConfigError(var, v, f"unknown discovery; expected one of {DISCOVERIES}")
+    if discovery == "mdns":
+        raise ConfigError(var, v, "mDNS discovery is not implemented yet; give PEERS=host:port,...")
 
     var, v = _pick(args, env, "timeout_s", "PG_TIMEOUT_S")
     timeout_s = 10.0 if v is None else _seconds(var, v)

@@ -86,7 +86,7 @@ def rebuild(flat: Any, how: Any) -> Any:
 
 
 def empty(n: int) -> Any:
-    return np.zeros(n, dtype=np.float32) if np is not None else array.array("f", bytes(4 * n))
+    return np.empty(n, dtype=np.float32) if np is not None else array.array("f", bytes(4 * n))
 
 
 def to_vec(v: Any) -> Any:

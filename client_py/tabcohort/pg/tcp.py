@@ -24,6 +24,8 @@ LEN = struct.Struct("<I")
 #: TCP has no message size limit; chunks this large keep per-chunk overhead negligible.
 TCP_MAX_MESSAGE_BYTES = 1 << 20
 PG_VERSION = 1
+#: StreamReader buffer limit: large, so a 1 MiB chunk is read without pausing the socket per 128 KiB.
+STREAM_LIMIT = 2 << 20
 
 
 class _Link:
@@ -188,6 +190,12 @@ class TcpBus:
             self._gate.clear()
         else:
             self._gate.set()
+        for lk in self.links.values():
+            if lk.alive and not lk.writer.transport.is_closing():
+                if stalled:
+                    lk.writer.transport.pause_reading()
+                else:
+                    lk.writer.transport.resume_reading()
 
     def close(self) -> None:
         """Stop delivery both ways and close every link (idempotent)."""
@@ -255,7 +263,8 @@ class Listener:
 
     async def start(self, host: str, port: int) -> int:
         """Bind and listen; returns the bound port (``port=0`` picks a free one)."""
-        self.server = await asyncio.start_server(self._on_conn, host or None, port, reuse_address=True)
+        self.server = await asyncio.start_server(self._on_conn, host or None, port, reuse_address=True,
+                                                 limit=STREAM_LIMIT)
         return self.server.sockets[0].getsockname()[1]
 
     async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -297,7 +306,7 @@ async def dial(bus: TcpBus, peer: int, host: str, port: int, *, world: int, topo
         if left <= 0:
             raise GroupSetupError(f"rank {bus.id}: could not reach rank {peer} at {host}:{port} ({last})")
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=STREAM_LIMIT), left)
             writer.write(_hello(bus.id, world, topology))
             h = await asyncio.wait_for(_read_hello(reader), max(0.1, deadline - loop.time()))
         except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
