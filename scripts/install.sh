@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
+# Debian's Chromium for the browser tier (Playwright drives it; never `playwright install`)
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "[install] apt-get install chromium" >&2
+  apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
+fi
 echo "[install] pip install -e .[test]" >&2
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[test]"
 # pyenv installs console scripts behind shims: make `tabcohort` visible on PATH now

@@ -5,6 +5,7 @@
 #   runtime     the asyncio driver under virtual time (looptime)
 #   no-numpy    unit + conformance + sim natively with numpy made unimportable
 #   pyodide     unit + conformance + sim inside Pyodide 314 (Python 3.14) under Node 20
+#   browser     real Chromium + real Pyodide tabs joining a real server (Playwright)
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
 set -uo pipefail
@@ -13,7 +14,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/client_py:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
 common=(-q -p no:cacheprovider --timeout=600)
 tiers=("$@")
-[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration no-numpy pyodide mutations)
+[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration no-numpy pyodide browser mutations)
 
 declare -A took status
 run_tier() {
@@ -41,6 +42,7 @@ for t in "${tiers[@]}"; do
                 -m "not slow and not integration" "${common[@]}" ;;
     pyodide) run_tier pyodide bash tests/pyodide/run.sh tests/unit tests/conformance tests/sim \
                 -m "not slow and not integration" -q -p no:cacheprovider ;;
+    browser) TABCOHORT_BROWSER_REQUIRED=1 run_tier browser "$PY" -m pytest tests/browser -m "browser and not slow" "${common[@]}" ;;
     mutations) run_tier mutations "$PY" tests/mutations/run.py ;;
     *) echo "unknown tier $t"; exit 2 ;;
   esac
