@@ -18,7 +18,7 @@
 
 # ---------------------------------------------------------------- stage 1: the Pyodide core (npm)
 FROM debian:bookworm-slim AS pyodide
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends nodejs npm ca-certificates \
  && rm -rf /var/lib/apt/lists/*
@@ -32,10 +32,10 @@ RUN npm ci --ignore-scripts --no-audit --no-fund --engine-strict=false \
 
 # ---------------------------------------------------------------- stage 2: the runtime image
 FROM debian:bookworm-slim
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
- && rm -rf /var/lib/apt/lists/* \
+ && apt-get clean && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --user-group --create-home --home-dir /home/tabcohort \
       --shell /usr/sbin/nologin tabcohort \
  && mkdir -p /data && chown tabcohort:tabcohort /data
