@@ -3,6 +3,7 @@
 #   unit        native CPython with numpy: wire, codecs, fuzz, model, protocol rules, conformance
 #   sim         seeded discrete-event simulations of many ranks (invariants from the bus log)
 #   runtime     the asyncio driver under virtual time (looptime)
+#   pg          the fixed-world process group: collectives across 2-4 real processes (TCP)
 #   no-numpy    unit + conformance + sim natively with numpy made unimportable
 #   pyodide     unit + conformance + sim inside Pyodide 314 (Python 3.14) under Node 20
 #   browser     real Chromium + real Pyodide tabs joining a real server (Playwright)
@@ -14,7 +15,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/client_py:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
 common=(-q -p no:cacheprovider --timeout=600)
 tiers=("$@")
-[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration no-numpy pyodide browser mutations)
+[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration pg no-numpy pyodide browser mutations)
 
 declare -A took status
 run_tier() {
@@ -38,6 +39,7 @@ for t in "${tiers[@]}"; do
       if [ -d tests/integration ]; then
         run_tier integration "$PY" -m pytest tests/integration -m "not slow" "${common[@]}"
       fi ;;
+    pg) run_tier pg "$PY" -m pytest tests/pg -m "not slow" "${common[@]}" ;;
     no-numpy) run_tier no-numpy bash tests/no_numpy/run.sh tests/unit tests/conformance tests/sim \
                 -m "not slow and not integration" "${common[@]}" ;;
     pyodide) run_tier pyodide bash tests/pyodide/run.sh tests/unit tests/conformance tests/sim \
