@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rtc-timeout", default=None, help="seconds for a data channel to open before the "
                    "relay is used (TABCOHORT_RTC_TIMEOUT; default 5)")
     r.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
+    d = r.add_argument_group("LAN discovery (needs zeroconf: pip install 'tabcohort[lan]')")
+    d.add_argument("--discover", action="store_const", const="1", default=None,
+                   help="find the server by an mDNS browse instead of --server (TABCOHORT_DISCOVER=1)")
+    d.add_argument("--discover-host", default=None, metavar="HOST",
+                   help="find it by unicast DNS-SD queries to HOST's mDNS port, for a rank that cannot "
+                        "hear multicast (TABCOHORT_DISCOVER_HOST)")
+    d.add_argument("--discover-timeout", default=None, metavar="S",
+                   help="seconds to look before giving up (TABCOHORT_DISCOVER_TIMEOUT; default 5)")
+    d.add_argument("--discover-interfaces", default=None, metavar="IPS",
+                   help="IPv4 addresses of the interfaces to browse on, comma-separated, e.g. 127.0.0.1 "
+                        "(TABCOHORT_DISCOVER_INTERFACES; default all)")
 
     v = sub.add_parser("serve", help="run the server with one room",
                        description="Serve a room: job and dataset over HTTP, the WebSocket star relay, "
@@ -104,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "comma-separated (e.g. 127.0.0.1 on a loopback-only host)")
     v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default none)")
     v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
+    v.add_argument("--advertise", action="store_true",
+                   help="advertise the server on the LAN over mDNS as _tabcohort._tcp (needs zeroconf)")
+    v.add_argument("--advertise-interfaces", default=None, metavar="IPS",
+                   help="IPv4 interface addresses to advertise on, comma-separated (default: --host's, "
+                        "or all interfaces when listening on 0.0.0.0)")
     return p
 
 
@@ -135,8 +151,13 @@ def _rank(a: argparse.Namespace) -> int:
 
     cfg = RankConfig.from_sources({"server": a.server, "room": a.room, "token": a.token, "batch": a.batch,
                                    "link": a.link, "backend": a.backend, "ice_servers": a.ice_servers,
-                                   "rtc_hosts": a.rtc_hosts, "rtc_timeout": a.rtc_timeout})
+                                   "rtc_hosts": a.rtc_hosts, "rtc_timeout": a.rtc_timeout,
+                                   "discover": a.discover, "discover_host": a.discover_host,
+                                   "discover_timeout": a.discover_timeout,
+                                   "discover_interfaces": a.discover_interfaces})
     cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
+    if cfg.discover:
+        cfg.discover_server(progress=lambda line: print(line, flush=True))
     return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True)))
 
 
@@ -158,7 +179,23 @@ def _serve(a: argparse.Namespace) -> int:
                        limits=ServerLimits(resume_grace_s=a.grace),
                        rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers)),
                        rtc_host_addresses=None if not a.rtc_hosts else [h.strip() for h in a.rtc_hosts.split(",")])
-    return serve(cfg, host=a.host, port=a.port, progress=lambda line: print(line, flush=True))
+    ifaces = None
+    if a.advertise_interfaces:
+        import ipaddress
+        ifaces = [h.strip() for h in a.advertise_interfaces.split(",") if h.strip()]
+        for h in ifaces:
+            try:
+                ipaddress.IPv4Address(h)
+            except ValueError:
+                raise ConfigError("--advertise-interfaces", a.advertise_interfaces,
+                                  "expected comma-separated IPv4 interface addresses") from None
+    if a.advertise:
+        try:
+            import zeroconf  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("--advertise", True, f"needs the zeroconf package (pip install 'tabcohort[lan]'): {exc}")
+    return serve(cfg, host=a.host, port=a.port, progress=lambda line: print(line, flush=True),
+                 advertise=a.advertise, advertise_interfaces=ifaces)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,10 @@ from ..errors import ConfigError, TabcohortError
 LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
        "batch": "TABCOHORT_BATCH", "link": "TABCOHORT_LINK", "ice_servers": "TABCOHORT_ICE_SERVERS",
-       "rtc_hosts": "TABCOHORT_RTC_HOSTS", "rtc_timeout": "TABCOHORT_RTC_TIMEOUT"}
+       "rtc_hosts": "TABCOHORT_RTC_HOSTS", "rtc_timeout": "TABCOHORT_RTC_TIMEOUT",
+       "discover": "TABCOHORT_DISCOVER", "discover_host": "TABCOHORT_DISCOVER_HOST",
+       "discover_timeout": "TABCOHORT_DISCOVER_TIMEOUT", "discover_interfaces": "TABCOHORT_DISCOVER_INTERFACES"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 @dataclass
@@ -46,6 +49,12 @@ class RankConfig:
     ice_servers: str | None = None
     rtc_hosts: str | None = None
     rtc_timeout: Any = 5.0
+    #: LAN discovery instead of a server URL: an mDNS browse (``discover``), or unicast DNS-SD
+    #: queries to ``discover_host``'s mDNS port; bounded by ``discover_timeout`` seconds.
+    discover: Any = False
+    discover_host: str | None = None
+    discover_timeout: Any = 5.0
+    discover_interfaces: str | None = None
     sources: dict[str, str] | None = None  # setting -> the variable it came from (for errors)
 
     @classmethod
@@ -71,6 +80,10 @@ class RankConfig:
         cfg.ice_servers = vals.get("ice_servers")
         cfg.rtc_hosts = vals.get("rtc_hosts")
         cfg.rtc_timeout = vals.get("rtc_timeout", 5.0)
+        cfg.discover = vals.get("discover", False)
+        cfg.discover_host = vals.get("discover_host")
+        cfg.discover_timeout = vals.get("discover_timeout", 5.0)
+        cfg.discover_interfaces = vals.get("discover_interfaces")
         return cfg
 
     def _name(self, key: str) -> str:
@@ -82,8 +95,11 @@ class RankConfig:
         Raises:
             ConfigError: naming the variable (``--batch`` or ``TABCOHORT_BATCH``...) and its value.
         """
+        if self._validate_discovery(resolve=resolve):
+            return  # the server is found later (discover_server), then validated again
         if not self.server:
-            raise ConfigError("TABCOHORT_SERVER", self.server, "a server URL is needed (--server or TABCOHORT_SERVER)")
+            raise ConfigError("TABCOHORT_SERVER", self.server, "a server URL is needed (--server or "
+                              "TABCOHORT_SERVER), or LAN discovery (--discover / --discover-host)")
         u = urllib.parse.urlsplit(str(self.server))
         if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
             raise ConfigError(self._name("server"), self.server,
@@ -131,6 +147,85 @@ class RankConfig:
                                   f"host {u.hostname!r} does not resolve: {e}") from None
             if not infos:
                 raise ConfigError(self._name("server"), self.server, f"host {u.hostname!r} resolves to nothing")
+
+    def _validate_discovery(self, *, resolve: bool) -> bool:
+        """Check the discovery settings; True if the server is to be discovered."""
+        d = self.discover
+        if not isinstance(d, bool):
+            v = str(d).strip().lower()
+            if v not in _TRUE + _FALSE:
+                raise ConfigError(self._name("discover"), d, "expected 1/0, true/false, yes/no or on/off")
+            d = v in _TRUE
+        self.discover = d or self.discover_host is not None
+        if not self.discover:
+            return False
+        if self.server:
+            raise ConfigError(self._name("server"), self.server, "give either a server URL or discovery "
+                              f"({self._name('discover_host' if self.discover_host is not None else 'discover')}), not both")
+        try:
+            t = float(self.discover_timeout)
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (0 < t <= 600):
+            raise ConfigError(self._name("discover_timeout"), self.discover_timeout, "must be seconds in (0, 600]")
+        self.discover_timeout = t
+        if self.room and (not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64):
+            raise ConfigError(self._name("room"), self.room, "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
+        if self.discover_interfaces is not None:
+            import ipaddress
+            for a in str(self.discover_interfaces).split(","):
+                try:
+                    if ipaddress.ip_address(a.strip()).version != 4:
+                        raise ValueError
+                except ValueError:
+                    raise ConfigError(self._name("discover_interfaces"), self.discover_interfaces,
+                                      "expected comma-separated IPv4 interface addresses, e.g. 127.0.0.1") from None
+        if self.discover_host is not None:
+            h = str(self.discover_host).strip()
+            if not h or "/" in h or ":" in h:
+                raise ConfigError(self._name("discover_host"), self.discover_host,
+                                  "expected a host name or IPv4 address (no scheme or port)")
+            if resolve:
+                try:
+                    socket.getaddrinfo(h, 5353, socket.AF_INET, socket.SOCK_DGRAM)
+                except (socket.gaierror, UnicodeError) as e:
+                    raise ConfigError(self._name("discover_host"), self.discover_host,
+                                      f"host does not resolve to an IPv4 address: {e}") from None
+        try:
+            import zeroconf  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(self._name("discover_host" if self.discover_host is not None else "discover"),
+                              self.discover_host or self.discover,
+                              f"LAN discovery needs the zeroconf package (pip install 'tabcohort[lan]'): {e}") from None
+        return True
+
+    def discover_server(self, progress: Callable[[str], None] | None = None) -> Any:
+        """Find the server on the LAN (bounded), set ``server`` (and ``room`` if the server has
+        exactly one and none was given), then validate as for a given URL.
+
+        Raises:
+            DiscoveryError: nothing answered within ``discover_timeout``.
+        """
+        from ..discovery import discover
+        ifaces = None if self.discover_interfaces is None else \
+            [a.strip() for a in str(self.discover_interfaces).split(",") if a.strip()]
+        found = discover(room=self.room or None, host=self.discover_host, timeout_s=self.discover_timeout,
+                         interfaces=ifaces)
+        if progress:
+            how = f"unicast query to {self.discover_host}" if self.discover_host else "mDNS"
+            progress(f"discovered {found.name} at {found.url} by {how} (rooms {','.join(found.rooms)}, "
+                     f"version {found.version or '?'})")
+        self.server = found.url
+        self.sources = dict(self.sources or {}, server="discovered server")
+        if not self.room:
+            if len(found.rooms) != 1:
+                raise ConfigError("TABCOHORT_ROOM", self.room, f"the discovered server has rooms {found.rooms}; "
+                                  "choose one with --room or TABCOHORT_ROOM")
+            self.room = found.rooms[0]
+        self.discover = False
+        self.discover_host = None
+        self.validate()
+        return found
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,210 @@
+"""LAN discovery of a ``tabcohort serve`` over mDNS / DNS-SD (PROTOCOL.md, "Native bring-up").
+
+The server advertises ``<instance>._tabcohort._tcp.local.`` with TXT records ``rooms`` (comma-
+separated room names), ``path`` (the app's base path) and ``version``. A rank finds it either by
+an mDNS browse (multicast, on the LAN) or, when it cannot hear multicast (behind NAT, another
+subnet), by **unicast** DNS-SD queries sent straight to a named host's mDNS port (5353): the
+queries leave from an ephemeral port, so the responder answers the sender directly (RFC 6762
+section 6.7, "legacy unicast") and nothing here joins a multicast group.
+
+``zeroconf`` is an optional dependency (the ``lan`` extra); it is imported only when discovery or
+advertising is used, so the client package stays importable without it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import ConfigError, TabcohortError
+
+SERVICE_TYPE = "_tabcohort._tcp.local."
+MDNS_PORT = 5353
+
+
+class DiscoveryError(TabcohortError):
+    """No server answered within the bound (or none with the wanted room)."""
+
+
+@dataclass
+class Found:
+    """One advertised server."""
+
+    name: str
+    addresses: list[str]
+    port: int
+    rooms: list[str] = field(default_factory=list)
+    path: str = "/"
+    version: str = ""
+
+    @property
+    def url(self) -> str:
+        a = self.addresses[0]
+        host = f"[{a}]" if ":" in a else a
+        path = self.path.rstrip("/")
+        return f"http://{host}:{self.port}{path}"
+
+
+def _zeroconf() -> Any:
+    try:
+        import zeroconf
+    except ImportError as exc:
+        raise ConfigError("TABCOHORT_DISCOVER", "1",
+                          f"LAN discovery needs the zeroconf package (pip install 'tabcohort[lan]'): {exc}") from None
+    return zeroconf
+
+
+def txt_properties(rooms: Sequence[str], *, path: str = "/", version: str = "") -> dict[str, str]:
+    return {"rooms": ",".join(rooms), "path": path or "/", "version": version}
+
+
+def _decode(props: dict) -> dict[str, str]:
+    out = {}
+    for k, v in (props or {}).items():
+        k = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
+        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else ("" if v is None else str(v))
+        out[k] = v
+    return out
+
+
+def interfaces_arg(interfaces: Sequence[str] | None) -> Any:
+    """``None`` = every interface; else a list of IPv4 interface addresses (e.g. ``127.0.0.1``)."""
+    zc = _zeroconf()
+    return zc.InterfaceChoice.All if not interfaces else list(interfaces)
+
+
+def discover(*, room: str | None = None, host: str | None = None, timeout_s: float = 5.0,
+             interfaces: Sequence[str] | None = None) -> Found:
+    """Find a server advertising ``room`` (any room if ``None``) within ``timeout_s``.
+
+    Args:
+        host: query this host's mDNS port by unicast instead of browsing by multicast.
+        interfaces: IPv4 addresses of the interfaces to browse on (default all).
+
+    Raises:
+        DiscoveryError: nothing (suitable) answered in time; the message says what was tried.
+    """
+    zc_mod = _zeroconf()
+    ipv = zc_mod.IPVersion.V4Only
+    addr = None
+    if host is not None:
+        addr = socket.getaddrinfo(host, MDNS_PORT, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        zc = zc_mod.Zeroconf(interfaces=interfaces_arg(interfaces) if interfaces else zc_mod.InterfaceChoice.Default,
+                             unicast=True, ip_version=ipv)
+    else:
+        zc = zc_mod.Zeroconf(interfaces=interfaces_arg(interfaces), ip_version=ipv)
+    names: list[str] = []
+    seen = threading.Condition()
+
+    def on_change(zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
+        if state_change is not zc_mod.ServiceStateChange.Removed:
+            with seen:
+                if name not in names:
+                    names.append(name)
+                seen.notify_all()
+
+    end = time.monotonic() + timeout_s
+    rejected: dict[str, str] = {}
+    kw: dict[str, Any] = {} if addr is None else {"addr": addr, "port": MDNS_PORT}
+    browser = zc_mod.ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change], **kw)
+    try:
+        done = 0
+        while True:
+            with seen:
+                while done >= len(names):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    seen.wait(min(left, 0.25))
+                todo = names[done:]
+            if not todo and time.monotonic() >= end:
+                break
+            for name in todo:
+                done += 1
+                info = zc_mod.ServiceInfo(SERVICE_TYPE, name)
+                left_ms = max(200, int((end - time.monotonic()) * 1000))
+                if not info.request(zc, left_ms, **kw):
+                    rejected[name] = "did not resolve"
+                    continue
+                props = _decode(info.properties)
+                rooms = [r for r in props.get("rooms", "").split(",") if r]
+                addrs = info.parsed_addresses(ipv)
+                if not addrs or not info.port:
+                    rejected[name] = "no IPv4 address or port"
+                    continue
+                if addr is not None and addr in addrs:  # the host we asked is the one to reach
+                    addrs = [addr] + [a for a in addrs if a != addr]
+                if room is not None and room not in rooms:
+                    rejected[name] = f"rooms {rooms}"
+                    continue
+                return Found(name=name, addresses=addrs, port=int(info.port), rooms=rooms,
+                             path=props.get("path", "/") or "/", version=props.get("version", ""))
+    finally:
+        browser.cancel()
+        zc.close()
+    how = f"a unicast DNS-SD query to {host} ({addr}) port {MDNS_PORT}" if host else \
+        f"an mDNS browse on {', '.join(interfaces) if interfaces else 'all interfaces'}"
+    want = f" with room {room!r}" if room else ""
+    extra = f"; seen but not usable: {rejected}" if rejected else ""
+    raise DiscoveryError(f"no tabcohort server{want} found within {timeout_s:g} s by {how} "
+                         f"(service {SERVICE_TYPE}){extra}")
+
+
+class Advertiser:
+    """The server side: register the service on start, unregister on stop (asyncio API)."""
+
+    def __init__(self, *, port: int, rooms: Sequence[str], addresses: Sequence[str], path: str = "/",
+                 version: str = "", interfaces: Sequence[str] | None = None, instance: str | None = None) -> None:
+        self.port, self.rooms, self.addresses = port, list(rooms), list(addresses)
+        self.path, self.version, self.interfaces = path, version, interfaces
+        host = socket.gethostname().split(".")[0] or "tabcohort"
+        self.instance = instance or f"tabcohort-{host}-{port}"
+        self.hostname = f"{host}.local."
+        self._azc: Any = None
+        self.info: Any = None
+
+    async def start(self) -> None:
+        zc_mod = _zeroconf()
+        from zeroconf.asyncio import AsyncZeroconf
+        self._azc = AsyncZeroconf(interfaces=interfaces_arg(self.interfaces), ip_version=zc_mod.IPVersion.V4Only)
+        self.info = zc_mod.ServiceInfo(
+            SERVICE_TYPE, f"{self.instance}.{SERVICE_TYPE}", port=self.port, server=self.hostname,
+            addresses=[socket.inet_aton(a) for a in self.addresses],
+            properties=txt_properties(self.rooms, path=self.path, version=self.version))
+        # allow_name_change: two servers on one host/port-less instance name do not collide
+        await self._azc.async_register_service(self.info, allow_name_change=True)
+
+    async def stop(self) -> None:
+        if self._azc is None:
+            return
+        try:
+            if self.info is not None:
+                await self._azc.async_unregister_service(self.info)
+        finally:
+            await self._azc.async_close()
+            self._azc = None
+
+
+def local_ipv4_addresses(bind_host: str) -> list[str]:
+    """The addresses to advertise for a server listening on ``bind_host``."""
+    import ipaddress
+    try:
+        ip = ipaddress.ip_address(bind_host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.version == 4 and not ip.is_unspecified:
+        return [str(ip)]
+    if ip is None and bind_host not in ("", "localhost"):
+        return sorted({i[4][0] for i in socket.getaddrinfo(bind_host, None, socket.AF_INET)})
+    if bind_host == "localhost":
+        return ["127.0.0.1"]
+    try:
+        import ifaddr  # a zeroconf dependency
+        out = [a.ip for ad in ifaddr.get_adapters() for a in ad.ips
+               if isinstance(a.ip, str) and not a.ip.startswith("127.")]
+        return out or ["127.0.0.1"]
+    except ImportError:  # pragma: no cover
+        return ["127.0.0.1"]
