@@ -97,3 +97,87 @@ def test_discovery_without_a_server_url_validates():
     c = cfg({}, discover_host="127.0.0.1")
     c.validate()
     assert c.discover
+
+
+# --- a rank that cannot hear multicast: two network namespaces of our own joined by a veth pair
+# (10.231.7.1 = the server's host, 10.231.7.2 = the rank's), multicast dropped in the rank's.
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0:
+        pytest.skip("needs root for network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    a, b, va, vb = f"tcsrv{tag}", f"tcrank{tag}", f"tcva{tag}", f"tcvb{tag}"
+    made: list[str] = []
+    try:
+        for ns in (a, b):
+            r = _ip("netns", "add", ns)
+            if r.returncode != 0:
+                pytest.skip(f"cannot make a network namespace: {r.stderr.strip()}")
+            made.append(ns)
+        steps = [("link", "add", va, "type", "veth", "peer", "name", vb), ("link", "set", va, "netns", a),
+                 ("link", "set", vb, "netns", b), ("-n", a, "addr", "add", "10.231.7.1/30", "dev", va),
+                 ("-n", b, "addr", "add", "10.231.7.2/30", "dev", vb), ("-n", a, "link", "set", va, "up"),
+                 ("-n", b, "link", "set", vb, "up"), ("-n", a, "link", "set", "lo", "up"),
+                 ("-n", b, "link", "set", "lo", "up")]
+        for s in steps:
+            r = _ip(*s)
+            if r.returncode != 0:
+                pytest.skip(f"ip {' '.join(s)}: {r.stderr.strip()}")
+        for chain, flag in (("INPUT", "-d"), ("OUTPUT", "-d")):
+            r = subprocess.run(["ip", "netns", "exec", b, "iptables", "-A", chain, flag, "224.0.0.0/4", "-j", "DROP"],
+                               capture_output=True, text=True, timeout=20)
+            if r.returncode != 0:
+                pytest.skip(f"iptables in the namespace: {r.stderr.strip()}")
+        yield a, b
+    finally:
+        for ns in made:
+            _ip("netns", "del", ns)
+
+
+def _ns_proc(ns: str, args: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tabcohort.cli", *args],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
+
+
+def test_rank_that_cannot_hear_multicast_finds_the_server_by_unicast_query(two_hosts, tmp_path):
+    srv_ns, rank_ns = two_hosts
+    room = _room("nat")
+    logs = {k: tmp_path / f"{k}.log" for k in ("serve", "browse", "rank")}
+    procs = [_ns_proc(srv_ns, ["serve", "--host", "10.231.7.1", "--port", "0", "--room", room, "--advertise"],
+                      logs["serve"])]
+    try:
+        wait_for(lambda: "advertising" in logs["serve"].read_text(), 30, "the server to advertise")
+        # multicast is dropped in the rank's namespace: a browse finds nothing, within its bound
+        r = subprocess.run(["ip", "netns", "exec", rank_ns, sys.executable, "-m", "tabcohort.cli", "rank",
+                            "--room", room, "--discover", "--discover-timeout", "2"], env=_env(), cwd=str(ROOT),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "no tabcohort server" in r.stderr, r.stderr
+        # a unicast query to the server's host finds it, and the rank trains over the veth link
+        t0 = time.monotonic()
+        procs.append(_ns_proc(rank_ns, ["rank", "--room", room, "--discover-host", "10.231.7.1"], logs["rank"]))
+
+        def steps() -> int:
+            import re
+            got = [int(m) for m in re.findall(r"\] step +(\d+) ", logs["rank"].read_text())]
+            if procs[-1].poll() is not None:
+                raise AssertionError("rank exited:\n" + logs["rank"].read_text())
+            return max(got, default=0) >= 20
+        wait_for(steps, 45, "the unicast-discovered rank to train 20 steps")
+        text = logs["rank"].read_text()
+        assert "by unicast query to 10.231.7.1" in text and "http://10.231.7.1:" in text, text
+        print(f"\nbehind a multicast-dropping namespace: browse failed in 2 s; unicast discovery and 20 steps "
+              f"in {time.monotonic() - t0:.1f} s")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
