@@ -63,6 +63,7 @@ async function boot(cfg) {
   opts.stdout = (line) => ui({ k: "log", text: line });
   opts.stderr = (line) => ui({ k: "log", text: line, stream: "stderr" });
   const py = await loadPyodide(opts);
+  self.tcPyodide = py;  // for tests and bench (wasm heap size over DevTools): tests/browser/test_tab_memory.py
   const tBoot = (performance.now() - t0) / 1000;
   ui({ k: "boot", pyodide_s: tBoot, source: b.pyodide.source, version: b.pyodide.version });
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import hashlib
+import hmac
 import secrets
 import time
 from collections import deque
@@ -36,7 +38,8 @@ CLOSE_REPLACED = 4010
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
-                 "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes")
+                 "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
+                 "counters", "gaps")
 
 
 class RoomError(Exception):
@@ -107,6 +110,11 @@ class Room:
         self.stopped = False
         self.stop_reason: str | None = None
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
+        #: resume secrets are HMAC(secret_key, room:id) when set (the app sets it; it persists in
+        #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
+        #: id and secret although it never issued that id; ids released here are never re-seated.
+        self.secret_key: bytes | None = None
+        self._released: set[int] = set()
         self._pressure_sent = 0.0
         self._in_pressure = False
 
@@ -119,6 +127,10 @@ class Room:
         """
         if resume_id is not None:
             p = self.peers.get(resume_id)
+            if p is None and self._adoptable(resume_id, resume_secret):
+                if len(self.peers) >= self.limits.max_ranks_per_room:
+                    raise RoomError(CLOSE_ROOM_FULL, f"room full ({self.limits.max_ranks_per_room} ranks)")
+                p = self.peers[resume_id] = Peer(resume_id, self._secret(resume_id))
             if p is None or not isinstance(resume_secret, str) or not secrets.compare_digest(
                     p.secret, resume_secret):
                 raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired?)")
@@ -133,13 +145,23 @@ class Room:
                 k = self.rng.getrandbits(32)
                 if k not in self.peers and k != 0:
                     break
-            p = self.peers[k] = Peer(k, "%032x" % self.rng.getrandbits(128))
+            p = self.peers[k] = Peer(k, self._secret(k))
         p.connected = True
         p.disconnected_at = None
         self.connected[p.id] = p
         if self.started_at is None:
             self.started_at = now
         return p
+
+    def _secret(self, k: int) -> str:
+        if self.secret_key is None:
+            return "%032x" % self.rng.getrandbits(128)
+        return hmac.new(self.secret_key, f"{self.name}:{k}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _adoptable(self, k: int, secret: object) -> bool:
+        """A resume for an id this process never seated (the server restarted) with a valid secret."""
+        return (self.secret_key is not None and isinstance(secret, str) and 0 < k < 1 << 32
+                and k not in self._released and secrets.compare_digest(self._secret(k), secret))
 
     def welcome(self, p: Peer, *, resumed: bool) -> dict:
         return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
@@ -178,6 +200,7 @@ class Room:
                 and now - p.disconnected_at > self.limits.resume_grace_s]
         for k in gone:
             del self.peers[k]
+            self._released.add(k)
         return gone
 
     # ------------------------------------------------------------------ relay

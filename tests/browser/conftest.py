@@ -125,3 +125,49 @@ def wait_tab(tab: Tab, cond: Callable[[dict], Any], timeout_s: float, what: str)
         st = tab.state()
         return st if st is not None and cond(st) else None
     return wait_for(check, timeout_s, what, interval_s=0.2)
+
+
+@pytest.fixture
+def chromium():
+    """Chromium driven over raw DevTools (tests/browser/cdp.py): hidden and frozen tabs."""
+    from .cdp import Chromium
+
+    c = Chromium()
+    yield c
+    c.close()
+
+
+class RoomRecorder:
+    """Samples the server's room JSON in a background thread (bounded period) so a test can check
+    the history afterwards: per rank, (t, report) for every sample."""
+
+    def __init__(self, cluster: Any, period_s: float = 0.25) -> None:
+        import threading
+
+        self.cluster, self.period_s = cluster, period_s
+        self.samples: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.monotonic(), self.cluster.state()))
+            except Exception:
+                pass
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def series(self, rank_id: int, key: str, since: float = 0.0) -> list[tuple[float, Any]]:
+        out = []
+        for t, s in self.samples:
+            if t < since:
+                continue
+            for r in s["ranks"]:
+                if r["id"] == rank_id and r["report"]:
+                    out.append((t, r["report"].get(key), r["report_age_s"], r["connected"]))
+        return out

@@ -44,6 +44,11 @@ class TabRun:
         self.bus: Any = None
         self.start_step = 0
         self.t0 = time.monotonic()
+        # largest gaps (ms, loop clock) between consecutive heartbeats sent and messages received:
+        # a hidden tab must keep both under policy.drop (DESIGN.md, "Hidden and frozen tabs")
+        self.gaps = {"beat_max_ms": 0.0, "recv_max_ms": 0.0, "beats": 0}
+        self._last_beat_ms: float | None = None
+        self._last_recv_ms: float | None = None
 
     # ------------------------------------------------------------------ page I/O
     def ui(self, k: str, **kw: Any) -> None:
@@ -146,10 +151,25 @@ class TabRun:
         inner = bus.on_message
 
         def tap(msg: dict) -> None:
+            now = driver.now_ms()
+            if self._last_recv_ms is not None:
+                self.gaps["recv_max_ms"] = max(self.gaps["recv_max_ms"], now - self._last_recv_ms)
+            self._last_recv_ms = now
             if msg.get("t") == "round" and not msg.get("assign"):
                 self.publish_seen = True
             inner(msg)
         bus.on_message = tap
+        bus_post = bus.post
+
+        def post(msg: dict) -> None:
+            if msg.get("t") == "beat":
+                now = driver.now_ms()
+                if self._last_beat_ms is not None:
+                    self.gaps["beat_max_ms"] = max(self.gaps["beat_max_ms"], now - self._last_beat_ms)
+                self._last_beat_ms = now
+                self.gaps["beats"] += 1
+            bus_post(msg)
+        bus.post = post
         self.progress(f"rank {bus.id:08x} joined room {cfg['room']} ({worker.backend}, batch {worker.batch})")
         self.ui("joined", id=bus.id, t=round(time.monotonic() - self.t0, 3))
         if cfg.get("autostart", True):
@@ -242,6 +262,7 @@ class TabRun:
                       "pressure": self.bus.pressure()}
         st["start_step"] = self.start_step
         st["uptime_s"] = round(time.monotonic() - self.t0, 3)
+        st["gaps"] = {k: round(v, 1) for k, v in self.gaps.items()}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     @staticmethod
