@@ -95,6 +95,9 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
             if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
                 room.checkpoint, a.checkpoint_data = got
     app[ASSETS] = assets
+    key = _secret_key(config.checkpoint_dir)
+    for room in rooms.rooms.values():
+        room.secret_key = key
     from .rtc_relay import RtcTerminator
     rtc = app[RTC] = RtcTerminator(config.rtc_ice_servers, config.rtc_host_addresses)
     for room in rooms.rooms.values():
@@ -121,6 +124,32 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.on_shutdown.append(_close_sockets)
     app.on_cleanup.append(_close_rtc)
     return app
+
+
+def _secret_key(directory: str | None) -> bytes:
+    """The key of the ranks' resume secrets: kept in the checkpoint directory (mode 0600) so a
+    server restarted on it re-seats ranks that resume with their ids; random otherwise."""
+    import os
+    import secrets
+    if not directory:
+        return secrets.token_bytes(32)
+    path = os.path.join(directory, ".resume-key")
+    try:
+        with open(path, "rb") as f:
+            key = f.read()
+        if len(key) >= 32:
+            return key
+    except FileNotFoundError:
+        pass
+    os.makedirs(directory, exist_ok=True)
+    key = secrets.token_bytes(32)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return key
 
 
 async def _close_rtc(app: web.Application) -> None:
