@@ -38,7 +38,8 @@ CLOSE_REPLACED = 4010
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
-                 "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes")
+                 "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
+                 "counters", "gaps")
 
 
 class RoomError(Exception):
