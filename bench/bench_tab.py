@@ -1,0 +1,180 @@
+"""Browser tabs against native ranks, side by side in one run (issue 5), on the same job (the
+server's default digits room), each cohort on a fresh server:
+
+- join time of a tab: page open -> first contributed bucket (the first round after it became
+  ready), next to Pyodide's own boot time measured in the worker, and their ratio;
+- rounds/s of a cohort of 2 for tab-only (2 tabs), native-only (2 native ranks) and mixed
+  (1 tab + 1 native), from the server's room step over a fixed window after warm-up;
+- the longest main-thread task of a training tab (PerformanceObserver ``longtask``: tasks over
+  50 ms; plus the largest lateness of a 20 ms interval probe, which also sees shorter ones).
+
+Chromium is driven over raw DevTools (tests/browser/cdp.py). The machine has 2 shared cores:
+read the ratios, not the bare times. Writes JSON to bench/results/bench_tab.json and prints a
+Markdown table.
+
+Usage: PYTHONPATH=client_py:server python bench/bench_tab.py [--window 10] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "client_py", ROOT / "server"):
+    sys.path.insert(0, str(p))
+
+from tests.browser.cdp import Chromium  # noqa: E402
+from tests.integration.conftest import Cluster, wait_for  # noqa: E402
+
+#: main-thread probes, installed before the page's own scripts
+PROBE = """
+window.__tcLong = {max: 0, n: 0, lagMax: 0};
+try {
+  new PerformanceObserver((l) => { for (const e of l.getEntries()) {
+    __tcLong.n++; __tcLong.max = Math.max(__tcLong.max, e.duration); } })
+    .observe({type: "longtask", buffered: true});
+} catch (e) { __tcLong.unsupported = String(e); }
+(() => { let last = performance.now();
+  setInterval(() => { const now = performance.now();
+    __tcLong.lagMax = Math.max(__tcLong.lagMax, now - last - 20); last = now; }, 20); })();
+"""
+
+
+def tc(page, expr: str = "tc.state"):
+    return page.tc(expr)
+
+
+def open_tab(chromium: Chromium, url: str):
+    # a window of its own: a second tab in the same window would hide the first (and its main
+    # thread's timers would be aligned to 1 s)
+    tid = chromium.call("Target.createTarget", {"url": "about:blank", "newWindow": True})["targetId"]
+    sid = chromium.call("Target.attachToTarget", {"targetId": tid, "flatten": True})["sessionId"]
+    from tests.browser.cdp import Page
+
+    page = Page(chromium, tid, sid)
+    page.send("Page.enable")
+    page.send("Runtime.enable")
+    page.send("Page.addScriptToEvaluateOnNewDocument", {"source": PROBE})
+    page.send("Page.navigate", {"url": f"{url}/?room=digits"})
+    page.t_open = time.monotonic()
+    return page
+
+
+def join_time(page) -> dict:
+    """Poll (0.05 s) until the tab is ready and one round later (its first contributed bucket)."""
+    ready_step = None
+    t_ready = None
+
+    def check():
+        nonlocal ready_step, t_ready
+        errs = tc(page, "tc.errors.filter(e => e.kind !== 'stderr')")
+        if errs:
+            raise RuntimeError(f"the page reports an error: {errs}")
+        s = tc(page)
+        if not s or not s["ready"]:
+            return None
+        if ready_step is None:
+            ready_step, t_ready = s["step"], time.monotonic()
+        return s["step"] > ready_step and time.monotonic()
+    t_first = wait_for(check, 180, "the tab's first contributed bucket", interval_s=0.05)
+    boot = tc(page, "tc.boot")
+    return {"pyodide_boot_s": boot["pyodide_s"], "page_to_joined_s": tc(page, "tc.joinedAt"),
+            "page_to_ready_s": t_ready - page.t_open, "page_to_first_bucket_s": t_first - page.t_open}
+
+
+def rounds_per_s(cluster: Cluster, window_s: float) -> dict:
+    def sample():
+        return time.monotonic(), cluster.state()["step"]
+    t0, s0 = sample()
+    wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the measuring window", interval_s=0.2)
+    t1, s1 = sample()
+    return {"rounds": s1 - s0, "seconds": round(t1 - t0, 3), "rounds_per_s": (s1 - s0) / (t1 - t0)}
+
+
+def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -> dict:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-{kind}-"))
+    c = Cluster(tmp)
+    pages = []
+    out: dict = {"cohort": kind}
+    try:
+        url = c.serve()
+        n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0}[kind]
+        for _ in range(2 - n_tabs):
+            c.rank()
+        for _ in range(n_tabs):
+            pages.append(open_tab(chromium, url))
+        if pages:
+            out["join"] = join_time(pages[0])
+        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 180,
+                 "a cohort of 2, both ready")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + warmup_rounds, 60, "warm-up rounds", interval_s=0.2)
+        if pages:  # the longest main-thread task counts from here (training only)
+            pages[0].eval("__tcLong.max = 0; __tcLong.n = 0; __tcLong.lagMax = 0; true")
+        out.update(rounds_per_s(c, window_s))
+        if pages:
+            out["main_thread"] = pages[0].eval("__tcLong")
+            out["visibility"] = [p.eval("document.visibilityState") for p in pages]
+        backends = sorted({r.get("backend") for r in c.reports()})
+        out["backends"] = backends
+    finally:
+        for p in pages:
+            try:
+                chromium.call("Target.closeTarget", {"targetId": p.target_id}, timeout_s=10)
+            except Exception:
+                pass
+        c.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--window", type=float, default=10.0, help="measuring window per cohort (s)")
+    ap.add_argument("--warmup", type=int, default=30, help="warm-up rounds before the window")
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "bench_tab.json"))
+    a = ap.parse_args()
+    chromium = Chromium()
+    try:
+        version = chromium.call("Browser.getVersion")["product"]
+        results = [cohort(k, a.window, a.warmup, chromium) for k in ("mixed", "native-only", "tab-only")]
+    finally:
+        chromium.close()
+    by = {r["cohort"]: r for r in results}
+    native_rps = by["native-only"]["rounds_per_s"]
+    for r in results:
+        r["vs_native"] = r["rounds_per_s"] / native_rps if native_rps else None
+    joins = [r["join"] for r in results if "join" in r]
+    doc = {"bench": "bench_tab", "chromium": version, "python": platform.python_version(),
+           "window_s": a.window, "warmup_rounds": a.warmup, "cohorts": results,
+           "join_over_pyodide_boot": [j["page_to_first_bucket_s"] / j["pyodide_boot_s"] for j in joins]}
+    pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+
+    print(f"\n{version}, window {a.window:.0f} s per cohort of 2, same job (digits), one run\n")
+    print("| cohort | backends | rounds/s | vs native-only | longest main-thread task (longtask) | max 20 ms-probe lateness |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        mt = r.get("main_thread")
+        lt = "–" if not mt else (f"{mt['max']:.0f} ms ({mt['n']} tasks > 50 ms)" if mt["n"] else "none > 50 ms")
+        lag = "–" if not mt else f"{mt['lagMax']:.0f} ms"
+        print(f"| {r['cohort']} | {', '.join(map(str, r['backends']))} | {r['rounds_per_s']:.1f} | "
+              f"{r['vs_native']:.2f} | {lt} | {lag} |")
+    print("\n| cohort | Pyodide boot (s) | page → joined (s) | page → ready (s) | page → first bucket (s) | first bucket / boot |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "join" in r:
+            j = r["join"]
+            print(f"| {r['cohort']} | {j['pyodide_boot_s']:.2f} | {j['page_to_joined_s']:.2f} | {j['page_to_ready_s']:.2f} | "
+                  f"{j['page_to_first_bucket_s']:.2f} | {j['page_to_first_bucket_s'] / j['pyodide_boot_s']:.2f} |")
+    print(f"\nJSON: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
