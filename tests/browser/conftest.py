@@ -139,7 +139,7 @@ def chromium():
 
 class RoomRecorder:
     """Samples the server's room JSON in a background thread (bounded period) so a test can check
-    the history afterwards: per rank, (t, report) for every sample."""
+    the history afterwards (``series``: per rank, (t, report[key], report_age_s, connected))."""
 
     def __init__(self, cluster: Any, period_s: float = 0.25) -> None:
         import threading
