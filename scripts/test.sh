@@ -8,6 +8,7 @@
 #   pyodide     unit + conformance + sim inside Pyodide 314 (Python 3.14) under Node 20
 #   browser     real Chromium + real Pyodide tabs joining a real server (Playwright)
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
+#   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,7 +16,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/client_py:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
 common=(-q -p no:cacheprovider --timeout=600)
 tiers=("$@")
-[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration pg no-numpy pyodide browser mutations)
+[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration pg no-numpy pyodide browser mutations container)
 
 declare -A took status
 run_tier() {
@@ -46,6 +47,7 @@ for t in "${tiers[@]}"; do
                 -m "not slow and not integration" -q -p no:cacheprovider ;;
     browser) TABCOHORT_BROWSER_REQUIRED=1 run_tier browser "$PY" -m pytest tests/browser -m "browser and not slow" "${common[@]}" ;;
     mutations) run_tier mutations "$PY" tests/mutations/run.py ;;
+    container) run_tier container bash tests/container/run.sh ;;
     *) echo "unknown tier $t"; exit 2 ;;
   esac
 done
