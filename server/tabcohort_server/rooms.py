@@ -133,7 +133,8 @@ class Room:
                 p = self.peers[resume_id] = Peer(resume_id, self._secret(resume_id))
             if p is None or not isinstance(resume_secret, str) or not secrets.compare_digest(
                     p.secret, resume_secret):
-                raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired?)")
+                raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired, or the server "
+                                                 "restarted without its checkpoint dir?)")
             if p.connected:  # the old socket is half-dead: the new one replaces it
                 self._disconnect(p, now, reason=(CLOSE_REPLACED, "replaced by a newer connection"))
         else:

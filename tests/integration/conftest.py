@@ -27,7 +27,9 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "client_py"), str(ROOT / "server"),
                                          env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
-    for k in ("TABCOHORT_SERVER", "TABCOHORT_ROOM", "TABCOHORT_TOKEN", "TABCOHORT_BATCH", "TABCOHORT_LINK"):
+    for k in ("TABCOHORT_SERVER", "TABCOHORT_ROOM", "TABCOHORT_TOKEN", "TABCOHORT_BATCH", "TABCOHORT_LINK",
+              "TABCOHORT_DISCOVER", "TABCOHORT_DISCOVER_HOST", "TABCOHORT_DISCOVER_TIMEOUT",
+              "TABCOHORT_DISCOVER_INTERFACES"):
         env.pop(k, None)
     return env
 
