@@ -1,0 +1,59 @@
+"""A restarted server re-seats ranks resuming their ids (resume secrets are HMAC(key, room:id),
+the key kept in the checkpoint directory); and the client stays importable without zeroconf."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tabcohort_server.app import _secret_key
+from tabcohort_server.config import JobConfig, ServerLimits
+from tabcohort_server.rooms import CLOSE_UNKNOWN_ID, Room, RoomError
+
+from .conftest import ROOT, _env
+
+
+def room(key: bytes | None) -> Room:
+    r = Room("r", JobConfig(dataset="synthetic", steps=10), ServerLimits())
+    r.secret_key = key
+    return r
+
+
+def test_a_restarted_room_with_the_same_key_reseats_a_resuming_id(tmp_path):
+    key = _secret_key(str(tmp_path))
+    assert _secret_key(str(tmp_path)) == key and len(key) == 32  # persisted
+    assert oct(os.stat(tmp_path / ".resume-key").st_mode & 0o777) == "0o600"
+    before = room(key)
+    a = before.register(now=0)
+    after = room(_secret_key(str(tmp_path)))               # the server restarted on the same dir
+    p = after.register(now=1, resume_id=a.id, resume_secret=a.secret)
+    assert p.id == a.id and p.connected and after.welcome(p, resumed=True)["id"] == a.id
+    for k, s in ((a.id, "0" * 32), (a.id + 1, a.secret)):  # a wrong secret, another id
+        with pytest.raises(RoomError) as e:
+            room(key).register(now=1, resume_id=k, resume_secret=s)
+        assert e.value.code == CLOSE_UNKNOWN_ID
+    with pytest.raises(RoomError):                          # another key (no checkpoint dir)
+        room(_secret_key(None)).register(now=1, resume_id=a.id, resume_secret=a.secret)
+
+
+def test_an_id_expired_in_this_process_is_not_reseated():
+    r = room(b"k" * 32)
+    a = r.register(now=0)
+    r.disconnect(a, 1.0)
+    assert a.id in r.expire(1.0 + r.limits.resume_grace_s + 1)
+    with pytest.raises(RoomError):
+        r.register(now=100.0, resume_id=a.id, resume_secret=a.secret)
+
+
+def test_client_imports_and_names_the_variable_without_zeroconf():
+    code = ("import sys; sys.modules['zeroconf'] = None\n"
+            "import tabcohort, tabcohort.cli, tabcohort.discovery, tabcohort.runtime.native as n\n"
+            "from tabcohort.errors import ConfigError\n"
+            "c = n.RankConfig.from_sources({}, {'TABCOHORT_DISCOVER': '1'})\n"
+            "try:\n    c.validate()\nexcept ConfigError as e:\n    print('ERR', e.variable)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=str(ROOT), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "ERR TABCOHORT_DISCOVER" in r.stdout, r.stderr
