@@ -99,11 +99,17 @@ def _go_away_code(url: str, room: str, on_welcome) -> int | None:
     return asyncio.run(run())
 
 
-def test_server_restart_ranks_resume_their_ids_and_training_continues(cluster, tmp_path):
+@pytest.mark.parametrize("topology", ["star", pytest.param("mesh", marks=pytest.mark.slow)])
+def test_server_restart_ranks_resume_their_ids_and_training_continues(cluster, tmp_path, topology):
+    """(mesh: the ranks' data channels outlive the server; their signalling sockets resume)"""
     ck = str(tmp_path / "ck")
-    cluster.serve("--checkpoint-dir", ck, "--checkpoint-interval", "1")
+    extra = ("--topology", "mesh") if topology == "mesh" else ()
+    rank_args = ("--rtc-hosts", "127.0.0.1") if topology == "mesh" else ()
+    if topology == "mesh":
+        pytest.importorskip("aiortc")
+    cluster.serve("--checkpoint-dir", ck, "--checkpoint-interval", "1", *extra)
     port = _port(cluster)
-    ranks = [cluster.rank() for _ in range(3)]
+    ranks = [cluster.rank(*rank_args) for _ in range(3)]
     _trained_to(cluster, 3, 30)
     ids = set(wait_for(lambda: (c := _connected(cluster)) and len(c) == 3 and c, 10, "3 reports"))
     step0 = cluster.state()["step"]
@@ -113,7 +119,7 @@ def test_server_restart_ranks_resume_their_ids_and_training_continues(cluster, t
     assert code == 1001, code
     assert old.p.wait(20) == 0, old.text()
     t_down = time.monotonic()
-    cluster.serve("--checkpoint-dir", ck, "--checkpoint-interval", "1", "--port", str(port))
+    cluster.serve("--checkpoint-dir", ck, "--checkpoint-interval", "1", "--port", str(port), *extra)
     t0 = time.monotonic()
     st = wait_for(lambda: (s := cluster.state()) and len([r for r in s["ranks"] if r["connected"]]) == 3 and s,
                   40, "the 3 ranks to reconnect to the restarted server")
