@@ -140,6 +140,8 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
                 if room is not None and room not in rooms:
                     rejected[name] = f"rooms {rooms}"
                     continue
+                if len(addrs) > 1:  # a multi-homed server: the first address that accepts a connection
+                    addrs = _reachable_first(addrs, int(info.port), min(1.0, max(0.2, end - time.monotonic())))
                 return Found(name=name, addresses=addrs, port=int(info.port), rooms=rooms,
                              path=props.get("path", "/") or "/", version=props.get("version", ""))
     finally:
@@ -151,6 +153,16 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
     extra = f"; seen but not usable: {rejected}" if rejected else ""
     raise DiscoveryError(f"no tabcohort server{want} found within {timeout_s:g} s by {how} "
                          f"(service {SERVICE_TYPE}){extra}")
+
+
+def _reachable_first(addrs: list[str], port: int, timeout_s: float) -> list[str]:
+    for a in addrs:
+        try:
+            with socket.create_connection((a, port), timeout=timeout_s / len(addrs)):
+                return [a] + [b for b in addrs if b != a]
+        except OSError:
+            continue
+    return addrs
 
 
 class Advertiser:
