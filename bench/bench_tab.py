@@ -5,6 +5,7 @@ server's default digits room), each cohort on a fresh server:
   ready), next to Pyodide's own boot time measured in the worker, and their ratio;
 - rounds/s of a cohort of 2 for tab-only (2 tabs), native-only (2 native ranks) and mixed
   (1 tab + 1 native), from the server's room step over a fixed window after warm-up;
+- the same two tab cohorts with a tab hidden (its window minimized);
 - the longest main-thread task of a training tab (PerformanceObserver ``longtask``: tasks over
   50 ms; plus the largest lateness of a 20 ms interval probe, which also sees shorter ones).
 
@@ -50,10 +51,10 @@ def tc(page, expr: str = "tc.state"):
     return page.tc(expr)
 
 
-def open_tab(chromium: Chromium, url: str):
+def open_tab(chromium: Chromium, url: str, new_window: bool = True):
     # a window of its own: a second tab in the same window would hide the first (and its main
     # thread's timers would be aligned to 1 s)
-    tid = chromium.call("Target.createTarget", {"url": "about:blank", "newWindow": True})["targetId"]
+    tid = chromium.call("Target.createTarget", {"url": "about:blank", "newWindow": new_window})["targetId"]
     sid = chromium.call("Target.attachToTarget", {"targetId": tid, "flatten": True})["sessionId"]
     from tests.browser.cdp import Page
 
@@ -104,13 +105,17 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
     out: dict = {"cohort": kind}
     try:
         url = c.serve()
-        n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0}[kind]
+        n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0, "tab-only, 1 hidden": 2, "mixed, tab hidden": 1}[kind]
+        hidden = "hidden" in kind
         for _ in range(2 - n_tabs):
             c.rank()
         for _ in range(n_tabs):
             pages.append(open_tab(chromium, url))
-        if pages:
+        if pages and not hidden:
             out["join"] = join_time(pages[0])
+        if hidden:  # its window minimized: the first tab is hidden (its own window: the others stay visible)
+            chromium.minimize(pages[0])
+            wait_for(lambda: pages[0].eval("document.visibilityState") == "hidden", 10, "the first tab hidden")
         wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 180,
                  "a cohort of 2, both ready")
         s0 = c.state()["step"]
@@ -142,7 +147,8 @@ def main() -> int:
     chromium = Chromium()
     try:
         version = chromium.call("Browser.getVersion")["product"]
-        results = [cohort(k, a.window, a.warmup, chromium) for k in ("mixed", "native-only", "tab-only")]
+        results = [cohort(k, a.window, a.warmup, chromium)
+                   for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden")]
     finally:
         chromium.close()
     by = {r["cohort"]: r for r in results}
@@ -157,14 +163,14 @@ def main() -> int:
     pathlib.Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
 
     print(f"\n{version}, window {a.window:.0f} s per cohort of 2, same job (digits), one run\n")
-    print("| cohort | backends | rounds/s | vs native-only | longest main-thread task (longtask) | max 20 ms-probe lateness |")
-    print("|---|---|---|---|---|---|")
+    print("| cohort | backends | rounds/s | vs native-only | longest main-thread task (longtask) | max 20 ms-probe lateness | visibility |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         mt = r.get("main_thread")
         lt = "–" if not mt else (f"{mt['max']:.0f} ms ({mt['n']} tasks > 50 ms)" if mt["n"] else "none > 50 ms")
         lag = "–" if not mt else f"{mt['lagMax']:.0f} ms"
         print(f"| {r['cohort']} | {', '.join(map(str, r['backends']))} | {r['rounds_per_s']:.1f} | "
-              f"{r['vs_native']:.2f} | {lt} | {lag} |")
+              f"{r['vs_native']:.2f} | {lt} | {lag} | {', '.join(r.get('visibility', [])) or '–'} |")
     print("\n| cohort | Pyodide boot (s) | page → joined (s) | page → ready (s) | page → first bucket (s) | first bucket / boot |")
     print("|---|---|---|---|---|---|")
     for r in results:

@@ -153,6 +153,11 @@ class Chromium:
         self.call("Target.activateTarget", {"targetId": other})
         return other
 
+    def minimize(self, page: "Page") -> None:
+        """Minimize ``page``'s window (hides it too; works with ``--headless``, any window layout)."""
+        w = self.call("Browser.getWindowForTarget", {"targetId": page.target_id})["windowId"]
+        self.call("Browser.setWindowBounds", {"windowId": w, "bounds": {"windowState": "minimized"}})
+
     def close(self) -> None:
         try:
             self._run(self._close(), 10)
