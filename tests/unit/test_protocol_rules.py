@@ -563,6 +563,32 @@ def test_joiner_announces_every_base_beat_and_bootstraps_on_second_attempt():
     assert len(r.posts(t="round")) == 1
 
 
+def test_becoming_ready_is_announced_with_a_beat_at_once():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.on_timer(now_ms=400)
+    r.drain()
+    r.m.on_timer(now_ms=800)                       # bootstrap
+    beats = [p for p in r.posts() if p["t"] == "beat"]
+    assert beats and beats[-1]["ready"] is True
+    f = rig(7)
+    f.m.start(now_ms=0)
+    f.drain()
+    f.m.handle(round_msg(5, 3, assign={5: 0, 7: 2}), now_ms=10)
+    assert [p["ready"] for p in f.posts() if p["t"] == "beat"] == [True]
+
+
+def test_follower_that_saw_leader_unready_does_not_publish_after_adopting_its_rounds():
+    r = rig(7)
+    r.m.start(now_ms=0)
+    r.m.handle(hello(5, ready=False), now_ms=1)    # the leader's hello, before it bootstrapped
+    r.m.handle(beat(5, ready=True), now_ms=2)      # the beat it sends when it becomes ready
+    r.m.handle(round_msg(5, 3, assign={5: 0, 7: 2}), now_ms=3)
+    r.drain()
+    r.m.stop(now_ms=4)
+    assert r.posts(t="round") == [] and r.m.counters["published"] == 0
+
+
 def test_only_lowest_running_id_bootstraps_and_lower_idle_rank_does_not_block():
     hi = rig(7)
     hi.m.start(now_ms=0)

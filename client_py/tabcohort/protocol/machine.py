@@ -499,6 +499,9 @@ class RankMachine:
             self.ready = True
             self.joining = False
             self.last_open_ms = now_ms
+            # Rounds carry no ready/running: beat now so peers learn at once that this rank is
+            # ready, not a beat period later (until then a follower would count itself leader).
+            self._beat(now_ms)
             self._maybe_start_loop(now_ms)
 
     # --- follower
@@ -529,6 +532,7 @@ class RankMachine:
             self.drops["round_rejected_by_worker"] += 1
             return
         self.following = sender
+        became_ready = not self.ready
         self.step = int(msg["step"])
         lr = msg["lr"]
         if isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0:
@@ -541,6 +545,8 @@ class RankMachine:
         self._applied_samples += self.samples
         self._adopt_seq += 1
         self.counters["adopted"] += 1
+        if became_ready:
+            self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
         offset = msg["assign"].get(self.id)
         if self.running and offset is not None:
             self._pending = (self._adopt_seq, self.step, int(offset), sender)
