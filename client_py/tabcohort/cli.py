@@ -17,10 +17,24 @@ from .errors import ConfigError, TabcohortError
 
 
 def _hidden(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip()) if text.strip() else ()
+        widths = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--hidden={text!r}: expected comma-separated integers, e.g. 32 or 64,32")
+    if any(w <= 0 for w in widths):
+        raise argparse.ArgumentTypeError(f"--hidden={text!r}: layer widths must be positive integers")
+    return widths
+
+
+#: simulate's option names for InprocConfig fields, so errors name what the user typed.
+_SIM_FLAGS = {"loss": "--link-loss", "delay_ms": "--link-delay-ms", "kill_leader_at_step": "--kill-leader-at",
+              "add_rank_at_step": "--add-rank-at", "partition_at_step": "--partition-at"}
+
+
+def _flag(field: str) -> str:
+    return _SIM_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=400, help="stop after this many steps (default 400)")
     s.add_argument("--target-accuracy", type=float, default=0.0,
                    help="stop once held-out accuracy reaches this fraction (0 = off)")
-    s.add_argument("--max-seconds", type=float, default=300.0, help="hard time limit (default 300)")
+    s.add_argument("--max-seconds", type=float, default=300.0, help="stop after this many seconds (default 300)")
     s.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
     s.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     s.add_argument("--seed", type=int, default=0, help="seed of data shuffle, init and rank ids")
@@ -132,10 +146,18 @@ def _simulate(a: argparse.Namespace) -> int:
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
                        partition_at_step=a.partition_at, heal_after_ms=a.heal_after_ms,
                        loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule)
-    cfg.validate()
+    try:
+        cfg.validate()
+        if a.backend not in ("auto", "numpy", "python"):
+            raise ConfigError("backend", a.backend, "expected one of auto, numpy, python")
+    except ConfigError as exc:
+        raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
+    # progress goes to stderr under --json, so stdout is exactly one JSON document
+    out = sys.stderr if a.json else sys.stdout
     print(f"tabcohort simulate: {cfg.ranks} ranks, dataset {cfg.dataset}, batch {cfg.batch}/rank, "
-          f"lr {cfg.lr}, precision {cfg.precision}", flush=True)
-    res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True)))
+          f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
+    print("loading the dataset and starting the ranks...", flush=True, file=out)
+    res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
     if a.json:
         print(json.dumps(res.__dict__, default=str, indent=2))
     else:

@@ -137,7 +137,8 @@ def npz(path: str, *, n_classes: int | None = None) -> Source:
     try:
         archive = np.load(path, allow_pickle=False)
     except Exception as e:  # numpy raises ValueError, OSError, zipfile errors...
-        raise bad(f"not a readable .npz archive ({type(e).__name__}: {e})") from None
+        detail = "not a zip archive of .npy arrays" if "pickle" in str(e) else f"{type(e).__name__}: {e}"
+        raise bad(f"not a readable .npz archive ({detail}; pickled objects are never loaded)") from None
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise bad("not an .npz archive (a single .npy array?); expected keys 'X' and 'y'")
     with archive:

@@ -15,11 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..bus.memory import MemoryNetwork
-from ..errors import ConfigError
+from ..errors import ConfigError, TabcohortError
 from ..protocol import RankMachine, Timing, job_hash
 from ..sched import AsyncioScheduler
 from ..vec import digest
 from .driver import RankDriver
+
+#: More ranks than this in one process are a configuration error, not a slow death.
+MAX_RANKS = 256
+#: A run whose step has not advanced for this long while buckets are non-finite has diverged.
+DIVERGED_AFTER_S = 5.0
 
 
 @dataclass
@@ -60,11 +65,15 @@ class InprocConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
                 raise ConfigError(name, v, f"must be an integer >= {minimum}")
         pos_int("ranks")
+        if self.ranks > MAX_RANKS:
+            raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process")
         pos_int("batch")
         pos_int("steps")
         for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every"):
             pos_int(name, 0)
-        for name, lo, hi in (("lr", 0.0, math.inf), ("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf),
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise ConfigError("lr", self.lr, "must be a finite number > 0")
+        for name, lo, hi in (("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf),
                              ("target_accuracy", 0.0, 1.0), ("max_seconds", 0.0, math.inf),
                              ("heal_after_ms", 0.0, math.inf)):
             v = getattr(self, name)
@@ -160,6 +169,7 @@ class InprocCohort:
         pending = {"kill": cfg.kill_leader_at_step, "add": cfg.add_rank_at_step,
                    "partition": cfg.partition_at_step}
         heal_at: float | None = None
+        last_step, last_advance = -1, 0.0
         while True:
             await asyncio.sleep(0.05)
             now = time.monotonic() - t0
@@ -186,6 +196,15 @@ class InprocCohort:
                 heal_at = None
                 self.network.heal()
                 self._event(f"step {step}: healed the partition")
+            if step != last_step:
+                last_step, last_advance = step, now
+            elif now - last_advance > DIVERGED_AFTER_S and self._non_finite() > 0:
+                for d in list(self.drivers.values()):
+                    await d.close()
+                raise TabcohortError(
+                    f"training diverged at step {step}: gradients are no longer finite and no round has "
+                    f"applied for {DIVERGED_AFTER_S:g} s (a NaN never reaches the parameters); "
+                    f"try a smaller --lr (now {cfg.lr})")
             acc = self._accuracy()
             if now - last_print >= 1.0:
                 last_print = now
@@ -198,6 +217,10 @@ class InprocCohort:
         seconds = time.monotonic() - t0
         samples = self._applied_samples()
         return await self._finish(seconds, samples, leaders)
+
+    def _non_finite(self) -> int:
+        keys = ("reduce_non_finite", "own_bucket_invalid", "grad_non_finite")
+        return sum(d.machine.drops.get(k, 0) for d in self.drivers.values() for k in keys)
 
     def _accuracy(self) -> float | None:
         ld = self.leader()
