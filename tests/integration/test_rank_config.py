@@ -45,3 +45,33 @@ def test_cli_exits_2_with_the_variable_before_connecting():
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank"], env=env, cwd=str(ROOT),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "TABCOHORT_BATCH='many'" in r.stderr
+
+
+def test_rank_started_before_the_server_waits_for_it_then_joins(cluster):
+    import socket
+
+    from .conftest import wait_for
+
+    with socket.socket() as s:            # a free port nobody listens on yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster.url = f"http://127.0.0.1:{port}"
+    early = cluster.rank()
+    wait_for(lambda: "waiting for the server" in early.text(), 20, "the rank to report it is waiting")
+    assert early.p.poll() is None
+    from .conftest import Proc
+    srv = Proc(["serve", "--port", str(port), "--room", cluster.room], cluster.tmp / "serve-late.log")
+    cluster.procs.append(srv)
+    wait_for(lambda: any(r["report"] and r["report"]["ready"] for r in _state(cluster.url, cluster.room)["ranks"]),
+             45, "the early rank to join and become ready")
+
+
+def _state(url, room):
+    import json
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"{url}/api/rooms/{room}", timeout=2) as r:
+            return json.load(r)
+    except (urllib.error.URLError, ConnectionError):
+        return {"ranks": []}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import random
 import signal
 import socket
 import time
@@ -266,6 +267,24 @@ class RankRun:
                 return dict(r.headers), await r.read()
             return await r.json()
 
+    async def _first_get(self, http: Any, path: str, *, wait_s: float = 30.0) -> Any:
+        """The first request: a server that is still starting (connection refused) is retried
+        with jittered exponential backoff for at most ``wait_s`` seconds, with a progress line."""
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        delay = 0.25
+        while True:
+            try:
+                return await self._get(http, path)
+            except aiohttp.ClientConnectionError as exc:
+                if loop.time() + delay > deadline:
+                    raise TabcohortError(f"server {self.cfg.base_url} unreachable for {wait_s:g} s: {exc}") from None
+                self.progress(f"waiting for the server at {self.cfg.base_url} ({type(exc).__name__})")
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 4.0)
+
     async def run(self) -> int:
         import aiohttp
 
@@ -279,7 +298,7 @@ class RankRun:
         loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
         async with aiohttp.ClientSession() as http:
-            job = await self._get(http, "/job")
+            job = await self._first_get(http, "/job")
             if job.get("topology") not in ("star", "mesh"):
                 raise ConfigError("topology", job.get("topology"), "this rank supports the star and mesh topologies")
             portable = await self._get(http, "/dataset")
