@@ -57,8 +57,10 @@ def test_dropped_rank_socket_resumes_its_id_and_stays_in_the_cohort(cluster):
     cluster.serve()
     ranks = [cluster.rank() for _ in range(2)]
     _trained_to(cluster, 2, 20)
-    before = _connected(cluster)
     victim = ranks[0]
+    # a rank reports about once a second: wait until both have reported at least once
+    before = wait_for(lambda: (c := _connected(cluster)) and {r["pid"] for r in c.values()} >= {p.p.pid for p in ranks}
+                      and c, 20, "a report from each rank")
     vid = next(k for k, r in before.items() if r["pid"] == victim.p.pid)
     oid = next(k for k in before if k != vid)
     step0 = cluster.state()["step"]
