@@ -70,7 +70,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'batches[k] = self.worker.batch',
      [f"{U}::test_uses_members_reported_batch_for_assignment"]),
     ("collection installed before the round is sent", M,
-     '''            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum))
+     '''            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum), now_ms)
         else:
             self._collection = None
         self._actions.append(Post({''',
@@ -181,6 +181,17 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
     ("a stopped rank leaves the cohort (stop clears running)", M,
      '        self.running = False\n        self.joining = False\n        if was_leader', '        self.joining = False\n        if was_leader',
      [f"{U}::test_stop_beats_and_reports"]),
+    ("becoming ready is announced with a beat at once (PROTOCOL-NOTES 2)", M,
+     "            self._beat(now_ms)\n            self._maybe_start_loop(now_ms)",
+     "            self._maybe_start_loop(now_ms)",
+     [f"{U}::test_becoming_ready_is_announced_with_a_beat_at_once"]),
+    ("grace window bounded by a fraction of the round's elapsed time (PROTOCOL-NOTES 7)", M,
+     'grace = min(spread, self.grace_fraction * (now_ms - col.opened_ms))', 'grace = spread',
+     [f"{U}::test_grace_window_is_bounded_by_elapsed_fraction_and_collect_window"]),
+    ("grace: finish at once when every wanted bucket arrived", M,
+     'if self.collect_rule == "quorum" or len(col.received) >= len(col.wanted):',
+     'if self.collect_rule == "quorum":',
+     [f"{U}::test_grace_waits_briefly_after_quorum_and_finishes_when_all_arrived"]),
     ("dispose stops message handling", M,
      'if self.disposed:\n            return True', 'if False:\n            return True',
      [f"{U}::test_dispose_stops_everything"]),
