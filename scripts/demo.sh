@@ -30,12 +30,19 @@ for _ in $(seq 1 100); do   # wait (bounded: 20 s) until the server answers
   if "$PY" -c "import urllib.request,sys; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then break; fi
   sleep 0.2
 done
+rank_pids=()
 for i in $(seq 1 "$RANKS"); do
   "$PY" -m tabcohort rank --server "$url" --room digits 2>&1 | sed -u "s/^/[rank $i] /" &
   pids+=($!)
+  rank_pids+=($!)
 done
 echo
 echo "  Open $url/ in a browser to join the cohort from a tab."
 echo "  Operator view: $url/operator   metrics: $url/metrics"
 echo
-wait
+if [ "$STEPS" != 0 ]; then
+  wait "${rank_pids[@]}" || true      # the room stops at STEPS; the ranks exit; then so do we
+  echo "[demo] the room reached its step limit; the final checkpoint is in $CKPT"
+else
+  wait
+fi

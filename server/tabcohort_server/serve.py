@@ -58,10 +58,41 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
 
 
+def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:
+    """Raise ConfigError (naming the option) for a host that resolves to nothing, a port that
+    cannot be bound, or a checkpoint directory that cannot be written, before serving."""
+    import os
+    import socket
+
+    from tabcohort.errors import ConfigError
+
+    if checkpoint_dir:
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            probe = os.path.join(checkpoint_dir, ".write-test")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise ConfigError("--checkpoint-dir", checkpoint_dir, f"not a writable directory ({exc.strerror})") from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError("--host", host, f"resolves to no address ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise ConfigError("--port", port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
 def serve(config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
           progress: Callable[[str], None] = print, advertise: bool = False,
           advertise_interfaces: list[str] | None = None) -> int:
     config.validate()
+    _check_listen(host, port, config.checkpoint_dir)
     asyncio.run(serve_async(config, host=host, port=port, progress=progress, advertise=advertise,
                             advertise_interfaces=advertise_interfaces))
     return 0

@@ -75,3 +75,24 @@ def _state(url, room):
             return json.load(r)
     except (urllib.error.URLError, ConnectionError):
         return {"ranks": []}
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--host", "nohost.invalid"], "--host='nohost.invalid'"),
+    (["--checkpoint-dir", "/proc/no/such/dir"], "--checkpoint-dir="),
+])
+def test_serve_bad_listen_settings_are_config_errors(args, named):
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", *args], capture_output=True,
+                       text=True, timeout=60, env=_env(), cwd=ROOT)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_on_a_port_in_use_is_a_config_error():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60, env=_env(), cwd=ROOT)
+    assert r.returncode == 2 and f"--port={port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
