@@ -96,3 +96,11 @@ def test_serve_on_a_port_in_use_is_a_config_error():
         r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", str(port)], capture_output=True,
                            text=True, timeout=60, env=_env(), cwd=ROOT)
     assert r.returncode == 2 and f"--port={port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
+    cluster.serve("--token", "s3cret")
+    for extra, text in (([], "this room needs a token"), (["--token", "nope"], "rejected the room token")):
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", cluster.room,
+                            *extra], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr

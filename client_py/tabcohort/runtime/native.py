@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import time
 import urllib.parse
 from array import array
@@ -256,6 +257,9 @@ class RankRun:
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
         async with http.get(url, headers=self._headers()) as r:
             if r.status == 403:
+                if not self.cfg.token:
+                    raise ConfigError(self.cfg._name("token"), "", "this room needs a token "
+                                      "(--token or TABCOHORT_TOKEN)")
                 raise ConfigError(self.cfg._name("token"), "<hidden>", "the server rejected the room token")
             if r.status == 404 and path != "/checkpoint":
                 raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
@@ -462,7 +466,7 @@ class RankRun:
                 if r.status not in (200, 409):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
         except Exception as e:  # a failed upload must not stop training
-            self.progress(f"checkpoint upload failed: {type(e).__name__}: {e}")
+            print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def cfg_links() -> tuple[str, ...]:
