@@ -130,14 +130,22 @@ class F32(Codec):
         return None
 
 
-class F16(Codec):
-    name, code = "f16", 1
+class _Half(Codec):
+    """A 16-bit float codec: ``_py``/``_np`` return the packed bytes, or None when a finite value
+    would become an infinity, in which case the whole array travels as f32 (flagged)."""
 
     def encode(self, x: Any, *, use_numpy: bool, block: int = DEFAULT_INT8_BLOCK) -> Encoded:
         data = self._np(x) if use_numpy else self._py(x)
         if data is None:
             return Encoded(self.code, FLAG_F32_FALLBACK, 0, _f32_bytes(x, use_numpy))
         return Encoded(self.code, 0, 0, data)
+
+    def _data_len(self, n: int, block: int) -> int:
+        return 2 * n
+
+
+class F16(_Half):
+    name, code = "f16", 1
 
     @staticmethod
     def _py(x: array.array) -> bytes | None:
@@ -167,23 +175,14 @@ class F16(Codec):
             h.view("<u2")[nan] = F16_NAN
         return h.tobytes()
 
-    def _data_len(self, n: int, block: int) -> int:
-        return 2 * n
-
     def _decode(self, data: Any, n: int, block: int, use_numpy: bool) -> Any:
         if use_numpy:
             return np.frombuffer(data, dtype="<f2").astype(np.float32)
         return array.array("f", struct.unpack(f"<{n}e", data))
 
 
-class BF16(Codec):
+class BF16(_Half):
     name, code = "bf16", 2
-
-    def encode(self, x: Any, *, use_numpy: bool, block: int = DEFAULT_INT8_BLOCK) -> Encoded:
-        data = self._np(x) if use_numpy else self._py(x)
-        if data is None:
-            return Encoded(self.code, FLAG_F32_FALLBACK, 0, _f32_bytes(x, use_numpy))
-        return Encoded(self.code, 0, 0, data)
 
     @staticmethod
     def _py(x: array.array) -> bytes | None:
@@ -211,9 +210,6 @@ class BF16(Codec):
         if nan.any():
             r[nan] = BF16_NAN
         return r.tobytes()
-
-    def _data_len(self, n: int, block: int) -> int:
-        return 2 * n
 
     def _decode(self, data: Any, n: int, block: int, use_numpy: bool) -> Any:
         if use_numpy:
