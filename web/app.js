@@ -114,8 +114,11 @@ async function main() {
         break;
       }
       case "py": onPy(JSON.parse(d.json)); break;
+      case "rtc": rtc.control(JSON.parse(d.json)); break;
+      case "rtc-send": rtc.send(d); break;
     }
   };
+  const rtc = (tc.rtc = makeRtc(post));
   tc.sendControl = (action, value) => post({ k: "control", action, value });
   $("start").onclick = () => tc.sendControl("start");
   $("stop").onclick = () => tc.sendControl("stop");
@@ -130,6 +133,115 @@ async function main() {
   post({ k: "boot", cfg: { base: location.origin, room, token: token || null, boot: boot.body,
     autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
     batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null } });
+}
+
+// WebRTC mesh links (tabcohort.bus.browser.BrowserMeshBus drives them from the worker): one
+// RTCPeerConnection and one ordered, reliable, binary data channel per peer. Offers and answers
+// carry complete SDP (we wait for ICE gathering, bounded), so aiortc peers need no trickle.
+// With ?rtc-loopback=1 the page first takes media permission: Chromium offers loopback host
+// candidates only to a page holding it (same-machine testing; DESIGN.md).
+function makeRtc(post) {
+  const pcs = new Map();  // `${link}:${peer}` -> {pc, ch, gen}
+  const key = (d) => `${d.link}:${d.peer}`;
+  let media = null;
+  const needMedia = params.get("rtc-loopback") === "1";
+  const ready = () => {
+    if (!needMedia) return Promise.resolve();
+    if (!media) {
+      media = navigator.mediaDevices.getUserMedia({ audio: true })
+        .then((s) => s.getTracks().forEach((t) => t.stop()))
+        .catch((e) => tc.events.push({ k: "rtc-media", error: String(e) }));
+    }
+    return media;
+  };
+  const gathered = (pc) => new Promise((resolve) => {
+    if (pc.iceGatheringState === "complete") return resolve();
+    const t = setTimeout(resolve, 3000);
+    pc.addEventListener("icegatheringstatechange", () => {
+      if (pc.iceGatheringState === "complete") { clearTimeout(t); resolve(); }
+    });
+  });
+  const current = (d) => { const e = pcs.get(key(d)); return e && e.gen === d.gen ? e : null; };
+  const toWorker = (e, k, extra, transfer) => post({ k, link: e.link, peer: e.peer, gen: e.gen, ...extra }, transfer);
+  const down = (e, reason) => {
+    if (e.down || pcs.get(`${e.link}:${e.peer}`) !== e) return;
+    e.down = true;
+    toWorker(e, "rtc-down", { reason });
+  };
+  const local = (e, signal) => toWorker(e, "rtc-local", { text: JSON.stringify(signal) });
+  const setup = (e, ch) => {
+    e.ch = ch;
+    ch.binaryType = "arraybuffer";
+    ch.bufferedAmountLowThreshold = e.lowWater;
+    ch.onopen = () => {
+      tc.rtcOpened = (tc.rtcOpened || 0) + 1;
+      const max = e.pc.sctp && e.pc.sctp.maxMessageSize;
+      toWorker(e, "rtc-up", { bytes: Number.isFinite(max) && max > 0 ? Math.min(max, 262144) : 65536 });
+    };
+    ch.onmessage = (m) => {
+      if (typeof m.data !== "string") toWorker(e, "rtc-chunk", { data: m.data }, [m.data]);
+    };
+    ch.onbufferedamountlow = () => toWorker(e, "rtc-ack", { bytes: 0, buffered: ch.bufferedAmount });
+    ch.onclose = () => down(e, "data channel closed");
+    ch.onerror = (ev) => down(e, `data channel error: ${ev.error ? ev.error.message : "unknown"}`);
+  };
+  async function open(d) {
+    close(d, true);
+    const e = { link: d.link, peer: d.peer, gen: d.gen, lowWater: d.low_water || 262144, pc: null, ch: null };
+    pcs.set(key(d), e);
+    await ready();
+    if (pcs.get(key(d)) !== e) return;
+    const pc = (e.pc = new RTCPeerConnection({ iceServers: d.ice || [] }));
+    tc.rtcCreated = (tc.rtcCreated || 0) + 1;
+    pc.onconnectionstatechange = () => {
+      if (pc.connectionState === "failed" || pc.connectionState === "closed") down(e, `peer connection ${pc.connectionState}`);
+    };
+    if (d.offer) {
+      setup(e, pc.createDataChannel("tabcohort", { ordered: true }));
+      await pc.setLocalDescription(await pc.createOffer());
+      await gathered(pc);
+      if (pcs.get(key(d)) === e) local(e, { kind: "offer", sdp: pc.localDescription.sdp });
+    } else {
+      pc.ondatachannel = (ev) => setup(e, ev.channel);
+      await pc.setRemoteDescription({ type: "offer", sdp: d.sdp });
+      await pc.setLocalDescription(await pc.createAnswer());
+      await gathered(pc);
+      if (pcs.get(key(d)) === e) local(e, { kind: "answer", sdp: pc.localDescription.sdp });
+    }
+  }
+  async function signal(d) {
+    const e = current(d);
+    if (!e || !e.pc) return;
+    const s = d.signal;
+    if (s.kind === "answer" && e.pc.signalingState === "have-local-offer") await e.pc.setRemoteDescription({ type: "answer", sdp: s.sdp });
+    else if (s.kind === "candidate" && s.candidate) await e.pc.addIceCandidate(s.candidate);
+  }
+  function close(d, replacing) {
+    const e = pcs.get(key(d));
+    if (!e || (!replacing && e.gen !== d.gen)) return;
+    pcs.delete(key(d));
+    e.down = true;
+    if (e.ch) e.ch.close();
+    if (e.pc) e.pc.close();
+  }
+  return {
+    pcs,
+    control(d) {
+      const run = d.k === "rtc-open" ? open(d) : d.k === "rtc-signal" ? signal(d) : (close(d, false), null);
+      if (run) run.catch((err) => { const e = current(d); if (e) down(e, `negotiation failed: ${err.message || err}`); });
+    },
+    send(d) {
+      const e = current(d);
+      let n = 0;
+      for (const b of d.data) {
+        n += b.byteLength;
+        if (e && e.ch && e.ch.readyState === "open") {
+          try { e.ch.send(b); } catch (err) { down(e, `send failed: ${err.message || err}`); break; }
+        }
+      }
+      if (e) toWorker(e, "rtc-ack", { bytes: n, buffered: e.ch ? e.ch.bufferedAmount : 0 });
+    },
+  };
 }
 
 function onPy(m) {

@@ -5,7 +5,8 @@
 //
 // page -> worker: {k: "boot", cfg}, then link and control messages (queued in `inbox`; Python
 // drains the whole inbox per wake-up). worker -> page: {k: "py", json} UI messages, and the
-// link messages of tabcohort.bus.browser (chunks as transferred ArrayBuffers).
+// link messages of tabcohort.bus.browser (chunks as transferred ArrayBuffers): WebSocket
+// (ws-*) and, in a mesh room, WebRTC (rtc-*: the page owns the RTCPeerConnections).
 
 const inbox = [];
 let wake = null;
@@ -18,6 +19,15 @@ self.tcTakeInbox = () => inbox.splice(0, inbox.length);
 self.tcPost = (obj) => self.postMessage(obj);
 self.tcPostJson = (json) => self.postMessage({ k: "py", json });
 self.tcSendText = (link, text) => self.postMessage({ k: "send-text", link, text });
+self.tcPostJsonTo = (json) => self.postMessage({ k: "rtc", json });
+self.tcRtcSend = (link, peer, gen, arr) => {
+  const bufs = [];
+  for (const u8 of arr) {
+    const whole = u8.byteOffset === 0 && u8.byteLength === u8.buffer.byteLength;
+    bufs.push(whole ? u8.buffer : u8.slice().buffer);
+  }
+  self.postMessage({ k: "rtc-send", link, peer, gen, data: bufs }, bufs);
+};
 self.tcSendChunks = (link, arr) => {
   const bufs = [];
   for (const u8 of arr) {

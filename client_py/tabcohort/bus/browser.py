@@ -39,6 +39,8 @@ from ..errors import ConfigError, RemoteProtocolError, TabcohortError
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes
+from .rtc import RtcMeshBus
+from .rtc_util import ice_server_dicts
 from .ws import _FATAL_CLOSE, DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES, LinkFailed
 
 log = logging.getLogger("tabcohort.bus.browser")
@@ -75,7 +77,8 @@ class JsPort:
         for i in range(items.length):
             it = items[i]
             d: dict[str, Any] = {"k": it.k}
-            for key in ("link", "code", "bytes", "buffered", "text", "reason", "action", "value", "url"):
+            for key in ("link", "code", "bytes", "buffered", "text", "reason", "action", "value", "url",
+                        "peer", "gen"):
                 v = getattr(it, key, None)
                 if v is not None:
                     d[key] = v
@@ -97,6 +100,14 @@ class JsPort:
 
     def close(self, link: int) -> None:
         self._js.tcPost(self._to_js({"k": "ws-close", "link": link}, dict_converter=self._js.Object.fromEntries))
+
+    def rtc(self, obj: dict) -> None:
+        """A WebRTC control to the page (``rtc-open``, ``rtc-signal``, ``rtc-close``), as JSON."""
+        self._js.tcPostJsonTo(json.dumps(obj, separators=(",", ":")))
+
+    def rtc_send(self, link: int, peer: int, gen: int, chunks: list[bytes]) -> None:
+        """Chunks for one data channel, transferred (not copied) to the page."""
+        self._js.tcRtcSend(link, peer, gen, self._to_js(chunks))
 
     def post_json(self, obj: dict) -> None:
         """A JSON message to the page's UI (``{k: ..., ...}``)."""
@@ -202,6 +213,8 @@ class BrowserBus:
         self.max_queue_bytes = max_queue_bytes
         self.on_control = on_control
         self.on_message: Callable[[dict], None] | None = None
+        #: when set (by :class:`BrowserMeshBus`), inbound chunks go here undecoded
+        self.on_chunk: Callable[[bytes], None] | None = None
         self.id = 0
         self.secret: str | None = None
         self.writer: FrameWriter | None = None
@@ -294,6 +307,25 @@ class BrowserBus:
         self.n_sent += len(chunks)
         self.uplink_bytes += size
         self.hub.port.send_chunks(self.link, chunks)
+
+    def send_raw(self, chunks: list[bytes]) -> bool:
+        """Hand already-encoded chunks to the relay as they are (no per-peer accounting here).
+
+        Returns:
+            False when they were dropped (closed, disconnected or the queue bound).
+        """
+        size = sum(map(len, chunks))
+        if self.closed or not self.connected:
+            self._count("disconnected")
+            return False
+        if self.queued_bytes() + size > self.max_queue_bytes:
+            self._count("send_overflow")
+            return False
+        self._unacked += size
+        self.n_sent += len(chunks)
+        self.uplink_bytes += size
+        self.hub.port.send_chunks(self.link, chunks)
+        return True
 
     def send_control(self, obj: dict) -> None:
         """A JSON control message (e.g. a state report) on the same socket."""
@@ -447,6 +479,9 @@ class BrowserBus:
     def _on_chunk(self, chunk: bytes) -> None:
         self.n_received += 1
         self.downlink_bytes += len(chunk)
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+            return
         try:
             sender = parse_route(chunk).sender
         except RemoteProtocolError:
@@ -488,4 +523,186 @@ class BrowserBus:
                 log.exception("on_control callback failed")
 
 
-__all__ = ["BrowserBus", "JsPort", "PortHub", "LinkFailed", "TabcohortError", "TRANSPORT"]
+__all__ = ["BrowserBus", "BrowserMeshBus", "JsPort", "PortHub", "LinkFailed", "TabcohortError", "TRANSPORT"]
+
+
+class _PageChannel:
+    """The worker's view of one page-owned ``RTCDataChannel`` (one generation of one pair).
+
+    ``bufferedAmount`` is what the page has not yet put on the wire as far as the worker knows:
+    bytes handed to the page and not yet acknowledged, plus the channel's ``bufferedAmount`` at
+    the last acknowledgement (the same accounting as :class:`BrowserBus`). ``send`` batches; the
+    bus flushes one transfer per drain.
+    """
+
+    def __init__(self, port: Any, link: int, peer: int, gen: int) -> None:
+        self.port, self.link, self.peer, self.gen = port, link, peer, gen
+        self.readyState = "connecting"
+        self.unacked = 0
+        self.page_buffered = 0
+        self._batch: list[bytes] = []
+
+    @property
+    def bufferedAmount(self) -> int:  # noqa: N802  (the W3C name, as aiortc's channel has it)
+        return self.unacked + self.page_buffered
+
+    def send(self, chunk: bytes) -> None:
+        self._batch.append(chunk)
+        self.unacked += len(chunk)
+
+    def flush(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.port.rtc_send(self.link, self.peer, self.gen, batch)
+
+
+class BrowserMeshBus(RtcMeshBus):
+    """A tab's bus over a WebRTC mesh: the page's own ``RTCPeerConnection`` per pair, one ordered
+    reliable binary data channel each, negotiated through the server over the page's WebSocket;
+    a pair whose channel does not open within ``connect_timeout_s`` (or fails, or goes idle)
+    uses the server relay. The link state machine, chunking (at each channel's negotiated max
+    message size), flow control and byte accounting are :class:`~tabcohort.bus.rtc.RtcMeshBus`'s
+    (the same code as a native mesh rank); only the peer connections live in the page.
+
+    Worker -> page (``web/app.js``): ``{k: "rtc-open", link, peer, gen, offer, ice, low_water,
+    sdp?}`` (``offer``: this side creates the channel and offers; else ``sdp`` is the remote
+    offer to answer), ``{k: "rtc-signal", link, peer, gen, signal}`` (a remote answer or
+    candidate), ``{k: "rtc-send", link, peer, gen, data: [ArrayBuffer...]}`` (transferred),
+    ``{k: "rtc-close", link, peer, gen}``. Page -> worker: ``rtc-local`` (``text``: a signal to
+    forward to the peer, JSON), ``rtc-up`` (``bytes``: the negotiated max message size),
+    ``rtc-chunk`` (``data``), ``rtc-ack`` (``bytes`` put on the channel, its ``buffered``
+    amount), ``rtc-down`` (``reason``). ``gen`` numbers each peer connection so that events of a
+    replaced one are ignored (counted as ``stale_link_event``).
+
+    The page offers and answers with complete SDP (it waits for ICE gathering, bounded), so the
+    native side (aiortc, which does not trickle) and tabs interoperate without trickling.
+
+    Args:
+        hub: this worker's :class:`PortHub`.
+        ws_url, token, precision, ice_servers, connect_timeout_s, idle_timeout_s,
+        high_water_bytes, channel_high_water_bytes, channel_low_water_bytes, max_queue_bytes,
+        int8_block, use_numpy, on_control: as for :class:`~tabcohort.bus.rtc.RtcMeshBus`.
+    """
+
+    transport = "rtc-mesh"
+
+    def __init__(self, hub: PortHub, ws_url: str, **kw: Any) -> None:
+        self.hub = hub
+        self._gen = 0
+        super().__init__(ws_url, **kw)
+        self.link = hub.new_link(self)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ backend hooks
+    def _relay_link(self, ws_url: str, **kw: Any) -> Any:
+        return BrowserBus(self.hub, ws_url, **kw)
+
+    def _check_backend(self) -> None:
+        pass
+
+    def _gate_links(self, links: list) -> None:
+        pass  # chunks that arrive while stalled are held by RtcMeshBus._on_rtc_chunk
+
+    def _open_pc(self, lk: Any, *, offer: bool, sdp: str | None = None) -> None:
+        self._gen += 1
+        ch = _PageChannel(self.hub.port, self.link, lk.peer, self._gen)
+        lk.pc = lk.channel = ch
+        msg: dict[str, Any] = {"k": "rtc-open", "link": self.link, "peer": lk.peer, "gen": ch.gen, "offer": offer,
+                               "ice": ice_server_dicts(self.ice_servers), "low_water": self.channel_low_water_bytes}
+        if sdp is not None:
+            msg["sdp"] = sdp
+        self.hub.port.rtc(msg)
+
+    async def _offer(self, lk: Any) -> None:
+        self._open_pc(lk, offer=True)
+
+    async def _answer(self, lk: Any, sdp: str) -> None:
+        if lk.pc is not None:
+            self._close_pc(lk)
+        self._open_pc(lk, offer=False, sdp=sdp)
+
+    async def _accept(self, lk: Any, sdp: str) -> None:
+        self._signal(lk, {"kind": "answer", "sdp": sdp})
+
+    def _add_candidate(self, lk: Any, candidate: dict) -> None:
+        self._signal(lk, {"kind": "candidate", "candidate": candidate})
+
+    def _signal(self, lk: Any, signal: dict) -> None:
+        ch = lk.pc
+        if ch is not None:
+            self.hub.port.rtc({"k": "rtc-signal", "link": self.link, "peer": lk.peer, "gen": ch.gen,
+                               "signal": signal})
+
+    def _drain(self, lk: Any) -> None:
+        super()._drain(lk)
+        ch = lk.channel
+        if ch is not None:
+            ch.flush()
+
+    def _close_pc(self, lk: Any) -> None:
+        ch, lk.pc, lk.channel = lk.pc, None, None
+        if ch is not None:
+            ch.readyState = "closed"
+            self.hub.port.rtc({"k": "rtc-close", "link": self.link, "peer": lk.peer, "gen": ch.gen})
+
+    # ------------------------------------------------------------------ page events
+    def _on_port(self, it: dict) -> None:
+        if self.closed:
+            return
+        k, peer = it.get("k"), it.get("peer")
+        lk = self.links_.get(peer) if isinstance(peer, int) else None
+        ch = lk.channel if lk is not None else None
+        if ch is None or it.get("gen") != ch.gen:
+            self._count("stale_link_event")
+            return
+        if k == "rtc-chunk":
+            self._on_rtc_chunk(lk, it["data"])
+        elif k == "rtc-ack":
+            ch.unacked = max(0, ch.unacked - int(it.get("bytes", 0)))
+            ch.page_buffered = int(it.get("buffered", 0))
+            self._drain(lk)
+        elif k == "rtc-local":
+            try:
+                signal = json.loads(it.get("text", ""))
+            except ValueError:
+                self._count("bad_signal")
+                return
+            if isinstance(signal, dict) and signal.get("kind") in ("offer", "answer", "candidate"):
+                self.ws.send_control({**signal, "type": "signal", "to": lk.peer})
+        elif k == "rtc-up":
+            ch.readyState = "open"
+            self._channel_opened(lk, int(it.get("bytes") or DEFAULT_MAX_MESSAGE_BYTES))
+        elif k == "rtc-down":
+            ch.readyState = "closed"
+            if lk.kind != "relay":
+                self._fallback(lk, str(it.get("reason") or "data channel closed"))
+
+    # ------------------------------------------------------------------ what the tab shows
+    def set_precision(self, precision: str) -> None:
+        """Change the wire precision of what this rank sends from now on.
+
+        Raises:
+            ConfigError: an unknown precision.
+        """
+        w = FrameWriter(self.id, precision=precision, int8_block=self.int8_block, use_numpy=self.use_numpy)
+        self.precision = precision
+        if self.writer is not None:
+            self.writer = w
+        self.ws.set_precision(precision)
+
+    @property
+    def n_reconnects(self) -> int:
+        return self.ws.n_reconnects
+
+    @property
+    def uplink_bytes(self) -> int:
+        """Bytes sent on the WebSocket and on every data channel."""
+        return self.ws.uplink_bytes + sum(lk.rtc_sent for lk in self.links_.values())
+
+    @property
+    def downlink_bytes(self) -> int:
+        return self.ws.downlink_bytes + sum(lk.rtc_received for lk in self.links_.values())
+
+    def link_rows(self) -> list[dict]:
+        """Per peer: its path (``rtc`` | ``relay`` | ``connecting``) and bytes each way."""
+        return [{"peer": p, "transport": lk.kind, "sent": lk.sent, "received": lk.received}
+                for p, lk in sorted(self.links_.items())]

@@ -115,8 +115,8 @@ class RtcMeshBus:
         self.max_queue_bytes = max_queue_bytes
         self.on_control = on_control
         self.on_message: Callable[[dict], None] | None = None
-        self.ws = WsBus(ws_url, token=token, precision=precision, int8_block=int8_block, use_numpy=use_numpy,
-                        on_control=self._on_control, **ws_kwargs)
+        self.ws = self._relay_link(ws_url, token=token, precision=precision, int8_block=int8_block,
+                                   use_numpy=use_numpy, on_control=self._on_control, **ws_kwargs)
         self.ws.on_chunk = self._on_relay_chunk
         self.id = 0
         self.writer: FrameWriter | None = None
@@ -132,6 +132,27 @@ class RtcMeshBus:
         self._held: list[tuple[_Link, bytes, str]] = []
         self.fallbacks: list[tuple[int, str]] = []   # (peer, why), for logs and tests
 
+    # ------------------------------------------------------------------ peer-connection backend
+    # The link state machine below (connecting -> rtc | relay, flow control, byte accounting,
+    # relay fallback) is shared; these hooks are the peer-connection backend. Natively it is
+    # aiortc; in a browser tab the page's RTCPeerConnection (tabcohort.bus.browser.BrowserMeshBus
+    # overrides the hooks: _relay_link, _check_backend, _offer, _answer, _accept, _add_candidate,
+    # _drain, _close_pc, _gate_links).
+    def _relay_link(self, ws_url: str, **kw: Any) -> Any:
+        """The rank's WebSocket to the server: signalling, controls, and the relay fallback."""
+        return WsBus(ws_url, **kw)
+
+    def _check_backend(self) -> None:
+        import aiortc  # noqa: F401  (fail here, before any network activity, if missing)
+
+    def _gate_links(self, links: list) -> None:
+        """Make the links' receive paths wait on the stall gate (tests: a black-holed consumer)."""
+        for lk in links:
+            gate_receive(lk.pc, self._stall_gate)
+
+    def _add_candidate(self, lk: _Link, candidate: dict) -> None:
+        self._spawn(add_candidate(lk.pc, candidate))
+
     # ------------------------------------------------------------------ lifecycle
     async def connect(self, timeout_s: float = 10.0) -> "RtcMeshBus":
         """Join the room's WebSocket (id, peers), then open a channel to every peer.
@@ -139,8 +160,7 @@ class RtcMeshBus:
         Raises:
             LinkFailed: the server refused or did not answer.
         """
-        import aiortc  # noqa: F401  (fail here, before any network activity, if missing)
-
+        self._check_backend()
         await self.ws.connect(timeout_s)
         self.id = self.ws.id
         self.writer = FrameWriter(self.id, precision=self.precision, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
@@ -279,9 +299,7 @@ class RtcMeshBus:
             held, self._held = self._held, []
             for lk, chunk, path in held:
                 self._deliver(lk, chunk, path)
-        for lk in self.links_.values():
-            if lk.pc is not None and lk.kind == "rtc":
-                gate_receive(lk.pc, self._stall_gate)
+        self._gate_links([lk for lk in self.links_.values() if lk.pc is not None and lk.kind == "rtc"])
         self.ws.stall(stalled)
 
     def _count(self, reason: str, n: int = 1) -> None:
@@ -330,26 +348,8 @@ class RtcMeshBus:
         ch.bufferedAmountLowThreshold = self.channel_low_water_bytes
 
         def opened() -> None:
-            if lk.kind != "connecting" or lk.channel is not ch:
-                return
-            lk.kind = "rtc"
-            lk.max_message_bytes = negotiated_max_message_bytes(lk.pc)
-            now = self._loop.time()
-            lk.last_rx = now
-            lk.up_after_s = now - lk.created
-            # anything queued while connecting was cut for the smallest size; re-count as rtc
-            lk.rtc_sent += lk.queued_bytes
-            if any(len(c) > lk.max_message_bytes for c in lk.queue):
-                self._count("link_down", len(lk.queue))
-                lk.sent -= lk.queued_bytes
-                lk.rtc_sent -= lk.queued_bytes
-                lk.queue.clear()
-                lk.queued_bytes = 0
-            if self._stall_gate is not None and not self._stall_gate.is_set():
-                gate_receive(lk.pc, self._stall_gate)
-            log.info("rank %08x: data channel to %08x open after %.2f s (max message %d)",
-                     self.id, lk.peer, lk.up_after_s, lk.max_message_bytes)
-            self._drain(lk)
+            if lk.channel is ch:
+                self._channel_opened(lk, negotiated_max_message_bytes(lk.pc))
 
         @ch.on("message")
         def _message(data: Any) -> None:
@@ -369,6 +369,29 @@ class RtcMeshBus:
             opened()
         else:
             ch.on("open", opened)
+
+    def _channel_opened(self, lk: _Link, max_message_bytes: int) -> None:
+        """The pair's data channel is open: the link carries chunks from now on."""
+        if lk.kind != "connecting":
+            return
+        lk.kind = "rtc"
+        lk.max_message_bytes = max_message_bytes
+        now = self._loop.time()
+        lk.last_rx = now
+        lk.up_after_s = now - lk.created
+        # anything queued while connecting was cut for the smallest size; re-count as rtc
+        lk.rtc_sent += lk.queued_bytes
+        if any(len(c) > lk.max_message_bytes for c in lk.queue):
+            self._count("link_down", len(lk.queue))
+            lk.sent -= lk.queued_bytes
+            lk.rtc_sent -= lk.queued_bytes
+            lk.queue.clear()
+            lk.queued_bytes = 0
+        if self._stall_gate is not None and not self._stall_gate.is_set():
+            self._gate_links([lk])
+        log.info("rank %08x: data channel to %08x open after %.2f s (max message %d)",
+                 self.id, lk.peer, lk.up_after_s, lk.max_message_bytes)
+        self._drain(lk)
 
     async def _offer(self, lk: _Link) -> None:
         pc = self._new_pc(lk)
@@ -409,7 +432,7 @@ class RtcMeshBus:
         elif kind == "answer" and isinstance(obj.get("sdp"), str):
             self._spawn(self._accept(lk, obj["sdp"]))
         elif kind == "candidate" and isinstance(obj.get("candidate"), dict) and lk.pc is not None:
-            self._spawn(add_candidate(lk.pc, obj["candidate"]))
+            self._add_candidate(lk, obj["candidate"])
         elif kind == "bye":
             self._fallback(lk, "peer gave up on the channel")
         else:

@@ -76,20 +76,26 @@ def parse_ice_servers(urls: Sequence[str] | str | None) -> list[str]:
     return out
 
 
-def configuration(ice_servers: Sequence[str] = ()) -> Any:
-    """An ``RTCConfiguration`` with exactly these ICE servers (none by default)."""
-    from aiortc import RTCConfiguration, RTCIceServer
-
+def ice_server_dicts(ice_servers: Sequence[str] = ()) -> list[dict]:
+    """The W3C ``RTCIceServer`` dictionaries (``urls``, ``username``, ``credential``) of the URLs
+    from :func:`parse_ice_servers`: what a browser's ``RTCPeerConnection`` takes."""
     servers = []
     for u in ice_servers:
         scheme, rest = u.split(":", 1)
         if scheme.startswith("turn") and "@" in rest:
             cred, host = rest.rsplit("@", 1)
             user, _, pw = cred.partition(":")
-            servers.append(RTCIceServer(urls=f"{scheme}:{host}", username=user, credential=pw))
+            servers.append({"urls": f"{scheme}:{host}", "username": user, "credential": pw})
         else:
-            servers.append(RTCIceServer(urls=u))
-    return RTCConfiguration(iceServers=servers)
+            servers.append({"urls": u})
+    return servers
+
+
+def configuration(ice_servers: Sequence[str] = ()) -> Any:
+    """An ``RTCConfiguration`` with exactly these ICE servers (none by default)."""
+    from aiortc import RTCConfiguration, RTCIceServer
+
+    return RTCConfiguration(iceServers=[RTCIceServer(**d) for d in ice_server_dicts(ice_servers)])
 
 
 def negotiated_max_message_bytes(pc: Any) -> int:

@@ -380,6 +380,9 @@ class RankRun:
                     await self._upload(http, bus, machine, worker, digest, final=False)
             # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
             was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
+            # "Controls": a stopping leader publishes); one seen earlier does not count
+            self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
             while time.monotonic() < end and (machine.looping if was_leader else not self.publish_seen):

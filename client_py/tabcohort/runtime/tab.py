@@ -5,7 +5,8 @@
 (:mod:`tabcohort.runtime.native`): fetch the job and the dataset (``Dataset.from_portable``:
 scikit-learn is not in Pyodide) and verify both hashes, load the room's checkpoint if any,
 join over the star relay (:class:`~tabcohort.bus.browser.BrowserBus`, the page owns the
-socket), report the state to the server and to the page every ``report_interval_s``, upload
+socket) or, in a mesh room, over the page's data channels
+(:class:`~tabcohort.bus.browser.BrowserMeshBus`), report the state to the server and to the page every ``report_interval_s``, upload
 checkpoints while leading, and on the server's ``stop`` leave the cohort with the final model.
 
 Page messages (JSON, ``{k: ...}``): ``progress`` (text), ``state`` (the state report plus
@@ -94,7 +95,7 @@ class TabRun:
             return 2
 
     async def _run(self) -> int:
-        from ..bus.browser import BrowserBus, PortHub
+        from ..bus.browser import BrowserBus, BrowserMeshBus, PortHub
         from ..model import Dataset, make_worker
         from ..protocol import RankMachine, Timing, job_hash
         from ..vec import digest
@@ -104,8 +105,8 @@ class TabRun:
         loop = asyncio.get_running_loop()
         self.progress("fetching the job")
         job = await self._fetch("/job")
-        if job.get("topology") != "star":
-            raise ConfigError("topology", job.get("topology"), "this tab supports the star topology")
+        if job.get("topology") not in ("star", "mesh"):
+            raise ConfigError("topology", job.get("topology"), "this tab supports the star and mesh topologies")
         self.progress(f"fetching the dataset ({job['dataset_info']['name']})")
         t_ds = time.monotonic()
         portable = await self._fetch("/dataset")
@@ -134,8 +135,15 @@ class TabRun:
 
         hub = PortHub(self.port, on_other=self._on_ui).start()
         ws = cfg["base"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-        bus = self.bus = BrowserBus(hub, f"{ws}/api/rooms/{cfg['room']}/ws", token=cfg.get("token"),
-                                    precision=job["precision"], on_control=self._on_control)
+        url = f"{ws}/api/rooms/{cfg['room']}/ws"
+        common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self._on_control)
+        if job.get("topology") == "mesh":
+            # a data channel per pair, in the page; idle bound as a native mesh rank's (native.py)
+            beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
+            bus = self.bus = BrowserMeshBus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
+                                            connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0), **common)
+        else:
+            bus = self.bus = BrowserBus(hub, url, **common)
         self.progress("joining the room")
         try:
             await bus.connect()
@@ -193,6 +201,9 @@ class TabRun:
                     next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                     await self._upload(final=False)
             was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
+            # "Controls": a stopping leader publishes); one seen earlier does not count
+            self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
             while time.monotonic() < end and (machine.looping if was_leader else not self.publish_seen):
@@ -255,9 +266,13 @@ class TabRun:
     def _state(self, digest: Any) -> dict:
         st = self.driver.state()
         st["digest"] = digest(self.driver.worker.params())
-        st["links"] = self.bus.links()
-        st["transport"] = self.bus.transport
-        st["link"] = {"kind": "ws", "connected": self.bus.connected, "reconnects": self.bus.n_reconnects,
+        bus = self.bus
+        mesh = hasattr(bus, "link_rows")
+        st["links"] = bus.link_rows() if mesh else bus.links()
+        st["transport"] = bus.transport
+        if mesh:  # as a native mesh rank reports them (tests and the operator view read these)
+            st["link_bytes"] = bus.transport_bytes()
+        st["link"] = {"kind": "rtc" if mesh else "ws", "connected": bus.connected, "reconnects": bus.n_reconnects,
                       "uplink_bytes": self.bus.uplink_bytes, "downlink_bytes": self.bus.downlink_bytes,
                       "pressure": self.bus.pressure()}
         st["start_step"] = self.start_step
@@ -269,7 +284,9 @@ class TabRun:
     def _server_state(st: dict) -> dict:
         out = dict(st)
         out.pop("peers", None)
-        out.pop("links", None)
+        links = out.pop("links", None)
+        if "link_bytes" in out and links:  # mesh: each peer's path, keyed as native ranks key them
+            out["links"] = {f"{ln['peer']:08x}": ln["transport"] for ln in links}
         out["pid"] = None
         return out
 
