@@ -132,7 +132,7 @@ async function main() {
   document.addEventListener("resume", () => tc.events.push({ k: "resume", t: performance.now() }));
   post({ k: "boot", cfg: { base: location.origin, room, token: token || null, boot: boot.body,
     autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
-    batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null } });
+    batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null, link: params.get("link") || null } });
 }
 
 // WebRTC mesh links (tabcohort.bus.browser.BrowserMeshBus drives them from the worker): one

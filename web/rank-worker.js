@@ -105,7 +105,7 @@ async function boot(cfg) {
   ui({ k: "numpy", ok: numpy, text: numpyNote });
   const pycfg = {
     base: cfg.base, room: cfg.room, token: cfg.token || null, autostart: cfg.autostart !== false,
-    backend: numpy ? (cfg.backend || "auto") : "python", batch: cfg.batch || null,
+    backend: numpy ? (cfg.backend || "auto") : "python", batch: cfg.batch || null, link: cfg.link || null,
   };
   progress("starting the rank", t0);
   py.globals.set("_tc_cfg", JSON.stringify(pycfg));

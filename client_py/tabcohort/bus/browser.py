@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import random
+from collections import deque
 from typing import Any, Callable
 
 from ..errors import ConfigError, RemoteProtocolError, TabcohortError
@@ -523,7 +524,6 @@ class BrowserBus:
                 log.exception("on_control callback failed")
 
 
-__all__ = ["BrowserBus", "BrowserMeshBus", "JsPort", "PortHub", "LinkFailed", "TabcohortError", "TRANSPORT"]
 
 
 class _PageChannel:
@@ -706,3 +706,193 @@ class BrowserMeshBus(RtcMeshBus):
         """Per peer: its path (``rtc`` | ``relay`` | ``connecting``) and bytes each way."""
         return [{"peer": p, "transport": lk.kind, "sent": lk.sent, "received": lk.received}
                 for p, lk in sorted(self.links_.items())]
+
+    def paths(self) -> dict[str, str]:
+        """Each peer's path keyed as native ranks report it (``{"%08x": "rtc"|"relay"|...}``)."""
+        return {f"{p:08x}": lk.kind for p, lk in sorted(self.links_.items())}
+
+
+class BrowserRtcStarBus(BrowserBus):
+    """A tab's star link over WebRTC: chunks to and from the server go on one page-owned data
+    channel (the server terminates it with aiortc, ``tabcohort_server.rtc_relay``), negotiated
+    over the page's WebSocket, which keeps carrying the controls; the tab's counterpart of
+    :class:`~tabcohort.bus.rtc.RtcStarBus` (``--link rtc``).
+
+    Until the channel opens (bounded by ``connect_timeout_s``), or after it closes, chunks go on
+    the WebSocket. Chunks for the channel wait in this bus's queue while the channel's
+    ``bufferedAmount`` as last acknowledged by the page plus the unacknowledged bytes is at or
+    above ``channel_high_water_bytes`` (Chromium closes a channel whose buffer overflows), so
+    ``pressure()`` sees them. Page messages as for :class:`BrowserMeshBus`, with ``peer`` 0.
+    """
+
+    transport = "rtc-star"
+
+    def __init__(self, hub: PortHub, ws_url: str, *, ice_servers: Any = None,
+                 connect_timeout_s: float = 5.0, channel_high_water_bytes: int = 1 << 20,
+                 channel_low_water_bytes: int = 256 << 10, **kw: Any) -> None:
+        from .rtc_util import parse_ice_servers
+
+        if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
+            raise ConfigError("connect_timeout_s", connect_timeout_s, "must be a positive number of seconds")
+        super().__init__(hub, ws_url, **kw)
+        self.ice_servers = parse_ice_servers(ice_servers)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.channel_high_water_bytes = channel_high_water_bytes
+        self.channel_low_water_bytes = channel_low_water_bytes
+        self.channel: _PageChannel | None = None
+        self.rtc_up = False
+        self.rtc_why: str | None = None
+        self.rtc_sent = 0
+        self.rtc_received = 0
+        self.ws_chunk_bytes_out = 0
+        self.chunk_bytes_in = 0
+        self._rtc_queue: deque[bytes] = deque()
+        self._rtc_queued = 0
+        self._gen = 0
+
+    async def connect(self, timeout_s: float = 10.0) -> "BrowserRtcStarBus":
+        """Register on the WebSocket, then open the data channel to the server (bounded; the
+        channel failing is not fatal: the WebSocket carries the chunks).
+
+        Raises:
+            LinkFailed: the server refused or did not answer.
+        """
+        await super().connect(timeout_s)
+        self._gen += 1
+        self.channel = _PageChannel(self.hub.port, self.link, 0, self._gen)
+        self.hub.port.rtc({"k": "rtc-open", "link": self.link, "peer": 0, "gen": self._gen, "offer": True,
+                           "ice": ice_server_dicts(self.ice_servers), "low_water": self.channel_low_water_bytes})
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.connect_timeout_s
+        while not self.rtc_up and self.rtc_why is None and loop.time() < end:
+            await asyncio.sleep(0.02)
+        if not self.rtc_up:
+            self._rtc_down(f"channel to the server not open within {self.connect_timeout_s:g} s")
+        return self
+
+    def close(self) -> None:
+        if not self.closed and self.channel is not None:
+            self.hub.port.rtc({"k": "rtc-close", "link": self.link, "peer": 0, "gen": self.channel.gen})
+        self.rtc_up = False
+        super().close()
+
+    def post(self, msg: dict) -> None:
+        """As :meth:`BrowserBus.post`; the chunks go on the data channel while it is open."""
+        if not self.rtc_up:
+            n0 = self.uplink_bytes
+            super().post(msg)
+            self.ws_chunk_bytes_out += self.uplink_bytes - n0
+            return
+        if self.closed or self.writer is None:
+            return
+        chunks = self.writer.write(msg)
+        size = sum(map(len, chunks))
+        if not self.connected:
+            self._count("disconnected")
+            return
+        if self.queued_bytes() + size > self.max_queue_bytes:
+            self._count("send_overflow")
+            return
+        to = msg.get("to")
+        for p in ((to,) if to is not None else self.peers):
+            if p != self.id:
+                self._sent[p] = self._sent.get(p, 0) + size
+        self.n_sent += len(chunks)
+        self.uplink_bytes += size
+        self._rtc_queue.extend(chunks)
+        self._rtc_queued += size
+        self._drain()
+
+    def queued_bytes(self) -> int:
+        ch = self.channel
+        return super().queued_bytes() + self._rtc_queued + (ch.bufferedAmount if ch is not None else 0)
+
+    def _drain(self) -> None:
+        ch = self.channel
+        if ch is None:
+            return
+        while self._rtc_queue and ch.bufferedAmount < self.channel_high_water_bytes:
+            c = self._rtc_queue.popleft()
+            self._rtc_queued -= len(c)
+            ch.send(c)
+            self.rtc_sent += len(c)
+        ch.flush()
+
+    def _rtc_down(self, why: str) -> None:
+        if self.rtc_why is None and not self.closed:
+            self.rtc_why = why
+            log.warning("rank %08x: star link uses the WebSocket: %s", self.id, why)
+        self.rtc_up = False
+        if self._rtc_queue:  # not on the wire: resend on the socket, in order
+            held, self._rtc_queue = list(self._rtc_queue), deque()
+            self._rtc_queued = 0
+            self._unacked += sum(map(len, held))
+            self.ws_chunk_bytes_out += sum(map(len, held))
+            self.hub.port.send_chunks(self.link, held)
+
+    def _on_port(self, it: dict) -> None:
+        k = it.get("k", "")
+        if not k.startswith("rtc-"):
+            super()._on_port(it)
+            return
+        ch = self.channel
+        if self.closed or ch is None or it.get("gen") != ch.gen:
+            self._count("stale_link_event")
+            return
+        if k == "rtc-chunk":
+            self.rtc_received += len(it["data"])
+            self._on_port({"k": "ws-chunk", "data": it["data"]})
+        elif k == "rtc-ack":
+            ch.unacked = max(0, ch.unacked - int(it.get("bytes", 0)))
+            ch.page_buffered = int(it.get("buffered", 0))
+            self._drain()
+        elif k == "rtc-local":
+            try:
+                signal = json.loads(it.get("text", ""))
+            except ValueError:
+                self._count("bad_signal")
+                return
+            if isinstance(signal, dict) and signal.get("kind") == "offer":
+                self.send_control({**signal, "type": "signal", "to": 0})
+        elif k == "rtc-up":
+            ch.readyState = "open"
+            self.rtc_up = self.rtc_why is None
+            if self.writer is not None:
+                self.writer.max_message_bytes = min(self.max_message_bytes,
+                                                    int(it.get("bytes") or DEFAULT_MAX_MESSAGE_BYTES))
+        elif k == "rtc-down":
+            ch.readyState = "closed"
+            self._rtc_down(str(it.get("reason") or "data channel closed"))
+
+    def _on_chunk(self, chunk: bytes) -> None:
+        self.chunk_bytes_in += len(chunk)
+        super()._on_chunk(chunk)
+
+    def _handle_control(self, obj: dict) -> None:
+        ch = self.channel
+        if obj.get("type") == "signal" and obj.get("from") == 0:
+            if obj.get("kind") == "answer" and isinstance(obj.get("sdp"), str) and ch is not None:
+                self.hub.port.rtc({"k": "rtc-signal", "link": self.link, "peer": 0, "gen": ch.gen,
+                                   "signal": {"kind": "answer", "sdp": obj["sdp"]}})
+            return
+        super()._handle_control(obj)
+
+    def links(self) -> list[dict]:
+        t = "rtc-star" if self.rtc_up else "ws-star"
+        return [{"peer": p, "transport": t, "sent": lb.sent, "received": lb.received}
+                for p, lb in self.bytes().items()]
+
+    def link_rows(self) -> list[dict]:
+        return self.links()
+
+    def transport_bytes(self) -> dict[str, int]:
+        """Chunk bytes this rank's link carried (up + down) on the channel and on the WebSocket."""
+        return {"rtc": self.rtc_sent + self.rtc_received,
+                "ws": self.ws_chunk_bytes_out + self.chunk_bytes_in - self.rtc_received}
+
+    def paths(self) -> dict[str, str]:
+        return {"server": "rtc" if self.rtc_up else "ws"}
+
+
+__all__ = ["BrowserBus", "BrowserMeshBus", "BrowserRtcStarBus", "JsPort", "PortHub", "LinkFailed",
+           "TabcohortError", "TRANSPORT"]

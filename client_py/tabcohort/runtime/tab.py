@@ -95,13 +95,15 @@ class TabRun:
             return 2
 
     async def _run(self) -> int:
-        from ..bus.browser import BrowserBus, BrowserMeshBus, PortHub
+        from ..bus.browser import BrowserBus, BrowserMeshBus, BrowserRtcStarBus, PortHub
         from ..model import Dataset, make_worker
         from ..protocol import RankMachine, Timing, job_hash
         from ..vec import digest
         from .driver import RankDriver
 
         cfg = self.cfg
+        if cfg.get("link") not in (None, "ws", "rtc"):
+            raise ConfigError("link", cfg.get("link"), "expected ws or rtc (the page's ?link=)")
         loop = asyncio.get_running_loop()
         self.progress("fetching the job")
         job = await self._fetch("/job")
@@ -142,6 +144,10 @@ class TabRun:
             beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
             bus = self.bus = BrowserMeshBus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
                                             connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0), **common)
+        elif (cfg.get("link") or job.get("link") or "ws") == "rtc":
+            # star over a data channel to the server (the page's ?link=rtc; native --link rtc)
+            bus = self.bus = BrowserRtcStarBus(hub, url, connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0),
+                                               **common)
         else:
             bus = self.bus = BrowserBus(hub, url, **common)
         self.progress("joining the room")
@@ -267,12 +273,13 @@ class TabRun:
         st = self.driver.state()
         st["digest"] = digest(self.driver.worker.params())
         bus = self.bus
-        mesh = hasattr(bus, "link_rows")
-        st["links"] = bus.link_rows() if mesh else bus.links()
+        rtc = hasattr(bus, "paths")
+        st["links"] = bus.link_rows() if rtc else bus.links()
         st["transport"] = bus.transport
-        if mesh:  # as a native mesh rank reports them (tests and the operator view read these)
+        if rtc:  # as a native WebRTC rank reports them (tests and the operator view read these)
             st["link_bytes"] = bus.transport_bytes()
-        st["link"] = {"kind": "rtc" if mesh else "ws", "connected": bus.connected, "reconnects": bus.n_reconnects,
+            st["paths"] = bus.paths()
+        st["link"] = {"kind": "rtc" if rtc else "ws", "connected": bus.connected, "reconnects": bus.n_reconnects,
                       "uplink_bytes": self.bus.uplink_bytes, "downlink_bytes": self.bus.downlink_bytes,
                       "pressure": self.bus.pressure()}
         st["start_step"] = self.start_step
@@ -284,9 +291,9 @@ class TabRun:
     def _server_state(st: dict) -> dict:
         out = dict(st)
         out.pop("peers", None)
-        links = out.pop("links", None)
-        if "link_bytes" in out and links:  # mesh: each peer's path, keyed as native ranks key them
-            out["links"] = {f"{ln['peer']:08x}": ln["transport"] for ln in links}
+        out.pop("links", None)
+        if "paths" in out:  # WebRTC: each link's path, keyed as native ranks key them
+            out["links"] = out.pop("paths")
         out["pid"] = None
         return out
 

@@ -1,4 +1,4 @@
-"""Two tabs and one native rank train the digits model in a *mesh* room: every pair of ranks has
+"""Tabs over WebRTC. Two tabs and one native rank train the digits model in a *mesh* room: every pair of ranks has
 its own WebRTC data channel (the tabs' are the page's RTCPeerConnections, the native rank's are
 aiortc), negotiated through the server. The test asserts each link's transport and that the data
 channels carried the parameters: a silent fallback to the relay fails it. Every wait is a
@@ -71,3 +71,28 @@ def test_two_tabs_and_a_native_rank_train_over_a_webrtc_mesh(cluster, tabs):
     print(f"\nmesh: {TARGET:.0%} at step {st['step']} (acc {st['accuracy']:.4f}) {t_trained:.1f} s after start; "
           f"data-channel bytes per rank {[r['link_bytes']['rtc'] for r in reps]}, relay 0; "
           f"3 ranks bit-identical ({next(iter(digests))[:16]})")
+
+
+def test_a_tab_joins_a_star_room_over_a_data_channel_to_the_server(cluster, tabs):
+    """``?link=rtc``: the tab's link to the server is a page-owned data channel (the server ends
+    it with aiortc); the WebSocket carries only controls once the channel is up."""
+    url = cluster.serve("--rtc-hosts", "127.0.0.1")
+    tab = tabs(url, "?room=digits&link=rtc&rtc-loopback=1")
+    wait_for(lambda: tab.tc("tc.joinedAt"), 60, "the tab to boot Pyodide and join")
+    cluster.rank("--link", "rtc", "--rtc-hosts", "127.0.0.1")
+    st0 = wait_tab(tab, lambda s: s["cohort"] == 2 and s["ready"], 60, "a cohort of 2 seen by the tab")
+    wait_for(lambda: (s := cluster.state())["step"] >= st0["step"] + 40 and s, 90, "40 rounds")
+    tab_id = st0["id"]
+    rep = wait_for(lambda: next((r for r in cluster.reports() if r["id"] == tab_id
+                                 and r["step"] >= st0["step"] + 40), None), 15, "the tab's report")
+    assert rep["links"] == {"server": "rtc"}, rep["links"]
+    lb = rep["link_bytes"]
+    # (before the channel opens a first hello may cross the socket)
+    assert lb["rtc"] >= 4 * rep["bucket_len"] * 20 and lb["ws"] <= 0.01 * lb["rtc"], lb
+    st = tab.state()
+    assert st["transport"] == "rtc-star" and all(ln["transport"] == "rtc-star" for ln in st["links"]), st["links"]
+    server_side = {r["id"]: r["link"] for r in cluster.state()["ranks"] if r["connected"]}
+    assert server_side[tab_id] == "rtc", server_side
+    assert tab.tc("tc.rtcOpened") == 1
+    assert not tab.console_errors, tab.console_errors
+    print(f"\nrtc star: tab moved {lb['rtc']} bytes on its data channel, {lb['ws']} on the socket")
