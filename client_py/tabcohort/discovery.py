@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .errors import ConfigError, TabcohortError
 
@@ -39,6 +39,8 @@ class Found:
     rooms: list[str] = field(default_factory=list)
     path: str = "/"
     version: str = ""
+    #: every TXT record (decoded), for services other than the server's
+    properties: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -48,11 +50,11 @@ class Found:
         return f"http://{host}:{self.port}{path}"
 
 
-def _zeroconf() -> Any:
+def _zeroconf(var: str = "TABCOHORT_DISCOVER", value: Any = "1") -> Any:
     try:
         import zeroconf
     except ImportError as exc:
-        raise ConfigError("TABCOHORT_DISCOVER", "1",
+        raise ConfigError(var, value,
                           f"LAN discovery needs the zeroconf package (pip install 'tabcohort[lan]'): {exc}") from None
     return zeroconf
 
@@ -87,15 +89,60 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
     Raises:
         DiscoveryError: nothing (suitable) answered in time; the message says what was tried.
     """
-    zc_mod = _zeroconf()
+    def accept(f: Found) -> str | None:
+        return None if room is None or room in f.rooms else f"rooms {f.rooms}"
+
+    found, rejected, how = browse(SERVICE_TYPE, accept=accept, host=host, timeout_s=timeout_s,
+                                  interfaces=interfaces)
+    if found:
+        return found[0]
+    want = f" with room {room!r}" if room else ""
+    extra = f"; seen but not usable: {rejected}" if rejected else ""
+    raise DiscoveryError(f"no tabcohort server{want} found within {timeout_s:g} s by {how} "
+                         f"(service {SERVICE_TYPE}){extra}")
+
+
+def browse(service_type: str, *, accept: Callable[[Found], str | None] | None = None,
+           enough: Callable[[list[Found]], bool] | None = None, host: str | None = None,
+           port: int = MDNS_PORT, timeout_s: float = 5.0, interfaces: Sequence[str] | None = None,
+           var: str = "TABCOHORT_DISCOVER") -> tuple[list[Found], dict[str, str], str]:
+    """Collect instances of ``service_type`` until ``enough(found)`` or ``timeout_s`` (blocking).
+
+    Each instance is resolved once (SRV, TXT, A); its TXT records are in ``Found.properties``
+    (and ``rooms``/``path``/``version`` for the server's service).
+
+    Args:
+        accept: returns ``None`` to keep an instance, or why it is not usable (kept in
+            ``rejected``). Default: keep every instance.
+        enough: stop as soon as this is true of the kept instances (default: one kept).
+        host: query this host's mDNS responder by unicast (legacy unicast DNS-SD, from an
+            ephemeral port) instead of browsing by multicast.
+        port: the responder's port for ``host`` (default 5353; another one behind a port mapping).
+        timeout_s: the bound, seconds.
+        interfaces: IPv4 addresses of the interfaces to browse on (default all).
+        var: the setting named by a ConfigError when zeroconf is missing.
+
+    Returns:
+        ``(found, rejected, how)``: the kept instances in the order they resolved, the others by
+        name with the reason, and a phrase saying how the search was made (for error messages).
+
+    Raises:
+        ConfigError: zeroconf is not installed (naming ``var``).
+        OSError: ``host`` does not resolve.
+    """
+    zc_mod = _zeroconf(var)
     ipv = zc_mod.IPVersion.V4Only
+    accept = accept or (lambda f: None)
+    enough = enough or (lambda found: bool(found))
     addr = None
     if host is not None:
-        addr = socket.getaddrinfo(host, MDNS_PORT, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        addr = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
         zc = zc_mod.Zeroconf(interfaces=interfaces_arg(interfaces) if interfaces else zc_mod.InterfaceChoice.Default,
                              unicast=True, ip_version=ipv)
+        how = f"a unicast DNS-SD query to {host} ({addr}) port {port}"
     else:
         zc = zc_mod.Zeroconf(interfaces=interfaces_arg(interfaces), ip_version=ipv)
+        how = f"an mDNS browse on {', '.join(interfaces) if interfaces else 'all interfaces'}"
     names: list[str] = []
     seen = threading.Condition()
 
@@ -107,12 +154,13 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
                 seen.notify_all()
 
     end = time.monotonic() + timeout_s
+    found: list[Found] = []
     rejected: dict[str, str] = {}
-    kw: dict[str, Any] = {} if addr is None else {"addr": addr, "port": MDNS_PORT}
-    browser = zc_mod.ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change], **kw)
+    kw: dict[str, Any] = {} if addr is None else {"addr": addr, "port": port}
+    browser = zc_mod.ServiceBrowser(zc, service_type, handlers=[on_change], **kw)
     try:
         done = 0
-        while True:
+        while not (found and enough(found)):
             with seen:
                 while done >= len(names):
                     left = end - time.monotonic()
@@ -124,7 +172,7 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
                 break
             for name in todo:
                 done += 1
-                info = zc_mod.ServiceInfo(SERVICE_TYPE, name)
+                info = zc_mod.ServiceInfo(service_type, name)
                 left_ms = max(200, int((end - time.monotonic()) * 1000))
                 if not info.request(zc, left_ms, **kw):
                     rejected[name] = "did not resolve"
@@ -137,22 +185,22 @@ def discover(*, room: str | None = None, host: str | None = None, timeout_s: flo
                     continue
                 if addr is not None and addr in addrs:  # the host we asked is the one to reach
                     addrs = [addr] + [a for a in addrs if a != addr]
-                if room is not None and room not in rooms:
-                    rejected[name] = f"rooms {rooms}"
+                f = Found(name=name, addresses=addrs, port=int(info.port), rooms=rooms,
+                          path=props.get("path", "/") or "/", version=props.get("version", ""), properties=props)
+                why = accept(f)
+                if why is not None:
+                    rejected[name] = why
                     continue
-                if len(addrs) > 1:  # a multi-homed server: the first address that accepts a connection
-                    addrs = _reachable_first(addrs, int(info.port), min(1.0, max(0.2, end - time.monotonic())))
-                return Found(name=name, addresses=addrs, port=int(info.port), rooms=rooms,
-                             path=props.get("path", "/") or "/", version=props.get("version", ""))
+                if len(addrs) > 1:  # a multi-homed host: the first address that accepts a connection
+                    f.addresses = _reachable_first(addrs, f.port, min(1.0, max(0.2, end - time.monotonic())))
+                found.append(f)
+                rejected.pop(name, None)
+                if enough(found):
+                    break
     finally:
         browser.cancel()
         zc.close()
-    how = f"a unicast DNS-SD query to {host} ({addr}) port {MDNS_PORT}" if host else \
-        f"an mDNS browse on {', '.join(interfaces) if interfaces else 'all interfaces'}"
-    want = f" with room {room!r}" if room else ""
-    extra = f"; seen but not usable: {rejected}" if rejected else ""
-    raise DiscoveryError(f"no tabcohort server{want} found within {timeout_s:g} s by {how} "
-                         f"(service {SERVICE_TYPE}){extra}")
+    return found, rejected, how
 
 
 def _reachable_first(addrs: list[str], port: int, timeout_s: float) -> list[str]:
@@ -166,12 +214,21 @@ def _reachable_first(addrs: list[str], port: int, timeout_s: float) -> list[str]
 
 
 class Advertiser:
-    """The server side: register the service on start, unregister on stop (asyncio API)."""
+    """Register a service on start, unregister on stop (asyncio API).
 
-    def __init__(self, *, port: int, rooms: Sequence[str], addresses: Sequence[str], path: str = "/",
-                 version: str = "", interfaces: Sequence[str] | None = None, instance: str | None = None) -> None:
+    By default the server's ``_tabcohort._tcp`` service with its ``rooms``/``path``/``version``
+    TXT records; ``service_type`` and ``properties`` advertise another service (the process
+    group's ranks). With ``allow_name_change=False`` a name that another live responder already
+    answers for raises zeroconf's ``NonUniqueNameException`` from :meth:`start`.
+    """
+
+    def __init__(self, *, port: int, rooms: Sequence[str] = (), addresses: Sequence[str], path: str = "/",
+                 version: str = "", interfaces: Sequence[str] | None = None, instance: str | None = None,
+                 service_type: str = SERVICE_TYPE, properties: dict[str, str] | None = None,
+                 allow_name_change: bool = True) -> None:
         self.port, self.rooms, self.addresses = port, list(rooms), list(addresses)
         self.path, self.version, self.interfaces = path, version, interfaces
+        self.service_type, self.properties, self.allow_name_change = service_type, properties, allow_name_change
         host = socket.gethostname().split(".")[0] or "tabcohort"
         self.instance = instance or f"tabcohort-{host}-{port}"
         self.hostname = f"{host}.local."
@@ -182,12 +239,18 @@ class Advertiser:
         zc_mod = _zeroconf()
         from zeroconf.asyncio import AsyncZeroconf
         self._azc = AsyncZeroconf(interfaces=interfaces_arg(self.interfaces), ip_version=zc_mod.IPVersion.V4Only)
+        props = self.properties if self.properties is not None else \
+            txt_properties(self.rooms, path=self.path, version=self.version)
         self.info = zc_mod.ServiceInfo(
-            SERVICE_TYPE, f"{self.instance}.{SERVICE_TYPE}", port=self.port, server=self.hostname,
-            addresses=[socket.inet_aton(a) for a in self.addresses],
-            properties=txt_properties(self.rooms, path=self.path, version=self.version))
+            self.service_type, f"{self.instance}.{self.service_type}", port=self.port, server=self.hostname,
+            addresses=[socket.inet_aton(a) for a in self.addresses], properties=props)
         # allow_name_change: two servers on one host/port-less instance name do not collide
-        await self._azc.async_register_service(self.info, allow_name_change=True)
+        try:
+            await self._azc.async_register_service(self.info, allow_name_change=self.allow_name_change)
+        except BaseException:
+            await self._azc.async_close()
+            self._azc = None
+            raise
 
     async def stop(self) -> None:
         if self._azc is None:
