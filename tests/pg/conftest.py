@@ -28,20 +28,61 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+PG_VARS = ("RANK", "WORLD", "WORLD_SIZE", "PEERS", "TOPOLOGY", "DISCOVERY", "PG_GROUP", "PG_DISCOVERY_INTERFACES",
+           "PG_SERVER", "PG_ROOM", "PG_TOKEN", "PG_RTC_HOSTS", "PG_ICE_SERVERS", "PG_TIMEOUT_S",
+           "PG_CONNECT_TIMEOUT_S", "MAX_MEMORY_BYTES", "PG_LISTEN_HOST", "PG_LISTEN_PORT")
+
+
+def rank_env(tmp_path, rank: int, world: int, topology: str, mode: str, *, tag: str = "") -> dict:
+    """A worker's environment without any source of peers (the caller adds PEERS, DISCOVERY or
+    PG_SERVER); the process group's variables from this environment are dropped."""
+    env = {k: v for k, v in os.environ.items() if k not in PG_VARS}
+    env.update(RANK=str(rank), WORLD=str(world), TOPOLOGY=topology, PG_TEST_MODE=mode,
+               PG_TEST_OUT=str(tmp_path / f"{tag}rank{rank}"), PG_CONNECT_TIMEOUT_S="30", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "client_py"), str(ROOT), str(ROOT / "server")]))
+    return env
+
+
+def worker_cmd() -> list[str]:
+    return [sys.executable, "-m", "tests.pg.worker"]
+
+
 def launch(tmp_path, world: int, topology: str, mode: str = "all", extra_env: dict | None = None,
-           per_rank_env: dict | None = None) -> list[dict]:
-    """Run tests/pg/worker.py as ``world`` processes; return each rank's outcome and arrays."""
-    ports = free_ports(world)
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+           per_rank_env: dict | None = None, *, static: bool = True, tag: str = "",
+           prefix: dict | None = None) -> list[dict]:
+    """Run tests/pg/worker.py as ``world`` processes; return each rank's outcome and arrays.
+
+    Args:
+        static: give PEERS (free loopback ports); otherwise the caller's env says how to connect.
+        tag: prefix of the result files (two groups in one tmp dir).
+        prefix: per rank, a command prefix (e.g. ``["ip", "netns", "exec", NS]``).
+    """
+    return collect(tmp_path, start(tmp_path, world, topology, mode, extra_env, per_rank_env, static=static,
+                                   tag=tag, prefix=prefix))
+
+
+def start(tmp_path, world: int, topology: str, mode: str = "all", extra_env: dict | None = None,
+          per_rank_env: dict | None = None, *, static: bool = True, tag: str = "",
+          prefix: dict | None = None, ranks: list[int] | None = None) -> list[subprocess.Popen]:
+    """Start the workers of :func:`launch` (collect them with :func:`collect`); ``ranks``: only
+    these ranks of the world (default all)."""
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(world)) if static else None
     procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD=str(world), PEERS=peers, TOPOLOGY=topology,
-                   PG_TEST_MODE=mode, PG_TEST_OUT=str(tmp_path / f"rank{r}"), PG_CONNECT_TIMEOUT_S="30",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "client_py"), str(ROOT)]))
+    for r in (range(world) if ranks is None else ranks):
+        env = rank_env(tmp_path, r, world, topology, mode, tag=tag)
+        if peers:
+            env["PEERS"] = peers
         env.update(extra_env or {})
         env.update((per_rank_env or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.pg.worker"], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        p = subprocess.Popen([*(prefix or {}).get(r, []), *worker_cmd()], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        p.pg_rank, p.pg_tag = r, tag  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs
+
+
+def collect(tmp_path, procs: list[subprocess.Popen]) -> list[dict]:
+    """Wait (bounded) for the workers; return each rank's exit code, log, outcome and arrays."""
     outs = []
     try:
         for p in procs:
@@ -53,9 +94,10 @@ def launch(tmp_path, world: int, topology: str, mode: str = "all", extra_env: di
                 p.kill()
                 p.wait()
     results = []
-    for r, p in enumerate(procs):
-        item: dict = {"rank": r, "rc": p.returncode, "log": outs[r]}
-        jp, npz = tmp_path / f"rank{r}.json", tmp_path / f"rank{r}.npz"
+    for i, p in enumerate(procs):
+        r, tag = p.pg_rank, p.pg_tag  # type: ignore[attr-defined]
+        item: dict = {"rank": r, "rc": p.returncode, "log": outs[i]}
+        jp, npz = tmp_path / f"{tag}rank{r}.json", tmp_path / f"{tag}rank{r}.npz"
         if jp.exists():
             item.update(json.loads(jp.read_text()))
         if npz.exists():

@@ -15,7 +15,13 @@ PEERS2 = "127.0.0.1:29500,127.0.0.1:29501"
 
 @pytest.fixture
 def no_sockets(monkeypatch):
-    """Any socket creation (or event loop, which opens a self-pipe) fails the test."""
+    """Any socket creation (or event loop, which opens a self-pipe) fails the test.
+
+    A loop is set first: pytest-asyncio asks the policy for one around each test, and its
+    self-pipe must not count (otherwise the first test of a run fails when it is this file's).
+    """
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
 
     def boom(*a, **k):
         raise AssertionError("a socket was opened before validation finished")
@@ -23,6 +29,10 @@ def no_sockets(monkeypatch):
     monkeypatch.setattr(socket, "socket", boom)
     monkeypatch.setattr(socket, "socketpair", boom)
     monkeypatch.setattr(socket, "create_connection", boom)
+    yield
+    monkeypatch.undo()
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 CASES = [
@@ -47,7 +57,39 @@ CASES = [
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_TIMEOUT_S": "soon"}, "PG_TIMEOUT_S"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "MAX_MEMORY_BYTES": "1e6"}, "MAX_MEMORY_BYTES"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "DISCOVERY": "dns"}, "DISCOVERY"),
-    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns"}, "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns"}, "PG_GROUP"),
+    # discovery
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "a b"}, "PG_GROUP"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "x" * 41}, "PG_GROUP"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns:10.0.0.1", "PG_GROUP": "g"}, "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "unicast", "PG_GROUP": "g", "TOPOLOGY": "star"}, "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "unicast:10.0.0.1", "PG_GROUP": "g"}, "DISCOVERY"),
+    ({"RANK": "1", "WORLD": "2", "DISCOVERY": "unicast:no-such-host.invalid", "PG_GROUP": "g", "TOPOLOGY": "star"},
+     "DISCOVERY"),
+    ({"RANK": "1", "WORLD": "2", "DISCOVERY": "unicast:10.0.0.1:99999", "PG_GROUP": "g", "TOPOLOGY": "star"},
+     "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "g", "PEERS": PEERS2}, "PEERS"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "g", "PG_DISCOVERY_INTERFACES": "lo"},
+     "PG_DISCOVERY_INTERFACES"),
+    ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_DISCOVERY_INTERFACES": "127.0.0.1"}, "PG_DISCOVERY_INTERFACES"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "g", "PG_LISTEN_PORT": "http"}, "PG_LISTEN_PORT"),
+    ({"RANK": "0", "WORLD": "2", "DISCOVERY": "mdns", "PG_GROUP": "g", "PG_LISTEN_HOST": "myhost"}, "PG_LISTEN_HOST"),
+    ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_LISTEN_PORT": "29500"}, "PG_LISTEN_PORT"),
+    # a server: WebRTC links
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080"}, "PG_ROOM"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "127.0.0.1:8080", "PG_ROOM": "r"}, "PG_SERVER"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:port", "PG_ROOM": "r"}, "PG_SERVER"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://no-such-host.invalid:1", "PG_ROOM": "r"}, "PG_SERVER"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080", "PG_ROOM": "a/b"}, "PG_ROOM"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080", "PG_ROOM": "r", "PEERS": PEERS2}, "PEERS"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080", "PG_ROOM": "r", "DISCOVERY": "mdns",
+      "PG_GROUP": "g"}, "DISCOVERY"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080", "PG_ROOM": "r", "PG_RTC_HOSTS": "localhost"},
+     "PG_RTC_HOSTS"),
+    ({"RANK": "0", "WORLD": "2", "PG_SERVER": "http://127.0.0.1:8080", "PG_ROOM": "r",
+      "PG_ICE_SERVERS": "http://stun.example"}, "PG_ICE_SERVERS"),
+    ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_ROOM": "r"}, "PG_ROOM"),
+    ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_RTC_HOSTS": "127.0.0.1"}, "PG_RTC_HOSTS"),
 ]
 
 
@@ -92,3 +134,18 @@ def test_good_config_and_star_needs_only_the_hub():
     assert not cfg.listens and cfg.peers == (("localhost", 29500),)
     cfg = load_config(env={"WORLD_SIZE": "2", "RANK": "1", "PEERS": "[::1]:1,[::1]:2"}, resolve=False)
     assert cfg.peers == (("::1", 1), ("::1", 2)) and cfg.listens and cfg.listen_port == 2
+
+
+def test_discovery_and_server_configs():
+    cfg = load_config(env={"RANK": "1", "WORLD": "3", "TOPOLOGY": "star", "DISCOVERY": "unicast:127.0.0.1:5354",
+                           "PG_GROUP": "lab-1"})
+    assert (cfg.discovery, cfg.discovery_host, cfg.discovery_port, cfg.group) == ("unicast", "127.0.0.1", 5354, "lab-1")
+    assert not cfg.listens and cfg.peers == () and cfg.transport == "tcp"
+    cfg = load_config(env={"RANK": "0", "WORLD": "3", "DISCOVERY": "MDNS", "PG_GROUP": "g",
+                           "PG_DISCOVERY_INTERFACES": "127.0.0.1", "PG_LISTEN_HOST": "127.0.0.1"})
+    assert cfg.discovery == "mdns" and cfg.discovery_interfaces == ("127.0.0.1",) and cfg.listens
+    assert (cfg.listen_host, cfg.listen_port) == ("127.0.0.1", 0)
+    cfg = load_config(env={"RANK": "0", "WORLD": "2", "PG_SERVER": "http://localhost:8080", "PG_ROOM": "r",
+                           "PG_RTC_HOSTS": "127.0.0.1", "PG_TOKEN": "s3cret"})
+    assert cfg.transport == "rtc" and not cfg.listens and cfg.rtc_host_addresses == ("127.0.0.1",)
+    assert (cfg.server, cfg.room, cfg.token, cfg.ice_servers) == ("http://localhost:8080", "r", "s3cret", ())

@@ -47,16 +47,27 @@ async def run_all(pg) -> dict:
     return out
 
 
-async def main() -> None:
+async def main() -> int | None:
     mode = os.environ.get("PG_TEST_MODE", "all")
     path = os.environ["PG_TEST_OUT"]
-    pg = await init_process_group()
+    t0 = time.monotonic()
+    try:
+        pg = await init_process_group()
+    except Exception as e:  # noqa: BLE001 - a bring-up error is an outcome too
+        with open(path + ".json", "w") as f:
+            json.dump({"error": type(e).__name__, "message": str(e), "elapsed_s": time.monotonic() - t0}, f)
+        return 2
     r, w = pg.rank, pg.world
-    outcome: dict = {"rank": r, "error": None}
+    outcome: dict = {"rank": r, "error": None, "connect_s": time.monotonic() - t0}
+    if hasattr(pg.bus, "transport_bytes"):
+        outcome["links"] = pg.bus.links()
     try:
         if mode == "all":
             res = await run_all(pg)
             np.savez(path + ".npz", **res)
+            if hasattr(pg.bus, "transport_bytes"):
+                outcome["transport_bytes"] = pg.bus.transport_bytes()
+                outcome["links_after"] = pg.bus.links()
         else:
             await pg.barrier()
             t0 = time.monotonic()

@@ -48,10 +48,12 @@ class ProcessGroup:
         rank: this rank, in [0, world).
         world: the number of ranks.
         topology: ``"mesh"`` or ``"star"``.
-        bus: the :class:`~tabcohort.pg.tcp.TcpBus` carrying the links.
+        bus: the links: a :class:`~tabcohort.pg.tcp.TcpBus` (TCP), or with a server a
+            :class:`~tabcohort.pg.rtc.RtcGroupBus` (WebRTC data channels; its ``links()`` and
+            ``transport_bytes()`` say which path carried what).
     """
 
-    def __init__(self, cfg: PGConfig, bus: TcpBus) -> None:
+    def __init__(self, cfg: PGConfig, bus: Any) -> None:
         self.cfg = cfg
         self.rank, self.world, self.topology = cfg.rank, cfg.world, cfg.topology
         self.bus = bus
@@ -60,6 +62,7 @@ class ProcessGroup:
         self._waiting: dict[tuple[int, int, int], asyncio.Future] = {}
         self._error: PGError | None = None
         self._left: dict[int, str] = {}
+        self._advertiser: Any = None
         self.closed = False
         bus.on_message = self._on_message
         bus.on_peer_lost = self._on_peer_lost
@@ -67,21 +70,39 @@ class ProcessGroup:
     # -- bring-up --------------------------------------------------------------------------
     @classmethod
     async def connect(cls, cfg: PGConfig) -> "ProcessGroup":
-        """Open the links of ``cfg`` (static peers) and return the group.
+        """Open the links of ``cfg`` and return the group (bounded by ``connect_timeout_s``).
 
-        Mesh: every rank listens on ``PEERS[rank]``; rank i dials every rank below it. Star:
-        rank 0 listens on ``PEERS[0]``; the others dial it (they need no inbound port).
+        TCP (no server): mesh: every rank listens (on ``PEERS[rank]``, or with discovery on
+        ``PG_LISTEN_HOST:PG_LISTEN_PORT``, advertised); rank i dials every rank below it. Star:
+        rank 0 listens; the others dial it (they need no inbound port). The peers' addresses come
+        from ``PEERS`` or from discovery (:mod:`tabcohort.pg.discovery`).
+
+        WebRTC (a server is given): every rank joins the server room and gets a data channel
+        to every other rank (:mod:`tabcohort.pg.rtc`); ``topology`` then only chooses the
+        collective algorithm (star: rank 0 reduces everything).
 
         Raises:
-            GroupSetupError: a peer did not answer within ``connect_timeout_s``, or answered
-                for a different group.
+            GroupSetupError: a peer was not found or did not answer within ``connect_timeout_s``,
+                answered for a different group, or another process claims this rank.
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.connect_timeout_s
+        if cfg.server:
+            from .rtc import RtcGroupBus
+
+            rbus = RtcGroupBus(cfg)
+            group = cls(cfg, rbus)
+            if cfg.world > 1:
+                try:
+                    await rbus.start(deadline)
+                except BaseException:
+                    await rbus.aclose()
+                    raise
+            return group
         bus = TcpBus(cfg.rank)
         group = cls(cfg, bus)
         if cfg.world == 1:
             return group
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.connect_timeout_s
         if cfg.topology == "mesh":
             expect, targets = set(range(cfg.rank + 1, cfg.world)), list(range(cfg.rank))
         else:
@@ -89,9 +110,15 @@ class ProcessGroup:
             targets = [] if cfg.rank == 0 else [0]
         listener = Listener(bus, world=cfg.world, topology=cfg.topology, expect=expect)
         try:
-            if cfg.listens:
-                await listener.start(cfg.listen_host, cfg.listen_port)
-            await asyncio.gather(*(dial(bus, j, *cfg.peers[j], world=cfg.world, topology=cfg.topology,
+            port = await listener.start(cfg.listen_host, cfg.listen_port) if cfg.listens else 0
+            peers = dict(enumerate(cfg.peers))
+            if cfg.discovery != "static":
+                from . import discovery
+
+                if cfg.listens:
+                    group._advertiser = await discovery.advertise(cfg, port)
+                peers = await discovery.find_async(cfg, max(0.0, deadline - loop.time()))
+            await asyncio.gather(*(dial(bus, j, *peers[j], world=cfg.world, topology=cfg.topology,
                                         deadline=deadline) for j in targets))
             try:
                 await asyncio.wait_for(listener.arrived.wait(), max(0.0, deadline - loop.time()))
@@ -102,10 +129,19 @@ class ProcessGroup:
                                       (f" ({'; '.join(listener.errors)})" if listener.errors else "")) from None
         except BaseException:
             listener.close()
+            await group._stop_advertising()
             await bus.aclose()
             raise
         listener.close()
         return group
+
+    async def _stop_advertising(self) -> None:
+        adv, self._advertiser = self._advertiser, None
+        if adv is not None:
+            try:
+                await adv.stop()
+            except Exception:  # noqa: BLE001 - best effort: the record expires anyway
+                pass
 
     # -- incoming --------------------------------------------------------------------------
     def _on_message(self, msg: dict) -> None:
@@ -445,12 +481,12 @@ class ProcessGroup:
         if self._error is None:
             self._post_abort(BYE, "closed", self.rank)
         self.closed = True
-        for lk in self.bus.links.values():
-            try:
-                await asyncio.wait_for(lk.writer.drain(), self.cfg.timeout_s)
-            except (Exception, asyncio.TimeoutError):  # noqa: BLE001 - closing anyway
-                pass
+        try:
+            await self.bus.flush(self.cfg.timeout_s)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
         await self.bus.aclose()
+        await self._stop_advertising()
 
     async def __aenter__(self) -> "ProcessGroup":
         return self

@@ -197,6 +197,14 @@ class TcpBus:
                 else:
                     lk.writer.transport.resume_reading()
 
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` per link) until every link's queued bytes reach the kernel."""
+        for lk in self.links.values():
+            try:
+                await asyncio.wait_for(lk.writer.drain(), timeout_s)
+            except (Exception, asyncio.TimeoutError):  # noqa: BLE001 - closing anyway
+                pass
+
     def close(self) -> None:
         """Stop delivery both ways and close every link (idempotent)."""
         if self.closed:
