@@ -4,7 +4,10 @@ server's default digits room), each cohort on a fresh server:
 - join time of a tab: page open -> first contributed bucket (the first round after it became
   ready), next to Pyodide's own boot time measured in the worker, and their ratio;
 - rounds/s of a cohort of 2 for tab-only (2 tabs), native-only (2 native ranks) and mixed
-  (1 tab + 1 native), from the server's room step over a fixed window after warm-up;
+  (1 tab + 1 native), from the server's room step over a fixed window after warm-up, in a
+  WebSocket-star room and in a WebRTC-mesh room (the tabs' data channels are the page's own;
+  a mesh row fails unless every link is on a data channel), each against native-only of the
+  same topology;
 - the same two tab cohorts with a tab hidden (its window minimized);
 - the longest main-thread task of a training tab (PerformanceObserver ``longtask``: tasks over
   50 ms; plus the largest lateness of a 20 ms interval probe, which also sees shorter ones).
@@ -51,7 +54,7 @@ def tc(page, expr: str = "tc.state"):
     return page.tc(expr)
 
 
-def open_tab(chromium: Chromium, url: str, new_window: bool = True):
+def open_tab(chromium: Chromium, url: str, new_window: bool = True, query: str = ""):
     # a window of its own: a second tab in the same window would hide the first (and its main
     # thread's timers would be aligned to 1 s)
     tid = chromium.call("Target.createTarget", {"url": "about:blank", "newWindow": new_window})["targetId"]
@@ -62,7 +65,7 @@ def open_tab(chromium: Chromium, url: str, new_window: bool = True):
     page.send("Page.enable")
     page.send("Runtime.enable")
     page.send("Page.addScriptToEvaluateOnNewDocument", {"source": PROBE})
-    page.send("Page.navigate", {"url": f"{url}/?room=digits"})
+    page.send("Page.navigate", {"url": f"{url}/?room=digits{query}"})
     page.t_open = time.monotonic()
     return page
 
@@ -104,13 +107,15 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
     pages = []
     out: dict = {"cohort": kind}
     try:
-        url = c.serve()
-        n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0, "tab-only, 1 hidden": 2, "mixed, tab hidden": 1}[kind]
+        mesh = kind.endswith("mesh")
+        url = c.serve(*(("--topology", "mesh") if mesh else ()))
+        base = kind.split(",")[0]
+        n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0}[base]
         hidden = "hidden" in kind
         for _ in range(2 - n_tabs):
-            c.rank()
+            c.rank(*(("--rtc-hosts", "127.0.0.1") if mesh else ()))
         for _ in range(n_tabs):
-            pages.append(open_tab(chromium, url))
+            pages.append(open_tab(chromium, url, query="&rtc-loopback=1" if mesh else ""))
         if pages and not hidden:
             out["join"] = join_time(pages[0])
         if hidden:  # its window minimized: the first tab is hidden (its own window: the others stay visible)
@@ -128,6 +133,11 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
             out["visibility"] = [p.eval("document.visibilityState") for p in pages]
         backends = sorted({r.get("backend") for r in c.reports()})
         out["backends"] = backends
+        if mesh:  # the pair must really be on a data channel, or the row measures the relay
+            paths = [v for r in c.reports() for v in (r.get("links") or {}).values()]
+            out["paths"] = sorted(set(paths))
+            if set(paths) != {"rtc"}:
+                raise RuntimeError(f"{kind}: links not all on data channels: {paths}")
     finally:
         for p in pages:
             try:
@@ -148,12 +158,13 @@ def main() -> int:
     try:
         version = chromium.call("Browser.getVersion")["product"]
         results = [cohort(k, a.window, a.warmup, chromium)
-                   for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden")]
+                   for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden",
+                             "native-only, mesh", "mixed, mesh", "tab-only, mesh")]
     finally:
         chromium.close()
     by = {r["cohort"]: r for r in results}
-    native_rps = by["native-only"]["rounds_per_s"]
-    for r in results:
+    for r in results:  # against the native-only cohort of the same topology
+        native_rps = by["native-only, mesh" if r["cohort"].endswith("mesh") else "native-only"]["rounds_per_s"]
         r["vs_native"] = r["rounds_per_s"] / native_rps if native_rps else None
     joins = [r["join"] for r in results if "join" in r]
     doc = {"bench": "bench_tab", "chromium": version, "python": platform.python_version(),
