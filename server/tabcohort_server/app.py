@@ -94,6 +94,9 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
             got = ckpt.load(config.checkpoint_dir, name)
             if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
                 room.checkpoint, a.checkpoint_data = got
+                step = int(room.checkpoint.get("step") or 0)
+                if room.job.steps and step >= room.job.steps:  # already done: do not train on
+                    room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
     app[ASSETS] = assets
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():
@@ -396,6 +399,8 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                 room.sent(peer, item)
 
     room.send_control(peer, room.welcome(peer, resumed=resumed))
+    if room.stopped:  # a rank that joins a stopped room is told at once, as the others were
+        room.send_control(peer, {"type": "stop", "reason": room.stop_reason})
     room.announce(peer, True)
     wtask = asyncio.create_task(writer())
     rtask = asyncio.create_task(_reader(ws, room, peer))

@@ -108,3 +108,13 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
         assert p.p.wait(60) == 0, p.text()
     fin = cluster.state()
     assert fin["stopped"] and fin["checkpoint"]["final"] and fin["checkpoint"]["step"] >= stop_at
+    # restarted again with the same limit, the room is already done: it starts stopped, and a
+    # rank that joins is told so at once and leaves without training past the limit
+    cluster.server.terminate()
+    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at))
+    again = cluster.state()
+    assert again["stopped"] and "checkpoint at step" in again["stop_reason"], again["stop_reason"]
+    late = cluster.rank()
+    assert late.p.wait(30) == 0, late.text()
+    assert "stopped (server: steps" in late.text(), late.text()[-2000:]
+    assert cluster.state()["checkpoint"]["step"] == fin["checkpoint"]["step"]
