@@ -185,6 +185,19 @@ def _rank(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     try:
+        return _serve_checked(a)
+    except ConfigError as e:  # a room field (``digits.steps``) or a Timing field -> the flag typed
+        field = e.variable[len(a.room) + 1:] if e.variable.startswith(f"{a.room}.") else e.variable
+        dest = field[:-2] if field.endswith("_s") else field
+        if dest and "." not in dest and not dest.startswith("-") and hasattr(a, dest):
+            raise ConfigError("--" + dest.replace("_", "-"), e.value, e.reason) from None
+        raise
+
+
+def _serve_checked(a: argparse.Namespace) -> int:
+    if not 0 <= a.port <= 65535:
+        raise ConfigError("--port", a.port, "must be in 0..65535 (0 = any free port)")
+    try:
         from tabcohort_server.config import JobConfig, ServerConfig, ServerLimits
         from tabcohort_server.serve import serve
     except ImportError as exc:

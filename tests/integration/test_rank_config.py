@@ -80,9 +80,15 @@ def _state(url, room):
 @pytest.mark.parametrize("args,named", [
     (["--host", "nohost.invalid"], "--host='nohost.invalid'"),
     (["--checkpoint-dir", "/proc/no/such/dir"], "--checkpoint-dir="),
+    # job and timing values name the flag the user typed, not the room's config field
+    (["--steps", "-1"], "--steps=-1"),
+    (["--checkpoint-interval", "0"], "--checkpoint-interval=0.0"),
+    (["--beat-ms", "0"], "--beat-ms=0.0"),
+    (["--port", "99999"], "--port=99999"),
 ])
 def test_serve_bad_listen_settings_are_config_errors(args, named):
-    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", *args], capture_output=True,
+    port = [] if "--port" in args else ["--port", "0"]
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", *port, *args], capture_output=True,
                        text=True, timeout=60, env=_env(), cwd=ROOT)
     assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
 
