@@ -132,7 +132,8 @@ async function main() {
   document.addEventListener("resume", () => tc.events.push({ k: "resume", t: performance.now() }));
   post({ k: "boot", cfg: { base: location.origin, room, token: token || null, boot: boot.body,
     autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
-    batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null, link: params.get("link") || null } });
+    batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null, link: params.get("link") || null,
+    mode: params.get("mode") || null } });  // mode=conformance: tests only (tests/browser/page_harness.py)
 }
 
 // WebRTC mesh links (tabcohort.bus.browser.BrowserMeshBus drives them from the worker): one

@@ -107,6 +107,12 @@ async function boot(cfg) {
     base: cfg.base, room: cfg.room, token: cfg.token || null, autostart: cfg.autostart !== false,
     backend: numpy ? (cfg.backend || "auto") : "python", batch: cfg.batch || null, link: cfg.link || null,
   };
+  if (cfg.mode === "conformance") {
+    // tests only (tests/browser/page_harness.py): the bus conformance battery drives buses here
+    progress("starting the bus conformance agent", t0);
+    await py.runPythonAsync("from tabcohort.runtime.conformance_agent import run_agent\nawait run_agent()");
+    return;
+  }
   progress("starting the rank", t0);
   py.globals.set("_tc_cfg", JSON.stringify(pycfg));
   const rc = await py.runPythonAsync(`

@@ -1,0 +1,41 @@
+"""The bus conformance battery (tests/conformance/test_bus_conformance.py, every case) against the
+browser buses in a real Chromium page's worker, through the page's own WebSocket and
+RTCPeerConnections (web/app.js), against a real tabcohort server: ``page-ws-star``
+(:class:`~tabcohort.bus.browser.BrowserBus`) and ``page-rtc-mesh``
+(:class:`~tabcohort.bus.browser.BrowserMeshBus`; after each case, every link between open buses
+must be a data channel that carried bytes, none on the relay). One server and one page for the
+module (Pyodide boots once); fresh buses per case. See page_harness.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.test_bus_conformance import *  # noqa: F401,F403  (the battery's cases run here)
+
+from .conftest import Tab
+from .page_harness import ConfServer, PageHarness, PageSession
+
+pytestmark = pytest.mark.browser
+
+KINDS = {"page-ws-star": "star", "page-rtc-mesh": "mesh"}
+PRECISIONS = ["f32", "f16", "bf16", "int8"]
+
+
+@pytest.fixture(scope="module")
+def page_session(browser):
+    server = ConfServer()
+    tab = Tab(browser, server.url, "?room=star&mode=conformance&rtc-loopback=1&numpy=off&autostart=0")
+    try:
+        yield PageSession(tab, server)
+        assert not tab.console_errors, tab.console_errors
+    finally:
+        tab.close()
+        server.close()
+
+
+@pytest.fixture(params=[(k, p) for k in KINDS for p in PRECISIONS], ids=lambda kp: f"{kp[0]}-{kp[1]}")
+def harness(request, page_session):
+    name, precision = request.param
+    h = PageHarness(page_session, KINDS[name], precision)
+    yield h
+    h.close()
