@@ -170,6 +170,23 @@ function makeRtc(post) {
     toWorker(e, "rtc-down", { reason });
   };
   const local = (e, signal) => toWorker(e, "rtc-local", { text: JSON.stringify(signal) });
+  // Below the low-water mark a channel drains without an event: re-acknowledge every 50 ms until
+  // its bufferedAmount is 0, so the worker's count (pressure, flow control) does not stay stale.
+  const draining = new Set();
+  let drainTimer = null;
+  const acked = (e) => {
+    const b = e.ch && !e.down ? e.ch.bufferedAmount : 0;
+    toWorker(e, "rtc-ack", { bytes: 0, buffered: b });
+    return b;
+  };
+  const watchDrain = (e) => {
+    if (!e.ch || !e.ch.bufferedAmount) return;
+    draining.add(e);
+    if (!drainTimer) drainTimer = setInterval(() => {
+      for (const x of draining) if (x.down || pcs.get(`${x.link}:${x.peer}`) !== x || !acked(x)) draining.delete(x);
+      if (!draining.size) { clearInterval(drainTimer); drainTimer = null; }
+    }, 50);
+  };
   const setup = (e, ch) => {
     e.ch = ch;
     ch.binaryType = "arraybuffer";
@@ -182,7 +199,7 @@ function makeRtc(post) {
     ch.onmessage = (m) => {
       if (typeof m.data !== "string") toWorker(e, "rtc-chunk", { data: m.data }, [m.data]);
     };
-    ch.onbufferedamountlow = () => toWorker(e, "rtc-ack", { bytes: 0, buffered: ch.bufferedAmount });
+    ch.onbufferedamountlow = () => { toWorker(e, "rtc-ack", { bytes: 0, buffered: ch.bufferedAmount }); watchDrain(e); };
     ch.onclose = () => down(e, "data channel closed");
     ch.onerror = (ev) => down(e, `data channel error: ${ev.error ? ev.error.message : "unknown"}`);
   };
@@ -240,7 +257,7 @@ function makeRtc(post) {
           try { e.ch.send(b); } catch (err) { down(e, `send failed: ${err.message || err}`); break; }
         }
       }
-      if (e) toWorker(e, "rtc-ack", { bytes: n, buffered: e.ch ? e.ch.bufferedAmount : 0 });
+      if (e) { toWorker(e, "rtc-ack", { bytes: n, buffered: e.ch ? e.ch.bufferedAmount : 0 }); watchDrain(e); }
     },
   };
 }
