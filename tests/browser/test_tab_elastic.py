@@ -1,6 +1,7 @@
 """Elastic membership with real tabs: close a follower's tab (the others go on), reopen it (it
 rejoins and is synced by one round), close the leader's tab (a new leader takes over). Three tabs,
-no native rank, so the leader is always a tab."""
+no native rank, so the leader is always a tab. Once over the WebSocket star and once in a WebRTC
+mesh room (the tabs' own data channels; a reopened tab gets fresh channels, not the relay)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def _lead(tabs_: list) -> tuple:
     return None
 
 
-def test_close_reopen_and_close_the_leaders_tab(cluster, tabs):
-    url = cluster.serve()
-    ts = [tabs(url, "?room=digits") for _ in range(3)]
+@pytest.mark.parametrize("topology", ["star", "mesh"])
+def test_close_reopen_and_close_the_leaders_tab(cluster, tabs, topology):
+    mesh = topology == "mesh"
+    url = cluster.serve(*(("--topology", "mesh") if mesh else ()))
+    query = "?room=digits&rtc-loopback=1" if mesh else "?room=digits"
+    ts = [tabs(url, query) for _ in range(3)]
     for t in ts:
         wait_tab(t, lambda s: s["ready"] and s["cohort"] == 3, 90, "a cohort of 3 tabs")
 
@@ -42,7 +46,7 @@ def test_close_reopen_and_close_the_leaders_tab(cluster, tabs):
              "the other two to drop the closed tab and go on (20 more steps)")
 
     # 2. reopen it: a new rank joins and the next round syncs it (it never trains from its own init)
-    again = tabs(url, "?room=digits")
+    again = tabs(url, query)
     ts.append(again)
     wait_for(lambda: again.tc("tc.joinedAt"), 60, "the reopened tab to join")
     st_join = lead_tab.state()["step"]
@@ -51,6 +55,11 @@ def test_close_reopen_and_close_the_leaders_tab(cluster, tabs):
     # synced by one round: its first ready state already carries the cohort's step, not step 0
     assert first_ready["step"] >= st_join, (first_ready["step"], st_join)
     wait_tab(again, lambda s: s["cohort"] == 3, 30, "a cohort of 3 again")
+    if mesh:  # the reopened tab's pairs are data channels too, from both ends
+        for t in ts:
+            wait_tab(t, lambda s: len(s["links"]) >= 2 and all(
+                ln["transport"] == "rtc" for ln in s["links"] if ln["peer"] != victim_id), 30,
+                "every live pair on a data channel")
 
     # 3. close the leader's tab: a new leader takes over within the handover bound
     lead_tab, lead = wait_for(lambda: _lead(ts), 30, "a leader tab")
