@@ -44,6 +44,9 @@ def test_two_tabs_and_a_native_rank_train_digits_to_90_percent_bit_identical(clu
     for t in (a, b):
         stopped = wait_for(lambda t=t: t.tc("tc.stopped"), 20, "the tab's stopped message")
         assert stopped["digest"] in digests
+        # teardown: every Pyodide proxy the rank created was destroyed
+        td = wait_for(lambda t=t: t.tc("tc.events.find(e => e.k === 'teardown') || null"), 20, "the tab's teardown")
+        assert td["proxies_created"] > 0 and td["proxies_destroyed"] == td["proxies_created"], td
     backends = {r["id"]: r["backend"] for r in finals}
     tab_ids = set(ids)
     native_id = next(k for k in backends if k not in tab_ids)

@@ -60,11 +60,14 @@ class JsPort:
         self._to_js = to_js
         self._proxies: list[Any] = []
         self._create_proxy = create_proxy
+        self.proxies_created = 0
+        self.proxies_destroyed = 0
 
     def proxy(self, fn: Callable) -> Any:
         """A JS-callable proxy of ``fn``; destroyed by :meth:`destroy`."""
         p = self._create_proxy(fn)
         self._proxies.append(p)
+        self.proxies_created += 1
         return p
 
     def set_wake(self, fn: Callable[[], None] | None) -> None:
@@ -121,6 +124,7 @@ class JsPort:
             pass
         for p in self._proxies:
             p.destroy()
+            self.proxies_destroyed += 1
         self._proxies.clear()
 
 

@@ -229,6 +229,9 @@ class TabRun:
             await bus.aclose()
             await hub.aclose()
             self.port.destroy()
+            # every proxy this rank created is destroyed (tests/browser/test_tab_e2e.py checks)
+            self.ui("teardown", proxies_created=getattr(self.port, "proxies_created", None),
+                    proxies_destroyed=getattr(self.port, "proxies_destroyed", None))
         return 1 if self.failed else 0
 
     # ------------------------------------------------------------------ controls
