@@ -62,6 +62,18 @@ class AgentError(RuntimeError):
     """The worker's agent raised (its traceback is in the message)."""
 
 
+class NoBackPressure(AssertionError):
+    """A stalled bus in the page took more than ``HELD_BOUND`` bytes off the wire and holds them,
+    while no sender's pressure reached 1: the receive path has no back-pressure (the page cannot
+    pause reading a WebSocket or an RTCDataChannel, and nothing tells the sender)."""
+
+
+#: bytes a stalled receiver may hold before :class:`NoBackPressure`: a quarter of the high-water
+#: mark (a receiver that stops reading holds none; a credit window would be sized well below the
+#: sender's high-water mark). Small, so that the known failure is reached in a few posts.
+HELD_BOUND = HIGH_WATER // 4
+
+
 class ConfServer:
     """A real tabcohort server in a background thread: rooms ``star`` and ``mesh``."""
 
@@ -240,6 +252,11 @@ class PageHarness(BusHarness):
         while stable < 3:
             snap = self.session.call("snap")
             key = (json.dumps(snap, sort_keys=True), [self._relay(d) for d in snap])
+            held = {d["id"]: d["held"] for d in snap if d["held"] > HELD_BOUND}
+            if held:
+                raise NoBackPressure(f"{self.kind}: stalled buses hold {held} bytes taken off the wire "
+                                     f"(> {HELD_BOUND}); senders' pressure "
+                                     f"{[b.pressure() for b in self.buses if not b.closed]}")
             if self._quiet(snap) and key == last:
                 stable += 1
             else:
@@ -267,187 +284,6 @@ class PageHarness(BusHarness):
         for d in paths:
             assert set(d["links"].values()) <= {"rtc"} and d["relay_live"] == 0, d
         assert sum(d["rtc"] for d in paths) > 0, f"no byte went over a data channel: {paths}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-def wait(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.01) -> Any:
-    end = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-class PageSession:
-    """One page whose worker runs the conformance agent; :meth:`call` is one request."""
-
-    def __init__(self, tab: Any, server: ConfServer) -> None:
-        self.tab = tab
-        self.page = tab.page
-        self.server = server
-        self._ids = itertools.count(1)
-        wait(lambda: self._errors() or self.page.evaluate(_INSTALL), 30, "the page to start its worker")
-        wait(lambda: self._errors() or self.call("ping", timeout_s=2.0, quiet=True) == "pong", 90,
-             "the worker to boot Pyodide and start the conformance agent", interval_s=0.2)
-
-    def _errors(self) -> None:
-        errs = self.page.evaluate("tc.errors")
-        if errs:
-            raise AssertionError(f"the page reports an error: {errs}")
-
-    def call(self, op: str, *, timeout_s: float = CALL_TIMEOUT_S, quiet: bool = False, **a: Any) -> Any:
-        rid = next(self._ids)
-        text = json.dumps({"id": rid, "op": op, "a": encode(a)}, separators=(",", ":"))
-        try:
-            rep = self.page.evaluate("([t, id, ms]) => window.__conf(t, id, ms)", [text, rid, int(timeout_s * 1000)])
-        except Exception:
-            if quiet:
-                return None
-            raise
-        r = decode(json.loads(rep))
-        if not r["ok"]:
-            raise AgentError(f"{op}: {r['error']}\n--- worker traceback\n{r.get('tb', '')}")
-        return r["result"]
-
-
-class PageBus:
-    """A proxy of one bus in the page's worker (the battery's view of it)."""
-
-    def __init__(self, harness: "PageHarness", h: int, bus_id: int) -> None:
-        self.harness = harness
-        self.h = h
-        self.id = bus_id
-        self.on_message: Callable[[dict], None] | None = None
-        self.closed = False
-
-    def _call(self, m: str, *a: Any) -> Any:
-        return self.harness.session.call("call", h=self.h, m=m, a=list(a))
-
-    @property
-    def peers(self) -> set[int]:
-        return self._call("peers")
-
-    def post(self, msg: dict) -> None:
-        self._call("post", msg)
-
-    def bytes(self) -> dict[int, LinkBytes]:
-        return {p: LinkBytes(s, r) for p, (s, r) in self._call("bytes").items()}
-
-    def total_bytes(self) -> int:
-        return self._call("total_bytes")
-
-    def pressure(self) -> float:
-        return self._call("pressure")
-
-    def queued_bytes(self) -> int:
-        return self._call("queued_bytes")
-
-    def drops(self) -> dict[str, int]:
-        return self._call("drops")
-
-    def quantize(self, params: Any) -> Any:
-        return self._call("quantize", params)
-
-    def transport_bytes(self) -> dict[str, int]:
-        return self._call("transport_bytes")
-
-    def close(self) -> None:
-        self.closed = True
-        self.on_message = None
-        self._call("close")
-
-
-class PageHarness(BusHarness):
-    """One case's harness over a shared :class:`PageSession` (fresh buses per case)."""
-
-    def __init__(self, session: PageSession, kind: str, precision: str = "f32") -> None:
-        assert kind in ("star", "mesh")
-        self.session = session
-        self.kind = kind
-        self.precision = precision
-        self.room = session.server.rooms[kind]
-        self.max_message_bytes = 65536 if kind == "star" else 262144
-        self.high_water_bytes = HIGH_WATER
-        self.buses: list[PageBus] = []
-
-    def make(self, n: int) -> list[PageBus]:
-        kw: dict[str, Any] = {"precision": self.precision, "high_water_bytes": self.high_water_bytes}
-        if self.kind == "star":
-            kw["max_message_bytes"] = self.max_message_bytes
-        made = self.session.call("make", kind=self.kind, url=self.session.server.ws_url(self.kind), n=n, kw=kw)
-        new = [PageBus(self, d["h"], d["id"]) for d in made]
-        if self.kind == "mesh":
-            sizes = {d["max_message_bytes"] for d in made}
-            assert sizes == {self.max_message_bytes}, f"negotiated data-channel message sizes {sizes}"
-        self.buses += new
-        return new
-
-    # ------------------------------------------------------------------ settle
-    def _relay(self, d: dict) -> tuple | None:
-        p = self.room.peers.get(d["id"])
-        return None if p is None else (p.n_in, p.n_out, p.queued_bytes, len(p.queue), p.connected)
-
-    def _quiet(self, snap: list[dict]) -> bool:
-        for d in snap:
-            p = self.room.peers.get(d["id"])
-            n_sent, n_received, queued, _pressure, ws_stalled = d["ws"]
-            if p is None or queued or p.n_in != n_sent:
-                return False
-            if not ws_stalled and (p.queue or p.n_out != n_received):
-                return False
-            if self.kind == "mesh" and not d["quiet"]:
-                return False
-        return True
-
-    def settle(self) -> None:
-        end = time.monotonic() + SETTLE_TIMEOUT_S
-        last, stable = None, 0
-        while stable < 3:
-            snap = self.session.call("snap")
-            key = (json.dumps(snap, sort_keys=True), [self._relay(d) for d in snap])
-            if self._quiet(snap) and key == last:
-                stable += 1
-            else:
-                stable = 0
-            last = key
-            if time.monotonic() > end:
-                raise RuntimeError(f"{self.kind}: the page's buses did not settle: {snap} relay {key[1]}")
-            time.sleep(0.002)
-        got = self.session.call("take")
-        for b in self.buses:
-            cb = b.on_message
-            for m in got.get(b.h, ()):
-                if cb is not None and not b.closed:
-                    cb(m)
-
-    def stall(self, bus: PageBus, stalled: bool) -> None:
-        bus._call("stall", stalled)
-
-    # ------------------------------------------------------------------ teardown
-    def check_paths(self) -> None:
-        """Mesh: the links between open buses carried everything on data channels, none on the relay."""
-        if self.kind != "mesh" or not self.buses:
-            return
-        live = [b for b in self.buses if not b.closed]
-        rtc = 0
-        for b in live:
-            tb = b.transport_bytes()
-            rtc += tb["rtc"]
-            if len(live) == len(self.buses):
-                assert tb["relay"] == 0, (hex(b.id), tb)
-        if len(live) < len(self.buses):  # a peer closed: its links may have moved to the relay
-            for b in live:
-                for p, (s, r) in self.session.call("call", h=b.h, m="bytes", a=[]).items():
-                    pass
-        assert rtc > 0, "no byte went over a data channel"
 
     def close(self) -> None:
         try:

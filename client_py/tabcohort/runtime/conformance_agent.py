@@ -12,7 +12,8 @@ JSON would change (int dict keys, tuples, sets, ``array``, bytes) travel tagged 
 :func:`decode`); floats are exact (JSON float text is the shortest round-trip form).
 
 Ops: ``ping``; ``make`` (``kind``: ``star`` | ``mesh``, ``url``, ``n``, bus keyword args):
-``n`` connected buses, returned when every live bus sees all others (mesh: every pair on an
+``n`` connected buses, returned when every live bus sees all others (and ``others``, ids of
+buses in other pages) (mesh: every pair on an
 open data channel), bounded; ``call`` (``h``: bus handle, ``m``: method, ``a``: args): one bus
 method; ``snap``: what the harness needs to decide the network is quiet; ``take``: the
 messages each bus received since the last ``take`` (held here, delivered by the harness's
@@ -120,7 +121,7 @@ class Agent:
     async def op_ping(self) -> str:
         return "pong"
 
-    async def op_make(self, kind: str, url: str, n: int, kw: dict) -> list[dict]:
+    async def op_make(self, kind: str, url: str, n: int, kw: dict, others: list | None = None) -> list[dict]:
         from ..bus.browser import BrowserBus, BrowserMeshBus
 
         new = []
@@ -135,7 +136,7 @@ class Agent:
             b.on_message = self.inbox[h].append
             new.append({"h": h, "id": b.id})
         live = [b for b in self.buses.values() if not b.closed]
-        ids = {b.id for b in live}
+        ids = {b.id for b in live} | set(others or ())  # others: buses of other pages, in the same room
         if kind == "mesh":
             def ready() -> bool:
                 return all(set(b.links()) == ids - {b.id} and set(b.links().values()) <= {"rtc"} for b in live)
@@ -183,9 +184,14 @@ class Agent:
                                None if lk.channel is None else lk.channel.bufferedAmount]
                               for p, lk in sorted(b.links_.items())]
                 d["quiet"] = _mesh_quiet(b, live)
+                d["held"] = sum(len(c) for _, c, _ in b._held)
             else:
                 ws = b
                 d["stalled"] = b._stalled is not None
+                d["held"] = 0
+            # chunks a stalled bus took off the wire and holds (a receiver that applies
+            # back-pressure instead holds none: it stops reading)
+            d["held"] += sum(len(it.get("data") or b"") for it in ws._stalled or ())
             # the relay counts what follows the register message (one per connect / reconnect)
             d["ws"] = [ws.n_sent - 1 - ws.n_reconnects, ws.n_received, ws.queued_bytes(), ws.relay_pressure,
                        ws._stalled is not None]
