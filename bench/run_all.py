@@ -6,6 +6,10 @@ parallel: the machines have 2 cores) and writes ``bench/results/REPORT.md`` with
 ``bench/results/summary.json`` with the collected JSON. Benchmarks whose optional dependencies
 are missing (torch for bench_pg's gloo column, Chromium for bench_tab) say so in their output.
 
+The link benchmarks (``links``, ``overhead``, ``server_scale``) start a real server and rank
+processes on loopback; together they take about 6-8 minutes on 2 shared cores (``--only
+links,overhead,server_scale``).
+
 Usage: python bench/run_all.py [--quick] [--only NAME,NAME]
 """
 
@@ -29,6 +33,9 @@ BENCHES = {
                                                                                "--json", str(RESULTS / "bench_yield.json")]),
     "scaling": ("bench_scaling.py", [], ["--seconds", "1.5", "--ns", "1,4,16"]),
     "transports": ("bench_transports.py", [], ["--mb", "16", "--steps", "100"]),
+    "links": ("bench_links.py", [], ["--seconds", "3"]),
+    "overhead": ("bench_overhead.py", [], ["--seconds", "2", "--pings", "200"]),
+    "server_scale": ("bench_server_scale.py", [], ["--phase-s", "5"]),
     "pg": ("bench_pg.py", [], ["--iters", "5"]),
     "tab": ("bench_tab.py", [], []),
 }
