@@ -161,7 +161,8 @@ class RankDriver:
         if deadline is None:
             self._cancel_timers()
             return
-        if deadline <= self.now_ms():
+        now = self.now_ms()
+        if deadline <= now:
             if self._soon is None:          # unclamped FIFO yield: no timer armed
                 if self.yield_delay_ms > 0:
                     self._soon = self.loop.call_later(self.yield_delay_ms / 1000.0, self._on_soon)
@@ -173,7 +174,9 @@ class RankDriver:
         if self._timer is not None:
             self._timer.cancel()
         self._timer_when_ms = deadline
-        self._timer = self.loop.call_at(deadline / 1000.0, self._on_timer)
+        # a delay from one clock reading, never negative: Pyodide's WebLoop.call_at reads the
+        # clock again and raises "Can't schedule in the past" if it moved past the deadline
+        self._timer = self.loop.call_later(max(0.0, (deadline - now) / 1000.0), self._on_timer)
 
     def _cancel_timers(self) -> None:
         if self._timer is not None:
