@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import ROOT, launch
+from .conftest import ROOT, collect, launch, start
 from .test_collectives import check_every_collective
 
 pytestmark = [pytest.mark.integration, pytest.mark.needs_numpy, pytest.mark.timeout(120)]
@@ -90,3 +90,26 @@ def test_peer_dies_mid_all_reduce_over_data_channels(server, tmp_path, topology)
         assert item["elapsed_s"] < timeout_s / 2, item
         assert item["later"] == "PeerLostError"
     print(f"\nWebRTC: a dead rank noticed by the survivors in {max(r['elapsed_s'] for r in res[:2]):.2f} s")
+
+
+def test_bring_up_errors_name_the_problem_and_groups_in_one_room_do_not_mix(server, tmp_path):
+    """In one room at once: group ``dup`` where two processes both say RANK=0 (both refuse at
+    once), and group ``short`` of WORLD=3 where only ranks 0 and 1 start (both give up at the
+    bound, naming rank 2 and seeing the other group's peers as foreign)."""
+    bound_s = 10.0
+    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S=str(bound_s))
+    dup = start(tmp_path, 2, "mesh", extra_env=dict(env, PG_GROUP="dup"), per_rank_env={1: {"RANK": "0"}},
+                static=False, tag="dup")
+    short = start(tmp_path, 3, "mesh", extra_env=dict(env, PG_GROUP="short"), static=False, ranks=[0, 1],
+                  tag="short")
+    for item in collect(tmp_path, dup):
+        assert item["rc"] == 2 and item["error"] == "GroupSetupError", item["log"][-2000:]
+        assert "two processes claim rank 0" in item["message"], item
+    for item in collect(tmp_path, short):
+        assert item["rc"] == 2 and item["error"] == "GroupSetupError", item["log"][-2000:]
+        msg = item["message"]
+        # the first to reach its bound says so and leaves; the other may see that first
+        assert (f"not ready within {bound_s:g} s (PG_CONNECT_TIMEOUT_S)" in msg
+                or f"rank {1 - item['rank']} left room 'pg' during bring-up" in msg), msg
+        assert "never heard from: [2]" in msg, msg
+        assert bound_s - 0.5 < item["elapsed_s"] < bound_s + 10, item  # elapsed includes imports

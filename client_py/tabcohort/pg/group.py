@@ -87,17 +87,16 @@ class ProcessGroup:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.connect_timeout_s
-        if cfg.server:
+        if cfg.server and cfg.world > 1:  # a world of one needs no links at all
             from .rtc import RtcGroupBus
 
             rbus = RtcGroupBus(cfg)
             group = cls(cfg, rbus)
-            if cfg.world > 1:
-                try:
-                    await rbus.start(deadline)
-                except BaseException:
-                    await rbus.aclose()
-                    raise
+            try:
+                await rbus.start(deadline)
+            except BaseException:
+                await rbus.aclose()
+                raise
             return group
         bus = TcpBus(cfg.rank)
         group = cls(cfg, bus)

@@ -25,7 +25,9 @@ never moved to the relay (a group may sit between collectives for any time).
 Loss: the server announces a peer whose WebSocket closed (a crashed or killed process closes
 it at once) as ``{"type": "peer", "up": false}``; a known rank announced so is reported through
 ``on_peer_lost`` (the group raises :class:`~tabcohort.pg.errors.PeerLostError`). A rank whose
-socket merely blipped is reported too: a fixed group does not wait for it.
+socket merely blipped is reported too: a fixed group does not wait for it. So is a data channel
+that fails after bring-up (RtcMeshBus then moves the pair to the relay, but what was queued or
+in flight on the channel is lost, and a collective would otherwise wait for its timeout).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class RtcGroupBus:
         self.mesh.reader = FrameReader(WireLimits(max_frame_bytes=(1 << 30) + 4096, max_vector_len=1 << 28,
                                                   max_incomplete_bytes=1 << 31))
         self.mesh.on_message = self._on_mesh_message
+        self._mesh_fallback = self.mesh._fallback
+        self.mesh._fallback = self._on_fallback  # type: ignore[method-assign]
         self.on_message: Callable[[dict], None] | None = None
         self.on_peer_lost: Callable[[int, str], None] | None = None
         self.id_of: dict[int, int] = {}
@@ -122,7 +126,9 @@ class RtcGroupBus:
                 break
             left = deadline - loop.time()
             if left <= 0:
-                raise GroupSetupError(self._missing_text())
+                raise GroupSetupError(f"rank {self.rank}: group not ready within {self.cfg.connect_timeout_s:g} s "
+                                      f"(PG_CONNECT_TIMEOUT_S) in room {self.cfg.room!r} at {self.cfg.server}: "
+                                      + self._missing_text())
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, HELLO_RESEND_S))
@@ -147,9 +153,7 @@ class RtcGroupBus:
         missing = sorted(set(range(self.cfg.world)) - set(self.id_of) - {self.rank})
         state = {r: links.get(i, "gone") + ("" if i in self.acked else ", no ack") for r, i in sorted(self.id_of.items())}
         extra = f"; room peers of other groups: {self.foreign}" if self.foreign else ""
-        return (f"rank {self.rank}: group not ready within {self.cfg.connect_timeout_s:g} s (PG_CONNECT_TIMEOUT_S) in "
-                f"room {self.cfg.room!r} at {self.cfg.server}: ranks never heard from: {missing}; links of known "
-                f"ranks: {state}{extra}")
+        return f"ranks never heard from: {missing}; links of known ranks: {state}{extra}"
 
     def _hello(self, bus_id: int) -> None:
         self.mesh.post({"t": "hello", "version": PG_VERSION, "job": self.tag, "batch": self.rank,
@@ -163,9 +167,10 @@ class RtcGroupBus:
             return
         r = msg["batch"]
         if r == self.rank or r >= self.cfg.world or self.id_of.get(r, src) != src:
-            who = "this rank" if r == self.rank else f"bus id {self.id_of.get(r)}"
-            self.setup_error = (f"rank {self.rank}: two processes claim rank {r} of group {self.tag!r} in room "
-                                f"{self.cfg.room!r} (bus ids {src} and {who}); give each process its own RANK")
+            if self.setup_error is None and not self.ready:  # once up, a late claimant is ignored
+                who = "this rank" if r == self.rank else f"bus id {self.id_of.get(r)}"
+                self.setup_error = (f"rank {self.rank}: two processes claim rank {r} of group {self.tag!r} in room "
+                                    f"{self.cfg.room!r} (bus ids {src} and {who}); give each process its own RANK")
         else:
             self.id_of[r], self.rank_of[src] = src, r
             if msg["ready"]:
@@ -197,11 +202,23 @@ class RtcGroupBus:
             elif k in self.rank_of:
                 r = self.rank_of[k]
                 if not self.ready:
-                    self.setup_error = f"rank {self.rank}: rank {r} left room {self.cfg.room!r} during bring-up"
+                    self.setup_error = self.setup_error or \
+                        (f"rank {self.rank}: rank {r} left room {self.cfg.room!r} during bring-up (did it give up "
+                         f"waiting?); " + self._missing_text())
                 elif self.on_peer_lost is not None and not self.closed:
                     self.on_peer_lost(r, "its connection to the server closed (process exited or network lost)")
             if self._changed is not None:
                 self._changed.set()
+
+    def _on_fallback(self, lk: Any, why: str) -> None:
+        """RtcMeshBus moves a pair to the relay. Before bring-up ends that is only a slower path;
+        after, chunks queued or in flight on the channel are gone, so the peer is lost to this
+        rank's collectives (a peer that said goodbye first is not reported by the group)."""
+        was = lk.kind
+        self._mesh_fallback(lk, why)
+        r = self.rank_of.get(lk.peer)
+        if self.ready and was == "rtc" and r is not None and not self.closed and self.on_peer_lost is not None:
+            self.on_peer_lost(r, f"its data channel failed ({why}); data in flight on it is lost")
 
     # -- the bus contract, by rank ---------------------------------------------------------
     def writer_for(self, precision: str | None) -> FrameWriter:
