@@ -18,7 +18,9 @@ pids=()
 cleanup() {
   trap - INT TERM EXIT
   echo "[demo] stopping" >&2
-  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored; the server
+  # and the ranks stop gracefully on either
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait || true
 }
 trap cleanup INT TERM EXIT
@@ -32,7 +34,8 @@ for _ in $(seq 1 100); do   # wait (bounded: 20 s) until the server answers
 done
 rank_pids=()
 for i in $(seq 1 "$RANKS"); do
-  "$PY" -m tabcohort rank --server "$url" --room digits 2>&1 | sed -u "s/^/[rank $i] /" &
+  # (a process substitution, not a pipe, so that $! is the rank itself, not sed)
+  "$PY" -m tabcohort rank --server "$url" --room digits > >(sed -u "s/^/[rank $i] /") 2>&1 &
   pids+=($!)
   rank_pids+=($!)
 done
