@@ -32,6 +32,14 @@ const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
 
 async function main() {
+  // the page's own options are checked before anything loads (a bad one names itself)
+  const allowed = { link: ["ws", "rtc"], autostart: ["0", "1"], numpy: ["on", "off"], "rtc-loopback": ["0", "1"] };
+  for (const [k, vals] of Object.entries(allowed)) {
+    const v = params.get(k);
+    if (v !== null && !vals.includes(v)) return fail("config", `?${k}=${v}: expected ${vals.join(" or ")}.`);
+  }
+  const b = params.get("batch");
+  if (b !== null && !/^[1-9][0-9]{0,5}$/.test(b)) return fail("config", `?batch=${b}: expected a positive whole number of samples.`);
   const token = params.get("token") || "";
   const q = token ? `?token=${encodeURIComponent(token)}` : "";
   status("Contacting the server…");

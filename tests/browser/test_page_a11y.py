@@ -84,3 +84,14 @@ def test_server_unreachable_is_a_clear_error(cluster, browser):
         page.screenshot(path=str(ARTIFACTS / "error-unreachable-375x667.png"), full_page=True)
     finally:
         ctx.close()
+
+
+def test_a_bad_page_option_is_named_before_anything_loads(cluster, tabs):
+    url = cluster.serve()
+    for query, named in [("link=bogus", "?link=bogus"), ("batch=abc", "?batch=abc"),
+                         ("autostart=maybe", "?autostart=maybe")]:
+        t = tabs(url, f"?room=digits&{query}")
+        wait_for(lambda t=t: t.tc("tc.phase") == "error", 10, f"the page's config error for {query}")
+        assert named in t.page.inner_text("#error")
+        assert t.tc("tc.worker === undefined"), "the page started the rank anyway"
+        t.close()
