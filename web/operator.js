@@ -8,7 +8,7 @@ const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 
-function fail(text) { op.error = text; $("error").hidden = false; $("error").textContent = text; }
+function fail(text) { op.error = text; $("error").hidden = false; $("error").textContent = text; $("status").textContent = "Not available."; }
 
 async function init() {
   let room = params.get("room");
