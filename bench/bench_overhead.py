@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -97,6 +98,8 @@ def raw_rtt(url: str, link: str, pings: int, tmp: pathlib.Path, tag: str) -> dic
     try:
         procs.start("raw", "--url", url, "--link", link, "--role", "echo", "--out", str(out) + ".echo",
                     "--max-s", "120", log=f"raw-{link}-{tag}-echo.log")
+        ready = pathlib.Path(str(out) + ".echo.ready")
+        wait_until(ready.exists, 60, f"raw {link} echo ready", check=procs.check)
         # the pinger waits (bounded) for its peer itself
         p = procs.start("raw", "--url", url, "--link", link, "--role", "ping", "--count", str(pings),
                         "--out", str(out), "--max-s", "120", log=f"raw-{link}-{tag}-ping.log")
@@ -145,7 +148,7 @@ def main() -> None:
     a = ap.parse_args()
     from tests.integration.conftest import Cluster
 
-    rows = [asyncio.run(in_process(a.seconds, a.pings))]
+    rows = [dict(asyncio.run(in_process(a.seconds, a.pings)), loadavg_1m=os.getloadavg()[0])]
     with tempfile.TemporaryDirectory() as d:
         for link in a.links.split(","):
             tmp = pathlib.Path(d) / link
@@ -161,7 +164,7 @@ def main() -> None:
             finally:
                 c.close()
             rtts = before["rtt_ms"] + after["rtt_ms"]
-            rows.append({"link": link, **r, "raw_rtt_ms_p50": statistics.median(rtts),
+            rows.append({"link": link, **r, "loadavg_1m": os.getloadavg()[0], "raw_rtt_ms_p50": statistics.median(rtts),
                          "raw_rtt_ms_p99": percentile(rtts, 99),
                          "raw_rtt_runs_ms_p50": [statistics.median(before["rtt_ms"]), statistics.median(after["rtt_ms"])],
                          "raw_links": [before["links"], after["links"]]})
@@ -173,12 +176,13 @@ def main() -> None:
         r["rounds_per_raw_rt_rate"] = 1.0 / r["round_in_raw_rtts"]
     print(f"# protocol overhead: 2 ranks, tiny model ({BUCKET_LEN} parameters, batch {BATCH}, no compute), "
           f"rounds vs the raw round trip of the same link, same run\n")
-    print("| link | rounds/s | round ms | raw round trip ms (p50, before / after) | round = raw round trips | rounds/s ÷ raw round trips/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| link | rounds/s | round ms | raw round trip ms (p50, before / after) | round = raw round trips | "
+          "rounds/s ÷ raw round trips/s | load (1 min) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         runs = " / ".join(f"{x:.2f}" for x in r["raw_rtt_runs_ms_p50"])
         print(f"| {r['link']} | {r['rounds_per_s']:.0f} | {r['round_ms']:.2f} | {r['raw_rtt_ms_p50']:.3f} ({runs}) | "
-              f"{r['round_in_raw_rtts']:.1f} | {r['rounds_per_raw_rt_rate'] * 100:.0f} % |")
+              f"{r['round_in_raw_rtts']:.1f} | {r['rounds_per_raw_rt_rate'] * 100:.0f} % | {r['loadavg_1m']:.1f} |")
     odd = [r["link"] for r in rows if r["link"].startswith("rtc") and any(
         v != "rtc" for ln in r.get("rank_links", []) + r.get("raw_links", []) for v in ln.values())]
     if odd:

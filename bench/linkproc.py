@@ -16,7 +16,8 @@ As a script this is one *process* of a benchmark, started by the orchestrator ag
   uses bare aiohttp WebSocket clients against the server's relay (register, then binary
   frames); ``rtc-star`` sends on the RtcStarBus's aiortc channel and receives in its message
   callback (the server relays as for the protocol); ``rtc-mesh`` sends on the RtcMeshBus's
-  peer-to-peer aiortc channel and receives in its callback. ``--role echo`` answers every chunk;
+  peer-to-peer aiortc channel and receives in its callback. ``--role echo`` answers every chunk (it writes ``--out``.ready once it can, and only then is
+  the pinger started: a ping lost before that would shift every later reply);
   ``--role ping`` sends ``--count`` pings back to back (after 20 unmeasured ones) and writes
   ``{"rtt_ms": [...], "links": ...}`` to ``--out``.
 
@@ -286,6 +287,8 @@ async def run_raw(a: argparse.Namespace) -> None:
         async def close() -> None:
             await bus.aclose()
 
+    if a.role == "echo":
+        pathlib.Path(a.out + ".ready").write_text("ready")   # the orchestrator starts the pinger now
     if a.role == "ping":
         end = loop.time() + 30
         while (peer := peer_ready()) is None:
