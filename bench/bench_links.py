@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -81,7 +82,7 @@ def run(url: str, link: str, n: int, rule: str, a: argparse.Namespace, tmp: path
             links.append(s1["links"])
         return {"link": link, "n": n, "rule": rule, "rounds_per_s": rounds, "computed_per_s": computed,
                 "applied_per_s": applied, "leaders_in_window": len(leaders), "takeovers_in_window": takeovers,
-                "cohort_min": cohort_min, "warmup_s": warmup_s, "links": links}
+                "cohort_min": cohort_min, "warmup_s": warmup_s, "links": links, "loadavg_1m": os.getloadavg()[0]}
     finally:
         procs.stop()
 
@@ -134,6 +135,8 @@ def main() -> None:
         note = "" if x["leaders_in_window"] <= 1 else f" ({x['leaders_in_window']} leaders)"
         print(f"| {x['link']} | {x['n']} | {x['rule']} | {x['rounds_per_s']:.1f} | {x['computed_per_s']:.0f} | "
               f"{x['applied_per_s']:.0f} | {eff}{note} |")
+    loads = [x["loadavg_1m"] for x in rows]
+    print(f"\nLoad average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs.")
     fell_back = [(x["link"], x["n"], x["rule"]) for x in rows if x["link"] != "ws-star"
                  and any(v != "rtc" for ln in x["links"] for v in ln.values())]
     if fell_back:
