@@ -51,7 +51,7 @@ def test_a_roll_call_that_comes_up_short_names_what_it_found(tmp_path):
         assert "did not find the 2 other ranks of 3" in msg and "missing ranks [2]" in msg, msg
         assert f"found {{{1 - r}: '127.0.0.1:" in msg and "mDNS browse on 127.0.0.1" in msg, msg
         assert "PG_CONNECT_TIMEOUT_S" in msg
-        assert item["elapsed_s"] < 2 + 4, item
+        assert item["elapsed_s"] < 2 + 10, item  # from before the call: imports and mDNS probing too
 
 
 # --- a worker that cannot hear multicast: the hub's namespace (10.231.9.1) and the workers'

@@ -61,18 +61,23 @@ def rtc_env(url: str) -> dict:
     return {"PG_SERVER": url, "PG_ROOM": ROOM, "PG_RTC_HOSTS": "127.0.0.1"}
 
 
-@pytest.mark.parametrize("world,topology", [(2, "star"), (3, "mesh")])
-def test_every_collective_over_data_channels(server, tmp_path, world, topology):
-    res = launch(tmp_path, world, topology, extra_env=rtc_env(server), static=False)
-    check_every_collective(res, world)
-    for item in res:
-        assert set(item["links"].values()) == {"rtc"} and len(item["links"]) == world - 1, item["links"]
-        assert item["links_after"] == item["links"], item
-        tb = item["transport_bytes"]
-        assert tb["rtc"] > 50_000 and tb["relay"] == 0, tb
-    print(f"\nWebRTC bring-up of {world} ranks ({topology}) through the server: "
-          f"{max(r['connect_s'] for r in res):.2f} s; bytes per rank over data channels "
-          f"{[r['transport_bytes']['rtc'] for r in res]}, over the relay {[r['transport_bytes']['relay'] for r in res]}")
+def test_every_collective_over_data_channels_two_groups_in_one_room(server, tmp_path):
+    """A 2-rank star (group ``a``) and a 3-rank mesh (group ``b``) at once in one room: every
+    collective right in each, every link a data channel, nothing through the relay."""
+    env = rtc_env(server)
+    a = start(tmp_path, 2, "star", extra_env=dict(env, PG_GROUP="a"), static=False, tag="a")
+    b = start(tmp_path, 3, "mesh", extra_env=dict(env, PG_GROUP="b"), static=False, tag="b")
+    for res, world, topology in ((collect(tmp_path, a), 2, "star"), (collect(tmp_path, b), 3, "mesh")):
+        check_every_collective(res, world)
+        for item in res:
+            assert set(item["links"].values()) == {"rtc"} and len(item["links"]) == world - 1, item["links"]
+            assert item["links_after"] == item["links"], item
+            tb = item["transport_bytes"]
+            assert tb["rtc"] > 50_000 and tb["relay"] == 0, tb
+        print(f"\nWebRTC bring-up of {world} ranks ({topology}, another group in the room) through the server: "
+              f"{max(r['connect_s'] for r in res):.2f} s; bytes per rank over data channels "
+              f"{[r['transport_bytes']['rtc'] for r in res]}, over the relay "
+              f"{[r['transport_bytes']['relay'] for r in res]}")
 
 
 @pytest.mark.parametrize("topology", ["mesh"])
@@ -92,20 +97,22 @@ def test_peer_dies_mid_all_reduce_over_data_channels(server, tmp_path, topology)
     print(f"\nWebRTC: a dead rank noticed by the survivors in {max(r['elapsed_s'] for r in res[:2]):.2f} s")
 
 
-def test_bring_up_errors_name_the_problem_and_groups_in_one_room_do_not_mix(server, tmp_path):
-    """In one room at once: group ``dup`` where two processes both say RANK=0 (both refuse at
-    once), and group ``short`` of WORLD=3 where only ranks 0 and 1 start (both give up at the
-    bound, naming rank 2 and seeing the other group's peers as foreign)."""
-    bound_s = 10.0
-    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S=str(bound_s))
-    dup = start(tmp_path, 2, "mesh", extra_env=dict(env, PG_GROUP="dup"), per_rank_env={1: {"RANK": "0"}},
-                static=False, tag="dup")
-    short = start(tmp_path, 3, "mesh", extra_env=dict(env, PG_GROUP="short"), static=False, ranks=[0, 1],
-                  tag="short")
-    for item in collect(tmp_path, dup):
+def test_two_processes_claiming_one_rank_both_refuse(server, tmp_path):
+    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S="20", PG_GROUP="dup")
+    for item in collect(tmp_path, start(tmp_path, 2, "mesh", extra_env=env, per_rank_env={1: {"RANK": "0"}},
+                                        static=False)):
         assert item["rc"] == 2 and item["error"] == "GroupSetupError", item["log"][-2000:]
-        assert "two processes claim rank 0" in item["message"], item
-    for item in collect(tmp_path, short):
+        assert "two processes claim rank 0 of group" in item["message"], item
+        assert "give each process its own RANK" in item["message"], item
+
+
+@pytest.mark.slow
+def test_a_group_that_comes_up_short_names_the_missing_rank(server, tmp_path):
+    """WORLD=3 but only ranks 0 and 1 start: both give up at the bound, naming rank 2 (slow: it
+    waits the bound out)."""
+    bound_s = 10.0
+    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S=str(bound_s), PG_GROUP="short")
+    for item in collect(tmp_path, start(tmp_path, 3, "mesh", extra_env=env, static=False, ranks=[0, 1])):
         assert item["rc"] == 2 and item["error"] == "GroupSetupError", item["log"][-2000:]
         msg = item["message"]
         # the first to reach its bound says so and leaves; the other may see that first

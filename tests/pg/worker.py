@@ -74,7 +74,10 @@ async def main() -> int | None:
             try:
                 if mode == "die" and r == int(os.environ.get("PG_TEST_DIE_RANK", w - 1)):
                     if os.environ.get("PG_TEST_DIE_BEFORE_SEND"):
-                        os._exit(3)  # the others are already inside the all_reduce
+                        # once the barrier's messages are out (WebRTC keeps them in user space),
+                        # the others get inside the all_reduce
+                        await pg.bus.flush(5.0)
+                        os._exit(3)
                     task = asyncio.ensure_future(pg.all_reduce(inputs(r, N_ODD)))  # noqa: F841 - sends, then dies
                     await asyncio.sleep(0)
                     os._exit(3)
