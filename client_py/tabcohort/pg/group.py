@@ -20,7 +20,8 @@ Semantics shared by every collective:
   ``Q(reduce(Q(x_0), ..., Q(x_{w-1})))`` with ``Q`` = ``FrameWriter(precision=p).quantize``
   (per shard in mesh; equal to the whole-vector ``Q`` because shards are int8-block aligned,
   except that an f16/bf16 overflow falls back to f32 per shard rather than per vector).
-- **Failures break the group.** A lost peer (socket closed: noticed at once), a timeout
+- **Failures break the group.** A lost peer (TCP: its socket closed, noticed at once; WebRTC:
+  the server says its connection closed, or its data channel failed), a timeout
   (``timeout_s``, default 10 s), a mismatch or a memory bound raises on this rank and is sent
   to the others as an abort, and every later call raises the same error.
 """

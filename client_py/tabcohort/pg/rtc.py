@@ -151,7 +151,8 @@ class RtcGroupBus:
     def _missing_text(self) -> str:
         links = self.mesh.links()
         missing = sorted(set(range(self.cfg.world)) - set(self.id_of) - {self.rank})
-        state = {r: links.get(i, "gone") + ("" if i in self.acked else ", no ack") for r, i in sorted(self.id_of.items())}
+        state = {r: links.get(i, "gone") + ("" if i in self.acked else ", no ack")
+                 for r, i in sorted(self.id_of.items())}
         extra = f"; room peers of other groups: {self.foreign}" if self.foreign else ""
         return f"ranks never heard from: {missing}; links of known ranks: {state}{extra}"
 
@@ -272,8 +273,8 @@ class RtcGroupBus:
             if lk.buffered():
                 return False
             sctp = getattr(lk.pc, "sctp", None) if lk.pc is not None else None
-            if sctp is not None and (getattr(sctp, "_data_channel_queue", None) or getattr(sctp, "_outbound_queue", None)
-                                     or getattr(sctp, "_sent_queue", None)):
+            queues = ("_data_channel_queue", "_outbound_queue", "_sent_queue")
+            if sctp is not None and any(getattr(sctp, q, None) for q in queues):
                 return False  # not yet acknowledged by the peer: closing would abort it
         return not self.mesh.ws.queued_bytes()
 
