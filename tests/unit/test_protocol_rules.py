@@ -750,6 +750,82 @@ def test_grace_window_is_bounded_by_elapsed_fraction_and_collect_window():
     assert r.m._collection.grace_until_ms == 110   # 0.1 * elapsed, not the 99 ms spread
 
 
+def own_ready(r, own, now):
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=now)
+
+
+def next_round(r, now):
+    """At ``now``: end the grace window if it is due, then take the yield between rounds and
+    drive the next round; returns its own Compute."""
+    for _ in range(2):
+        r.m.on_timer(now_ms=now)
+        computes = r.computes(r.drain())
+        if computes:
+            return computes[0]
+    raise AssertionError("no round driven")
+
+
+def test_grace_window_covers_the_typical_spread_of_previous_rounds_late_buckets_included():
+    r, own = grace_rig()
+    own_ready(r, own, 50)
+    r.m.handle(grad(2, 1, 0), now_ms=50.5)
+    r.m.handle(grad(3, 1, 0), now_ms=51)          # quorum: no history, grace = spread = 1
+    assert r.m._collection.grace_until_ms == 52
+    r.m.handle(grad(4, 1, 0), now_ms=51.5)
+    own = next_round(r, 52)                       # window ends: step 0 applied without rank 5
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 4
+    r.m.handle(grad(5, 1, 0), now_ms=56)          # rank 5's step-0 bucket, late: dropped ...
+    assert r.m.drops["grad_wrong_step"] == 1 and r.m.counters["buckets_reduced"] == 4
+    own_ready(r, own, 102)
+    r.m.handle(grad(2, 1, 1), now_ms=102.5)
+    r.m.handle(grad(3, 1, 1), now_ms=103)         # ... but it counts: step 0 spread 56 - 50 = 6
+    assert r.m.spread_ewma_ms == 6
+    # grace = min(max(spread 1, 2 * 6), 0.1 * (103 - 52)) = 5.1
+    assert r.m._collection.grace_until_ms == pytest.approx(108.1)
+    r.m.handle(grad(4, 1, 1), now_ms=103.5)
+    r.m.handle(grad(5, 1, 1), now_ms=107)         # inside the window: kept, and all arrived
+    assert r.m.step == 2 and r.m.counters["buckets_reduced"] == 9
+
+
+def test_grace_does_not_wait_for_a_rank_that_missed_the_last_two_rounds():
+    r, own = grace_rig()
+    t = 0.0
+    for step in range(2):                         # rank 5 never delivers
+        t += 50
+        own_ready(r, own, t)
+        for k in (2, 3, 4):
+            r.m.handle(grad(k, 1, step), now_ms=t + k - 1)
+        assert r.m.step == step                   # waits for rank 5 (grace window)
+        t = r.m.next_deadline_ms()
+        own = next_round(r, t)
+        assert r.m.step == step + 1
+    assert r.m.missed_rounds.get(5, 0) == 1       # the second miss is folded in at the next quorum
+    own_ready(r, own, t + 50)
+    r.m.handle(grad(2, 1, 2), now_ms=t + 51)
+    r.m.handle(grad(3, 1, 2), now_ms=t + 52)      # quorum; rank 5 has missed 2 rounds
+    assert r.m.missed_rounds[5] == 2 and r.m.step == 2
+    r.m.handle(grad(4, 1, 2), now_ms=t + 53)      # every rank worth waiting for: finish now
+    assert r.m.step == 3 and r.m.counters["grace_windows"] == 3
+    own = next_round(r, t + 53)
+    r.m.handle(grad(5, 1, 2), now_ms=t + 60)      # rank 5 is back (late): awaited again
+    own_ready(r, own, t + 103)
+    r.m.handle(grad(2, 1, 3), now_ms=t + 104)
+    r.m.handle(grad(3, 1, 3), now_ms=t + 105)
+    r.m.handle(grad(4, 1, 3), now_ms=t + 106)
+    assert r.m.missed_rounds[5] == 0 and r.m.step == 3
+
+
+def test_grace_zero_window_still_takes_buckets_that_arrive_at_the_same_instant():
+    r, own = grace_rig()
+    own_ready(r, own, 50)
+    r.m.handle(grad(2, 1, 0), now_ms=50)
+    r.m.handle(grad(3, 1, 0), now_ms=50)          # quorum with zero spread and no history
+    assert r.m.step == 0 and r.m.next_deadline_ms() == 50
+    r.m.handle(grad(4, 1, 0), now_ms=50)          # queued behind it at the same instant
+    r.m.on_timer(now_ms=50)
+    assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 4
+
+
 def test_quorum_rule_finishes_at_quorum():
     r = leader_rig([2, 3, 4, 5])
     r.m.start(now_ms=0)

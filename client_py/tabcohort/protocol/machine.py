@@ -28,6 +28,8 @@ from .roster import Roster
 _U32 = (1 << 32) - 1
 _MAX_PACE_TRIES = 20  # "The leader loop": wait one beat at most 20 times
 _RATE_WINDOW_MS = 2000.0
+_SPREAD_ALPHA = 0.25  # grace rule: weight of the newest round in the typical arrival spread
+_GRACE_SKIP_MISSES = 2  # grace rule: a rank that missed this many rounds in a row is not awaited
 
 # Required keys and their types, per message type (see docs/INTERFACES.md).
 _INT = int
@@ -67,7 +69,8 @@ class Link(Protocol):
 class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
-    __slots__ = ("step", "wanted", "quorum", "received", "opened_ms", "first_ms", "grace_until_ms")
+    __slots__ = ("step", "wanted", "quorum", "received", "opened_ms", "first_ms", "last_ms",
+                 "grace_until_ms")
 
     def __init__(self, step: int, wanted: set[int], quorum: int, opened_ms: float) -> None:
         self.step = step
@@ -76,7 +79,29 @@ class _Collection:
         self.received: dict[int, tuple[float, int, Any]] = {}  # id -> (loss, samples, g)
         self.opened_ms = opened_ms              # when the round was sent
         self.first_ms: float | None = None      # first bucket arrival (own included)
+        self.last_ms: float | None = None       # latest arrival of a bucket of this step
         self.grace_until_ms: float | None = None
+
+
+class _Spread:
+    """Arrival times of the last finished round, kept (grace rule) until the next round's
+    window is decided, so that buckets arriving after the round finished still count."""
+
+    __slots__ = ("step", "wanted", "missing", "first_ms", "last_ms")
+
+    def __init__(self, col: _Collection) -> None:
+        self.step = col.step
+        self.wanted = col.wanted
+        self.missing = col.wanted - col.received.keys()
+        self.first_ms = col.first_ms
+        self.last_ms = col.last_ms
+
+
+def _arrived(col: _Collection, now_ms: float) -> None:
+    """Record a bucket arrival time on the collection (first and latest)."""
+    if col.first_ms is None:
+        col.first_ms = now_ms
+    col.last_ms = now_ms if col.last_ms is None else max(col.last_ms, now_ms)
 
 
 class RankMachine:
@@ -95,11 +120,14 @@ class RankMachine:
         eval_every: the leader evaluates held-out accuracy every this many steps (0: never).
         precision: the wire precision name, for the state report.
         collect_rule: ``"quorum"`` (PROTOCOL.md: finish as soon as the quorum is reached) or
-            ``"grace"`` (docs/PROTOCOL-NOTES.md, "Collection rule"): once the quorum is reached,
-            wait a short grace window for the remaining buckets, of length
-            ``min(spread, grace_fraction * elapsed)`` (spread: time since the first bucket
-            arrived; elapsed: time since the round was sent), never past the collect window.
+            ``"grace"`` (docs/PROTOCOL-NOTES.md, note 7): once the quorum is reached, wait a
+            short grace window for the remaining buckets, of length
+            ``min(max(spread, grace_margin * typical_spread), grace_fraction * elapsed)``
+            (spread: time since this round's first bucket arrived; typical_spread: an EWMA of
+            the first-to-last arrival spread of previous rounds, late buckets included;
+            elapsed: time since the round was sent), never past the collect window.
         grace_fraction: bound of the grace window relative to the round's elapsed time.
+        grace_margin: the grace window covers at least this many typical spreads.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -108,7 +136,7 @@ class RankMachine:
     def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
-                 grace_fraction: float = 0.1) -> None:
+                 grace_fraction: float = 0.1, grace_margin: float = 2.0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -117,8 +145,15 @@ class RankMachine:
             raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
         if not 0 <= grace_fraction <= 1:
             raise LocalProtocolError(f"grace_fraction must be in [0, 1], got {grace_fraction!r}")
+        if not 0 <= grace_margin <= 100:
+            raise LocalProtocolError(f"grace_margin must be in [0, 100], got {grace_margin!r}")
         self.collect_rule = collect_rule
         self.grace_fraction = float(grace_fraction)
+        self.grace_margin = float(grace_margin)
+        # The typical arrival spread (grace rule): EWMA over rounds of first-to-last arrival.
+        self.spread_ewma_ms: float | None = None
+        self._spread_pending: _Spread | None = None   # last round, until its sample is taken
+        self.missed_rounds: dict[int, int] = {}        # rank -> rounds in a row without its bucket
         self.id = rank_id
         self.worker = worker
         self.link = link
@@ -579,6 +614,7 @@ class RankMachine:
         self._loop_step(now_ms)
 
     def _end_loop(self) -> None:
+        self._spread_pending = None
         self._phase = None
         self._phase_deadline_ms = None
         self._collection = None
@@ -641,8 +677,7 @@ class RankMachine:
             return
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
-            if col.first_ms is None:
-                col.first_ms = now_ms
+            _arrived(col, now_ms)
         self._phase = "collect"
         self._phase_deadline_ms = now_ms + self.policy.collect_ms
         if len(col.received) >= col.quorum:
@@ -652,9 +687,11 @@ class RankMachine:
         col = self._collection
         sender = msg["from"]
         if col is None:
+            self._late_bucket(msg, now_ms)
             self.drops["grad_no_collection"] += 1
             return
         if msg["step"] != col.step:
+            self._late_bucket(msg, now_ms)
             self.drops["grad_wrong_step"] += 1
             return
         if sender not in col.wanted:
@@ -672,31 +709,65 @@ class RankMachine:
             self.drops["grad_bad_samples"] += 1
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
-        if col.first_ms is None:
-            col.first_ms = now_ms
+        _arrived(col, now_ms)
         if self._phase == "collect" and len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
 
     def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
         """Received buckets (own included) reached the quorum while collecting."""
-        if self.collect_rule == "quorum" or len(col.received) >= len(col.wanted):
+        if self.collect_rule == "quorum":
+            self._finish_round(now_ms)
+            return
+        if col.grace_until_ms is None:
+            self._take_spread_sample()
+        # Every rank worth waiting for has delivered (all of them, usually): finish now. A rank
+        # whose buckets missed the last rounds entirely (not even late) is a straggler: waiting
+        # for it buys nothing.
+        missed = self.missed_rounds
+        if all(k in col.received or missed.get(k, 0) >= _GRACE_SKIP_MISSES for k in col.wanted):
             self._finish_round(now_ms)
             return
         if col.grace_until_ms is None:
             spread = now_ms - (col.first_ms if col.first_ms is not None else now_ms)
-            grace = min(spread, self.grace_fraction * (now_ms - col.opened_ms))
-            if grace <= 0:
-                self._finish_round(now_ms)
-                return
-            col.grace_until_ms = now_ms + grace
+            typical = self.spread_ewma_ms if self.spread_ewma_ms is not None else 0.0
+            grace = min(max(spread, self.grace_margin * typical),
+                        self.grace_fraction * (now_ms - col.opened_ms))
+            # A zero window still ends at a deadline (due now), not at once: buckets that
+            # arrived at the same instant and are queued behind this one are still taken.
+            col.grace_until_ms = now_ms + max(0.0, grace)
             self.counters["grace_windows"] += 1
             if self._phase_deadline_ms is None or col.grace_until_ms < self._phase_deadline_ms:
                 self._phase_deadline_ms = col.grace_until_ms
+
+    def _late_bucket(self, msg: dict, now_ms: float) -> None:
+        """A bucket of the previous round that arrived after it finished still tells how far
+        apart arrivals are (grace rule): it extends that round's spread sample."""
+        prev = self._spread_pending
+        if prev is not None and msg["step"] == prev.step and msg["from"] in prev.missing:
+            prev.missing.discard(msg["from"])
+            prev.last_ms = now_ms if prev.last_ms is None else max(prev.last_ms, now_ms)
+
+    def _take_spread_sample(self) -> None:
+        """Fold the last finished round into the typical spread (an EWMA of its first-to-last
+        arrival time, late buckets included) and into each wanted rank's run of missed rounds."""
+        prev, self._spread_pending = self._spread_pending, None
+        if prev is None:
+            return
+        missed = self.missed_rounds
+        self.missed_rounds = {k: (missed.get(k, 0) + 1 if k in prev.missing else 0) for k in prev.wanted}
+        if prev.first_ms is None or prev.last_ms is None:
+            return
+        sample = prev.last_ms - prev.first_ms
+        ewma = self.spread_ewma_ms
+        self.spread_ewma_ms = sample if ewma is None else ewma + _SPREAD_ALPHA * (sample - ewma)
 
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection
         if col is not None:
             buckets = list(col.received.values())
+            if self.collect_rule == "grace":
+                self._take_spread_sample()          # a round with no quorum wait has none yet
+                self._spread_pending = _Spread(col)
         else:
             buckets = [self._own_bucket] if self._own_bucket is not None else []
         self._collection = None

@@ -24,7 +24,7 @@ class SimRank:
     """One simulated rank: machine + memory bus + worker on the shared virtual clock."""
 
     def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
-                 ready: bool, lr: float, eval_every: int) -> None:
+                 ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum") -> None:
         self.sim = sim
         self.id = rank_id
         self.worker = worker
@@ -33,7 +33,7 @@ class SimRank:
         self.bus.on_message = self._on_message
         self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
                                    timing=sim.timing, ready=ready, lr=lr, eval_every=eval_every,
-                                   precision=sim.network_precision)
+                                   precision=sim.network_precision, collect_rule=collect_rule)
         self.alive = True
         self.frozen = False
         self._held: list[Callable[[], None]] = []
@@ -144,9 +144,10 @@ class SimCohort:
         return self.scheduler.now_ms()
 
     def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
-            start: bool = True, lr: float = 0.1, eval_every: int = 0) -> SimRank:
+            start: bool = True, lr: float = 0.1, eval_every: int = 0,
+            collect_rule: str = "quorum") -> SimRank:
         r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
-                    eval_every=eval_every)
+                    eval_every=eval_every, collect_rule=collect_rule)
         self.ranks[rank_id] = r
         if start:
             r.start()
