@@ -61,6 +61,10 @@ class Peer:
         self.disconnected_at: float | None = None
         self.queue: deque[bytes | str] = deque()
         self.queued_bytes = 0
+        #: bytes this rank took off its link but has not consumed (``backlog`` control: a tab,
+        #: whose page cannot pause reading a socket, reports what its stalled worker holds);
+        #: counted with the relay queue in the room's pressure, as unread socket bytes would be
+        self.rx_backlog = 0
         self.n_in = 0              # messages received from this rank (chunks + controls)
         self.n_out = 0             # messages written to this rank's socket
         self.bytes_out = 0
@@ -188,6 +192,7 @@ class Room:
         p.relay_peers = set()
         p.queue.clear()
         p.queued_bytes = 0
+        p.rx_backlog = 0
         kick, p.kick, p.wake = p.kick, None, None
         if reason is not None and kick is not None:
             kick(*reason)
@@ -259,9 +264,9 @@ class Room:
         self._update_pressure()
 
     def pressure(self) -> float:
-        """Max over connected ranks of queued relay bytes / high-water mark."""
+        """Max over connected ranks of (queued relay bytes + reported receive backlog) / high-water mark."""
         hw = self.limits.queue_high_water_bytes
-        return max((p.queued_bytes for p in self.connected.values()), default=0) / hw
+        return max((p.queued_bytes + p.rx_backlog for p in self.connected.values()), default=0) / hw
 
     def _update_pressure(self) -> None:
         """Tell every rank the relay pressure when it moved by >= 0.1, crossed 1, or went to 0."""
@@ -303,6 +308,14 @@ class Room:
         if t == "signal":
             self.signal(p, obj)
             return
+        if t == "backlog":
+            n = obj.get("bytes")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                self.drop("bad_control")
+                return
+            p.rx_backlog = min(n, self.limits.queue_max_bytes)
+            self._update_pressure()
+            return
         if t == "relay_peers":
             ids = obj.get("ids")
             if not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
@@ -321,7 +334,8 @@ class Room:
         self.check_stop(now)
 
     #: ``signal`` kinds the server forwards (WebRTC negotiation between two ranks).
-    SIGNAL_KINDS = ("offer", "answer", "candidate", "bye")
+    #: ``backlog``: a tab tells a mesh peer how many of its bytes it holds unconsumed
+    SIGNAL_KINDS = ("offer", "answer", "candidate", "bye", "backlog")
     #: Set by the app when this server terminates WebRTC links (star over rtc): called with
     #: (peer, signal) for signals addressed to the server (``to == 0``).
     on_server_signal: Callable[[Peer, dict], None] | None = None
@@ -336,7 +350,7 @@ class Room:
         if isinstance(to, bool) or not isinstance(to, int) or kind not in self.SIGNAL_KINDS:
             self.drop("bad_signal")
             return
-        fwd = {k: obj[k] for k in ("kind", "sdp", "candidate") if k in obj}
+        fwd = {k: obj[k] for k in ("kind", "sdp", "candidate", "bytes") if k in obj}
         fwd.update(type="signal", to=to, **{"from": p.id})
         if to == 0:
             if self.on_server_signal is None:

@@ -13,7 +13,7 @@ import pytest
 from tests.conformance.test_bus_conformance import *  # noqa: F401,F403  (the battery's cases run here)
 
 from .conftest import Tab
-from .page_harness import ConfServer, NoBackPressure, PageHarness, PageSession
+from .page_harness import ConfServer, PageHarness, PageSession
 
 pytestmark = pytest.mark.browser
 
@@ -36,14 +36,6 @@ def page_session(browser):
 @pytest.fixture(params=[(k, p) for k in KINDS for p in PRECISIONS], ids=lambda kp: f"{kp[0]}-{kp[1]}")
 def harness(request, page_session):
     name, precision = request.param
-    if request.node.originalname == "test_pressure_rises_when_a_receiver_stalls_and_falls_when_it_drains":
-        # A known gap, asserted precisely (strict: a fix turns this into a failure to remove the
-        # mark): a stalled bus in a tab keeps taking chunks off the wire (the page cannot pause a
-        # WebSocket or RTCDataChannel read, a frozen page's socket is still read) and nothing
-        # tells the sender, so its pressure never rises. Fixing it needs receive credit in the
-        # link protocol (server relay for the star, the peer for the mesh).
-        request.node.add_marker(pytest.mark.xfail(raises=NoBackPressure, strict=True,
-                                                  reason="no receive-side back-pressure from a tab"))
     h = PageHarness(page_session, KINDS[name], precision)
     yield h
     h.close()

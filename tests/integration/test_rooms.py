@@ -80,6 +80,33 @@ def test_a_consumer_over_its_queue_bound_is_dropped_not_waited_for():
     assert any(t["type"] == "pressure" and t["p"] > 1 for t in texts)
 
 
+def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
+    # a tab cannot pause reading its socket: what its stalled worker holds it reports, and the
+    # room counts it as it counts its own queue (PROTOCOL.md "Bus contract": pressure)
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=50_000)
+    a, b = r.register(now=0), r.register(now=0)
+    drain(a), drain(b)
+    r.control(b, json.dumps({"type": "backlog", "bytes": 1500}), now=0)
+    assert 1.5 <= r.pressure() < 1.6   # (+ the pressure control now queued for b itself)
+    assert {"type": "pressure", "p": 1.5} in [json.loads(x) for x in drain(a) if isinstance(x, str)]
+    drain(b)
+    r.control(b, json.dumps({"type": "backlog", "bytes": 0}), now=0)
+    assert {"type": "pressure", "p": 0.0} in [json.loads(x) for x in drain(a) if isinstance(x, str)]
+    drain(b)
+    assert r.pressure() == 0
+    for bad in (-1, "x", True, None):
+        r.control(b, json.dumps({"type": "backlog", "bytes": bad}), now=0)
+    drain(a), drain(b)
+    assert r.drops["bad_control"] == 4 and r.pressure() == 0
+    r.control(b, json.dumps({"type": "backlog", "bytes": 10**12}), now=0)
+    assert r.pressure() >= 50.0   # bounded by the queue bound
+    drain(b)
+    assert r.pressure() == 50.0
+    r.disconnect(b, now=1)
+    drain(a)
+    assert r.pressure() == 0   # a gone rank's backlog no longer counts
+
+
 def test_reports_drive_the_stop_condition():
     r = room()
     a = r.register(now=0)

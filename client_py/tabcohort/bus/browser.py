@@ -244,6 +244,8 @@ class BrowserBus:
         self._resuming = False
         self._reconnect_task: asyncio.Task | None = None
         self._stalled: list[dict] | None = None
+        self._held_bytes = 0       # chunk bytes taken off the socket and held while stalled
+        self._backlog_sent = 0
         self._rng = random.Random()
 
     # ------------------------------------------------------------------ lifecycle
@@ -388,14 +390,30 @@ class BrowserBus:
                 for p, lb in self.bytes().items()]
 
     def stall(self, stalled: bool) -> None:
-        """Hold (True) or release (False) inbound chunks (tests: a black-holed consumer)."""
+        """Hold (True) or release (False) inbound chunks (tests: a black-holed consumer).
+
+        The page cannot stop reading its socket, so held bytes are reported to the server as
+        this rank's receive ``backlog``, which counts in the relay pressure every sender sees
+        (what unread socket bytes do for a native rank)."""
         if stalled:
             if self._stalled is None:
                 self._stalled = []
         else:
             held, self._stalled = self._stalled or [], None
+            self._held_bytes = 0
             for it in held:
                 self._on_port(it)
+            self._report_backlog()
+
+    def _report_backlog(self) -> None:
+        """Tell the server what this rank holds unconsumed, when it moved by >= 1/8 of the
+        high-water mark or went to 0 (the relay's own pressure rule, "Bus contract")."""
+        n, last = self._held_bytes, self._backlog_sent
+        if (n == 0) == (last == 0) and abs(n - last) < self.high_water_bytes // 8:
+            return
+        self._backlog_sent = n
+        if self.connected and not self.closed:
+            self._send_text(json.dumps({"type": "backlog", "bytes": n}))
 
     def _count(self, reason: str) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + 1
@@ -408,6 +426,8 @@ class BrowserBus:
         if k == "ws-chunk":
             if self._stalled is not None:
                 self._stalled.append(it)
+                self._held_bytes += len(it["data"])
+                self._report_backlog()
                 return
             self._on_chunk(it["data"])
         elif k == "ws-text":
@@ -605,6 +625,30 @@ class BrowserMeshBus(RtcMeshBus):
 
     def _gate_links(self, links: list) -> None:
         pass  # chunks that arrive while stalled are held by RtcMeshBus._on_rtc_chunk
+
+    def _on_rtc_chunk(self, lk: Any, chunk: bytes) -> None:
+        stalled = not self._stall_gate.is_set()
+        super()._on_rtc_chunk(lk, chunk)
+        if stalled:  # held: the page cannot pause the channel, so tell the sender (backlog)
+            lk.held_bytes += len(chunk)
+            self._report_backlog(lk)
+
+    def stall(self, stalled: bool) -> None:
+        super().stall(stalled)
+        if not stalled:
+            for lk in list(self.links_.values()):
+                lk.held_bytes = 0
+                self._report_backlog(lk)
+
+    def _report_backlog(self, lk: Any) -> None:
+        """Tell the peer how many of its bytes this rank holds unconsumed (signal ``backlog``,
+        through the server), when it moved by >= 1/8 of the high-water mark or went to 0; the
+        peer counts it as buffered on that link, so its ``pressure()`` rises."""
+        n, last = lk.held_bytes, lk.backlog_sent
+        if (n == 0) == (last == 0) and abs(n - last) < self.high_water_bytes // 8:
+            return
+        lk.backlog_sent = n
+        self.ws.send_control({"type": "signal", "to": lk.peer, "kind": "backlog", "bytes": n})
 
     def _open_pc(self, lk: Any, *, offer: bool, sdp: str | None = None) -> None:
         self._gen += 1

@@ -66,10 +66,15 @@ class _Link:
         self.rtc_sent = 0
         self.rtc_received = 0
         self.up_after_s: float | None = None
+        #: bytes of ours the peer took off the channel but holds unconsumed (its ``backlog``
+        #: signal: a tab's page cannot pause reading a data channel); counted as buffered
+        self.remote_backlog = 0
+        self.held_bytes = 0             # ours of the peer's, held while stalled (what we report)
+        self.backlog_sent = 0
 
     def buffered(self) -> int:
         ch = self.channel
-        return self.queued_bytes + (ch.bufferedAmount if ch is not None else 0)
+        return self.queued_bytes + (ch.bufferedAmount if ch is not None else 0) + self.remote_backlog
 
 
 class RtcMeshBus:
@@ -425,6 +430,13 @@ class RtcMeshBus:
         if not isinstance(frm, int) or frm == self.id or self.closed:
             return
         lk = self._ensure_link(frm)
+        if kind == "backlog":
+            n = obj.get("bytes")
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                lk.remote_backlog = min(n, self.max_queue_bytes)
+            else:
+                self._count("bad_signal")
+            return
         if lk.kind == "relay":
             return
         if kind == "offer" and isinstance(obj.get("sdp"), str) and frm < self.id:
