@@ -325,7 +325,12 @@ def main() -> int:
     rows = []
     for world in worlds:
         row: dict = {"world": world}
-        row["ours"] = [ours(world, link, a.seconds, tmp) for link in a.links.split(",")]
+        row["ours"] = []
+        for link in a.links.split(","):
+            try:
+                row["ours"].append(ours(world, link, a.seconds, tmp))
+            except (RuntimeError, TimeoutError) as e:  # reported, not hidden: the row says why
+                row["ours"].append({"link": link, "error": str(e).splitlines()[0][:200], "step_s": float("inf")})
         best = min(row["ours"], key=lambda o: o["step_s"])
         row["ours_best"] = best
         if torch_ok:
@@ -348,7 +353,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         b = r["ours_best"]["step_s"]
-        per = ", ".join(f"{o['link']} {o['step_s']:.3f}" for o in r["ours"])
+        per = ", ".join(f"{o['link']} {o['step_s']:.3f}" if "error" not in o else f"{o['link']}: {o['error']}"
+                        for o in r["ours"])
 
         def cell(key: str) -> str:
             v = r.get(key)
