@@ -74,9 +74,14 @@ async def main() -> int | None:
             try:
                 if mode == "die" and r == int(os.environ.get("PG_TEST_DIE_RANK", w - 1)):
                     if os.environ.get("PG_TEST_DIE_BEFORE_SEND"):
-                        # once the barrier's messages are out (WebRTC keeps them in user space),
-                        # the others get inside the all_reduce
-                        await pg.bus.flush(5.0)
+                        if pg.topology == "mesh":
+                            # die once every other rank is inside the all_reduce (its shard for this
+                            # rank arrived): dying earlier could break a survivor's barrier, whose
+                            # message from a third rank may still be on its way
+                            end = time.monotonic() + 10.0
+                            while time.monotonic() < end and not all(
+                                    (pg._seq, j, 0) in pg._box for j in range(w) if j != r):
+                                await asyncio.sleep(0.005)  # polling this rank's inbox, bounded
                         os._exit(3)
                     task = asyncio.ensure_future(pg.all_reduce(inputs(r, N_ODD)))  # noqa: F841 - sends, then dies
                     await asyncio.sleep(0)
