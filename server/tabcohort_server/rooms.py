@@ -15,6 +15,7 @@ import json
 import math
 import random
 import hashlib
+import heapq
 import hmac
 import secrets
 import time
@@ -65,6 +66,7 @@ class Peer:
         #: whose page cannot pause reading a socket, reports what its stalled worker holds);
         #: counted with the relay queue in the room's pressure, as unread socket bytes would be
         self.rx_backlog = 0
+        self.load_version = 0      # bumps at every change of queued_bytes + rx_backlog (Room._loads)
         self.n_in = 0              # messages received from this rank (chunks + controls)
         self.n_out = 0             # messages written to this rank's socket
         self.bytes_out = 0
@@ -121,6 +123,9 @@ class Room:
         self._released: set[int] = set()
         self._pressure_sent = 0.0
         self._in_pressure = False
+        #: max-heap of (-(queued + backlog), version, id), stale entries dropped lazily: the max
+        #: load in O(log n) per relayed frame instead of a scan of every rank (200-rank profile)
+        self._loads: list[tuple[int, int, int]] = []
 
     # ------------------------------------------------------------------ membership
     def register(self, *, now: float, resume_id: int | None = None, resume_secret: str | None = None) -> Peer:
@@ -193,6 +198,7 @@ class Room:
         p.queue.clear()
         p.queued_bytes = 0
         p.rx_backlog = 0
+        p.load_version += 1
         kick, p.kick, p.wake = p.kick, None, None
         if reason is not None and kick is not None:
             kick(*reason)
@@ -251,6 +257,7 @@ class Room:
             return
         p.queue.append(item)
         p.queued_bytes += n
+        self._load_changed(p)
         if isinstance(item, bytes):
             self.frames_relayed += 1
             self.bytes_relayed += n
@@ -261,12 +268,34 @@ class Room:
         """The socket layer wrote ``item`` (popped from ``p.queue``) to the socket."""
         p.n_out += 1
         p.bytes_out += len(item)
+        self._load_changed(p)
         self._update_pressure()
+
+    def _load_changed(self, p: Peer) -> None:
+        p.load_version += 1
+        heapq.heappush(self._loads, (-(p.queued_bytes + p.rx_backlog), p.load_version, p.id))
+        if len(self._loads) > 4 * len(self.connected) + 64:   # bound the stale entries
+            self._loads = [(-(q.queued_bytes + q.rx_backlog), q.load_version, q.id) for q in self.connected.values()]
+            heapq.heapify(self._loads)
 
     def pressure(self) -> float:
         """Max over connected ranks of (queued relay bytes + reported receive backlog) / high-water mark."""
-        hw = self.limits.queue_high_water_bytes
-        return max((p.queued_bytes + p.rx_backlog for p in self.connected.values()), default=0) / hw
+        loads = self._loads
+        while loads:
+            neg, version, k = loads[0]
+            q = self.connected.get(k)
+            if q is None or q.load_version != version:
+                heapq.heappop(loads)           # stale: a newer entry or a gone rank
+                continue
+            load = q.queued_bytes + q.rx_backlog
+            if load == -neg:
+                return load / self.limits.queue_high_water_bytes
+            # popped since (Peer.pop lowers a load without telling the room; every rise is
+            # pushed): replace the entry with the current load and look again
+            heapq.heappop(loads)
+            self._load_changed(q)
+            loads = self._loads
+        return 0.0
 
     def _update_pressure(self) -> None:
         """Tell every rank the relay pressure when it moved by >= 0.1, crossed 1, or went to 0."""
@@ -314,6 +343,7 @@ class Room:
                 self.drop("bad_control")
                 return
             p.rx_backlog = min(n, self.limits.queue_max_bytes)
+            self._load_changed(p)
             self._update_pressure()
             return
         if t == "relay_peers":

@@ -107,6 +107,33 @@ def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
     assert r.pressure() == 0   # a gone rank's backlog no longer counts
 
 
+def test_pressure_is_the_max_load_over_connected_ranks_under_any_interleaving():
+    # the room keeps the max in a lazy heap (no scan per frame); check it against a scan
+    import random
+
+    rng = random.Random(7)
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=10**9, queue_max_items=10**6)
+    peers = [r.register(now=0) for _ in range(12)]
+    for i in range(3000):
+        p = rng.choice(peers)
+        op = rng.random()
+        if op < 0.45 and p.connected:
+            r._enqueue(p, b"x" * rng.randint(1, 300))
+        elif op < 0.8 and p.queue:
+            item = p.pop()
+            if rng.random() < 0.5:
+                r.sent(p, item)          # the socket layer reports it; or not (pop alone)
+        elif op < 0.9:
+            r.control(p, json.dumps({"type": "backlog", "bytes": rng.randint(0, 2000)}), now=0)
+        elif op < 0.95 and p.connected:
+            r.disconnect(p, now=i)
+        elif not p.connected:
+            q = r.register(now=i)
+            peers[peers.index(p)] = q
+        scan = max((q.queued_bytes + q.rx_backlog for q in r.connected.values()), default=0) / 1000
+        assert r.pressure() == scan, (i, op)
+
+
 def test_reports_drive_the_stop_condition():
     r = room()
     a = r.register(now=0)
