@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--lr", type=float, default=0.5, help="learning rate")
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
+    v.add_argument("--collect-rule", default="quorum",
+                   help="how a leader ends a round: quorum (PROTOCOL.md) or grace (docs/PROTOCOL-NOTES.md note 7)")
     v.add_argument("--topology", default="star", help="star (ranks link to the server) or mesh (WebRTC data channels between ranks)")
     v.add_argument("--steps", type=int, default=0, help="stop the room at this step (0 = no limit)")
     v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy")
@@ -205,7 +207,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
     from .protocol.policy import Timing
 
     job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, lr=a.lr, seed=a.seed,
-                    precision=a.precision, topology=a.topology, steps=a.steps,
+                    precision=a.precision, topology=a.topology, steps=a.steps, collect_rule=a.collect_rule,
                     target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))

@@ -37,6 +37,9 @@ class JobConfig:
         checkpoint_interval_s: the leader uploads parameters this often (and at stop).
         report_interval_s: ranks send their state report this often.
         token: optional room token; ranks must present it.
+        collect_rule: how a leader ends a round's collection: ``quorum`` (PROTOCOL.md, the
+            default) or ``grace`` (docs/PROTOCOL-NOTES.md note 7: a short window after the
+            quorum keeps equally fast ranks' buckets); every rank of the room uses it.
     """
 
     dataset: str = "digits"
@@ -55,6 +58,7 @@ class JobConfig:
     checkpoint_interval_s: float = 5.0
     report_interval_s: float = 1.0
     token: str | None = None
+    collect_rule: str = "quorum"
 
     def validate(self, room: str = "room") -> None:
         """Raises:
@@ -81,6 +85,8 @@ class JobConfig:
                 raise bad("hidden", "layer widths must be positive integers")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"expected one of {TOPOLOGIES}")
+        if self.collect_rule not in ("quorum", "grace"):
+            raise bad("collect_rule", "expected quorum or grace")
         from tabcohort.wire.codecs import get_codec
         get_codec(self.precision)
         if self.token is not None and (not isinstance(self.token, str) or not 1 <= len(self.token) <= 256):

@@ -94,7 +94,8 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     from tabcohort_server import checkpoint
     meta, _data = checkpoint.load(ckdir, cluster.room)
     stop_at = meta["step"] + 200
-    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at))
+    # (this cohort runs the grace collection rule: the room's --collect-rule reaches every rank)
+    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at), "--collect-rule", "grace")
     assert cluster.state()["checkpoint"]["digest"] == meta["digest"]
     ranks = [cluster.rank() for _ in range(3)]
     first = wait_for(lambda: next((r for r in cluster.reports() if r.get("first_loss") is not None), None),
@@ -102,6 +103,8 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     print(f"\nlast checkpoint loss {meta['loss']:.4f} at step {meta['step']}; "
           f"first loss after restart {first['first_loss']:.4f} (fresh init is ~2.3)")
     assert first["start_step"] == meta["step"]
+    reps = wait_for(lambda: (rs := cluster.reports()) and len(rs) == 3 and rs, 20, "3 reports")
+    assert {r["policy"]["collect_rule"] for r in reps} == {"grace"}
     assert first["first_loss"] < 0.5 and abs(first["first_loss"] - meta["loss"]) < 0.4
     # the room stops itself at --steps; ranks exit cleanly and the final checkpoint is there
     for p in ranks:

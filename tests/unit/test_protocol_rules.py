@@ -127,7 +127,7 @@ def test_policy_is_recomputed_at_heartbeat_from_live_count():
     assert r.m.policy.n == 8 and r.m.policy.beat_ms == 800
     assert r.m.next_deadline_ms() == 1200          # the heartbeat reschedules itself
     st = r.m.state(400)
-    assert st["policy"] == {"n": 8, "quorum": 5, "beat_ms": 800}
+    assert st["policy"] == {"n": 8, "quorum": 5, "beat_ms": 800, "collect_rule": "quorum"}
 
 
 # ---------------------------------------------------------------- membership

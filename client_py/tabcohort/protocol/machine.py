@@ -426,7 +426,7 @@ class RankMachine:
             "bucket_len": self.worker.bucket_len, "batch": self.worker.batch,
             "model": self.worker.model, "backend": self.worker.backend, "precision": self.precision,
             "lr": self.lr, "fault": self.fault,
-            "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms},
+            "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms, "collect_rule": self.collect_rule},
             "drops": dict(self.drops), "counters": dict(self.counters),
         }
 
