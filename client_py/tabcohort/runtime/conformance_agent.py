@@ -11,7 +11,7 @@ the worker's :class:`~tabcohort.bus.browser.PortHub` (``on_other``); each reply 
 JSON would change (int dict keys, tuples, sets, ``array``, bytes) travel tagged (:func:`encode` /
 :func:`decode`); floats are exact (JSON float text is the shortest round-trip form).
 
-Ops: ``ping``; ``make`` (``kind``: ``star`` | ``mesh``, ``url``, ``n``, bus keyword args):
+Ops: ``ping``; ``make`` (``kind``: ``star`` | ``rtc-star`` | ``mesh``, ``url``, ``n``, bus keyword args):
 ``n`` connected buses, returned when every live bus sees all others (and ``others``, ids of
 buses in other pages) (mesh: every pair on an
 open data channel), bounded; ``call`` (``h``: bus handle, ``m``: method, ``a``: args): one bus
@@ -122,12 +122,14 @@ class Agent:
         return "pong"
 
     async def op_make(self, kind: str, url: str, n: int, kw: dict, others: list | None = None) -> list[dict]:
-        from ..bus.browser import BrowserBus, BrowserMeshBus
+        from ..bus.browser import BrowserBus, BrowserMeshBus, BrowserRtcStarBus
 
         new = []
         for _ in range(n):
             if kind == "mesh":
                 b = BrowserMeshBus(self.hub, url, idle_timeout_s=None, connect_timeout_s=20.0, **kw)
+            elif kind == "rtc-star":
+                b = BrowserRtcStarBus(self.hub, url, connect_timeout_s=20.0, **kw)
             else:
                 b = BrowserBus(self.hub, url, **kw)
             await b.connect()
@@ -142,7 +144,7 @@ class Agent:
                 return all(set(b.links()) == ids - {b.id} and set(b.links().values()) <= {"rtc"} for b in live)
         else:
             def ready() -> bool:
-                return all(b.peers == ids - {b.id} for b in live)
+                return all(b.peers == ids - {b.id} and (kind != "rtc-star" or b.rtc_up) for b in live)
         loop = asyncio.get_running_loop()
         end = loop.time() + MAKE_TIMEOUT_S
         while not ready():
@@ -203,7 +205,11 @@ class Agent:
         live = {b.id for b in self.buses.values() if not b.closed}
         out = []
         for h, b in self.buses.items():
-            if b.closed or self.kinds[h] != "mesh":
+            if b.closed or self.kinds[h] == "star":
+                continue
+            if self.kinds[h] == "rtc-star":   # the link to the server: chunk bytes by path
+                out.append({"id": b.id, **b.transport_bytes(), "links": {0: "rtc" if b.rtc_up else "ws"},
+                            "relay_live": 0})
                 continue
             ln = {p: lk for p, lk in b.links_.items() if p in live}
             out.append({"id": b.id, **b.transport_bytes(), "links": {p: lk.kind for p, lk in ln.items()},
