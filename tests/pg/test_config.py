@@ -145,6 +145,8 @@ def test_discovery_and_server_configs():
                            "PG_DISCOVERY_INTERFACES": "127.0.0.1", "PG_LISTEN_HOST": "127.0.0.1"})
     assert cfg.discovery == "mdns" and cfg.discovery_interfaces == ("127.0.0.1",) and cfg.listens
     assert (cfg.listen_host, cfg.listen_port) == ("127.0.0.1", 0)
+    cfg = load_config(env={"RANK": "0", "WORLD": "3", "DISCOVERY": "mdns", "PG_GROUP": "g"})
+    assert cfg.listen_host == "0.0.0.0"   # IPv4 only: what discovery advertises
     cfg = load_config(env={"RANK": "0", "WORLD": "2", "PG_SERVER": "http://localhost:8080", "PG_ROOM": "r",
                            "PG_RTC_HOSTS": "127.0.0.1", "PG_TOKEN": "s3cret"})
     assert cfg.transport == "rtc" and not cfg.listens and cfg.rtc_host_addresses == ("127.0.0.1",)

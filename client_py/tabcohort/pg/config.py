@@ -31,7 +31,7 @@ variable                     argument                  meaning
 ``MAX_MEMORY_BYTES``         ``max_memory_bytes``      per-rank bound on buffered bytes (default
                                                        none)
 ``PG_LISTEN_HOST``           ``listen_host``           address to bind (default: from PEERS[rank];
-                                                       with discovery every interface)
+                                                       with discovery 0.0.0.0, every IPv4 interface)
 ``PG_LISTEN_PORT``           ``listen_port``           port to bind with discovery (default 0:
                                                        any free port, which is advertised)
 ===========================  ========================  ========================================
@@ -277,6 +277,10 @@ def load_config(*, env: Mapping[str, str] | None = None, resolve: bool = True, *
     var, v = _pick(args, env, "listen_host", "PG_LISTEN_HOST")
     me = peers[rank] if topology == "mesh" and len(peers) == world else (peers[0] if peers else ("", 0))
     listen_host = str(v) if v is not None else me[0]
+    if v is None and discovery != "static":
+        # every IPv4 interface: discovery advertises IPv4 addresses, and an unspecified host
+        # would bind IPv4 and IPv6 on two different free ports
+        listen_host = "0.0.0.0"
     if v is not None and discovery != "static" and listen_host:
         try:
             if ipaddress.ip_address(listen_host).version != 4:

@@ -14,6 +14,7 @@ listener answers with its own. A mismatch is a :class:`~tabcohort.pg.errors.Grou
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from typing import Any, Callable
 
@@ -273,7 +274,10 @@ class Listener:
         """Bind and listen; returns the bound port (``port=0`` picks a free one)."""
         self.server = await asyncio.start_server(self._on_conn, host or None, port, reuse_address=True,
                                                  limit=STREAM_LIMIT)
-        return self.server.sockets[0].getsockname()[1]
+        # an unspecified host binds one socket per address family, each on its own free port:
+        # report the IPv4 one (what discovery advertises)
+        socks = sorted(self.server.sockets, key=lambda k: k.family != socket.AF_INET)
+        return socks[0].getsockname()[1]
 
     async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
