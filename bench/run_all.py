@@ -4,7 +4,9 @@ Each benchmark prints a Markdown table of ratios measured side by side within it
 writes JSON to ``bench/results/``. This entry point runs them one after the other (never in
 parallel: the machines have 2 cores) and writes ``bench/results/REPORT.md`` with every table and
 ``bench/results/summary.json`` with the collected JSON. Benchmarks whose optional dependencies
-are missing (torch for bench_pg's gloo column, Chromium for bench_tab) say so in their output.
+are missing say so: bench_pg's gloo column without torch, in its output; bench_tab without a local
+Pyodide (``npm ci``) or Chromium, and bench_anchors without torch, are skipped with the reason.
+A benchmark still running after 30 minutes is stopped and reported as failed.
 
 The link benchmarks (``links``, ``overhead``, ``server_scale``) start a real server and rank
 processes on loopback; together they take about 6-8 minutes on 2 shared cores (``--only
@@ -38,7 +40,27 @@ BENCHES = {
     "server_scale": ("bench_server_scale.py", [], ["--phase-s", "5"]),
     "pg": ("bench_pg.py", [], ["--iters", "5"]),
     "tab": ("bench_tab.py", [], []),
+    "anchors": ("bench_anchors.py", [], ["--steps", "5", "--seconds", "4"]),
 }
+
+#: a benchmark that runs longer than this is stopped and reported as failed (never a hang)
+TIMEOUT_S = 1800
+
+
+def missing(name: str, repo: pathlib.Path) -> str | None:
+    """Why an optional benchmark cannot run here (it is skipped, saying so), or None."""
+    if name == "tab":
+        if not (repo / "node_modules" / "pyodide" / "pyodide.mjs").exists():
+            return "no local Pyodide (run `npm ci`, or `bash scripts/install.sh`, first)"
+        chromium = os.environ.get("TABCOHORT_CHROMIUM", "/usr/bin/chromium")
+        if not os.path.exists(chromium):
+            return f"{chromium} is missing (apt-get install -y chromium)"
+    if name == "anchors":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (optional: pip install torch==2.13.0; hivemind==1.1.12 too)"
+    return None
 
 
 def main() -> int:
@@ -62,10 +84,19 @@ def main() -> int:
         if not path.exists():
             report.append(f"## {name}\n\n(not present: {script})\n")
             continue
+        why = missing(name, repo)
+        if why is not None:
+            print(f"=== {name}: skipped: {why}", flush=True)
+            report.append(f"## {name}\n\n(skipped: {why})\n")
+            continue
         cmd = [sys.executable, str(path), *(quick if a.quick else args)]
         print(f"=== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+        try:
+            r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            r = subprocess.CompletedProcess(cmd, 124, e.stdout or "", f"timed out after {TIMEOUT_S} s")
+            r.stdout = r.stdout.decode(errors="replace") if isinstance(r.stdout, bytes) else r.stdout
         dt = time.time() - t0
         print(r.stdout, end="")
         if r.returncode != 0:
