@@ -45,3 +45,11 @@ def test_diverging_run_stops_with_a_clear_error():
     r = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60")
     assert r.returncode == 1
     assert "diverged" in r.stderr and "--lr" in r.stderr
+
+
+def test_a_run_whose_loss_runs_away_with_finite_gradients_is_diverged_too():
+    # a new user's `--lr 1000000` on digits ended at chance accuracy with exit 0: every gradient
+    # stayed finite (dead ReLUs), the loss ended ~2e5x a uniform guess's
+    r = simulate("--ranks", "2", "--dataset", "digits", "--lr", "1000000", "--steps", "150", "--max-seconds", "60")
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "diverged" in r.stderr and "loss ended at" in r.stderr and "--lr" in r.stderr

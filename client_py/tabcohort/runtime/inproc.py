@@ -25,6 +25,9 @@ from .driver import RankDriver
 MAX_RANKS = 256
 #: A run whose step has not advanced for this long while buckets are non-finite has diverged.
 DIVERGED_AFTER_S = 5.0
+#: A classifier whose final training loss is this many times a uniform guess's (ln classes) has
+#: diverged too, although every gradient stayed finite.
+LOSS_BLOWUP = 10.0
 
 
 @dataclass
@@ -216,6 +219,17 @@ class InprocCohort:
                 break
         seconds = time.monotonic() - t0
         samples = self._applied_samples()
+        ld = self.leader()
+        last_loss = ld.machine.loss if ld is not None else None
+        spec = ld.worker.spec() if ld is not None else {}
+        if spec.get("loss") == "softmax_xent" and spec.get("layers") and last_loss is not None \
+                and math.isfinite(last_loss) and last_loss > LOSS_BLOWUP * math.log(max(2, spec["layers"][-1])):
+            for d in list(self.drivers.values()):
+                await d.close()
+            raise TabcohortError(
+                f"training diverged at step {last_step}: the training loss ended at {last_loss:.4g}, "
+                f"{LOSS_BLOWUP:g}x a guess's ({math.log(max(2, spec['layers'][-1])):.3g}: gradients stayed finite, "
+                f"the parameters ran away); try a smaller --lr (now {cfg.lr})")
         return await self._finish(seconds, samples, leaders)
 
     def _non_finite(self) -> int:
