@@ -409,6 +409,24 @@ def test_stop_publishes_once_after_busy_loop_drains():
     assert r.posts(t="round") == []
 
 
+def test_a_stopping_leader_keeps_announcing_running_until_its_final_publish():
+    # a browser e2e run ended with two followers at step 62 and the leader at 63: the leader's
+    # stop beat (running=False) reached them before its final publish, so each counted itself
+    # leader, published its own step-62 parameters and left (docs/PROTOCOL-NOTES.md, note 10)
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.stop(now_ms=1)
+    r.m.on_timer(now_ms=500)                       # a heartbeat while the loop drains
+    beats = [p for p in r.posts(t="beat")]
+    assert beats and all(b["running"] is True for b in beats), beats
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=502)
+    r.m.on_timer(now_ms=502)
+    kinds = [(a.msg["t"], a.msg.get("running")) for a in r.drain() if isinstance(a, Post)]
+    assert ("round", None) in kinds and kinds[-1] == ("beat", False), kinds
+    assert kinds.index(("round", None)) < kinds.index(("beat", False))
+
+
 def test_stop_idle_leader_publishes_now():
     r = leader_rig()
     r.m.start(now_ms=0)

@@ -496,7 +496,11 @@ class RankMachine:
     def _beat(self, now_ms: float) -> None:
         self._actions.append(Post({
             "t": "beat", "from": self.id, "batch": self.worker.batch, "ready": self.ready,
-            "running": self.running, "step": self.step, "backend": self.worker.backend}))
+            # a stopping leader still draining its loop keeps leading until its final publish,
+            # or followers would see it stop, count themselves leader and publish stale
+            # parameters of their own (docs/PROTOCOL-NOTES.md, note 10)
+            "running": self.running or self._stopping_publish, "step": self.step,
+            "backend": self.worker.backend}))
 
     def _report(self, now_ms: float) -> None:
         self._actions.append(Report(self.state(now_ms)))
@@ -629,6 +633,7 @@ class RankMachine:
             if stopped and self.ready and not self.disposed:
                 self._stopping_publish = False
                 self._publish()
+                self._beat(now_ms)                 # and now it has stopped (note 10)
             return
         if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:
             self._pace_tries += 1
