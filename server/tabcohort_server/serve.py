@@ -14,7 +14,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                       advertise_interfaces: list[str] | None = None) -> None:
     from aiohttp import web
 
-    from .app import create_app
+    from .app import ROOMS, create_app
 
     app = create_app(config)  # ConfigError before listening
     runner = web.AppRunner(app, handle_signals=False)
@@ -28,6 +28,10 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}")
+        room = app[ROOMS].get(name)
+        if room is not None and room.stopped:
+            progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
+                     f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
     adv = None
     if advertise:
         from tabcohort import __version__

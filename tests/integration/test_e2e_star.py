@@ -117,7 +117,11 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at))
     again = cluster.state()
     assert again["stopped"] and "checkpoint at step" in again["stop_reason"], again["stop_reason"]
+    assert "already finished" in cluster.server.text()
     late = cluster.rank()
+    t_late = time.monotonic()
     assert late.p.wait(30) == 0, late.text()
+    # (it never became ready: it leaves at once, without waiting for a leader's publication)
+    assert time.monotonic() - t_late < 15, late.text()
     assert "stopped (server: steps" in late.text(), late.text()[-2000:]
     assert cluster.state()["checkpoint"]["step"] == fin["checkpoint"]["step"]

@@ -386,7 +386,8 @@ class RankRun:
             self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
-            while time.monotonic() < end and (machine.looping if was_leader else not self.publish_seen):
+            # (a rank that never became ready follows nobody: nothing to wait for)
+            while time.monotonic() < end and (machine.looping if was_leader else machine.ready and not self.publish_seen):
                 await asyncio.sleep(0.02)
             if was_leader and not bus.failed:
                 await self._upload(http, bus, machine, worker, digest, final=True)
