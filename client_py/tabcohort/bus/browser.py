@@ -310,9 +310,13 @@ class BrowserBus:
         for p in ((to,) if to is not None else self.peers):
             if p != self.id:
                 self._sent[p] = self._sent.get(p, 0) + size
-        self._unacked += size
         self.n_sent += len(chunks)
         self.uplink_bytes += size
+        self._put(chunks, size)
+
+    def _put(self, chunks: list[bytes], size: int) -> None:
+        """Hand one frame's accounted chunks to the page's socket."""
+        self._unacked += size
         self.hub.port.send_chunks(self.link, chunks)
 
     def send_raw(self, chunks: list[bytes]) -> bool:
@@ -824,29 +828,12 @@ class BrowserRtcStarBus(BrowserBus):
         self.rtc_up = False
         super().close()
 
-    def post(self, msg: dict) -> None:
-        """As :meth:`BrowserBus.post`; the chunks go on the data channel while it is open."""
+    def _put(self, chunks: list[bytes], size: int) -> None:
+        """As :meth:`BrowserBus._put`, but on the data channel while it is open."""
         if not self.rtc_up:
-            n0 = self.uplink_bytes
-            super().post(msg)
-            self.ws_chunk_bytes_out += self.uplink_bytes - n0
+            super()._put(chunks, size)
+            self.ws_chunk_bytes_out += size
             return
-        if self.closed or self.writer is None:
-            return
-        chunks = self.writer.write(msg)
-        size = sum(map(len, chunks))
-        if not self.connected:
-            self._count("disconnected")
-            return
-        if self.queued_bytes() + size > self.max_queue_bytes:
-            self._count("send_overflow")
-            return
-        to = msg.get("to")
-        for p in ((to,) if to is not None else self.peers):
-            if p != self.id:
-                self._sent[p] = self._sent.get(p, 0) + size
-        self.n_sent += len(chunks)
-        self.uplink_bytes += size
         self._rtc_queue.extend(chunks)
         self._rtc_queued += size
         self._drain()
