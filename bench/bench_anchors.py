@@ -268,9 +268,9 @@ def profile(world: int, reps: int = 5) -> dict:
 
     params = np.random.default_rng(0).standard_normal(N_PARAMS).astype(np.float32)
     w, r = FrameWriter(1), FrameReader(None)
-    round_msg = {"t": "round", "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": world,
+    round_msg = {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": world,
                  "assign": {2: 0}, "params": params}
-    grad_msg = {"t": "grad", "step": 1, "loss": 0.5, "samples": 8, "g": params, "to": 2}
+    grad_msg = {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": params, "to": 2}
 
     def t(f) -> float:
         xs = []

@@ -53,7 +53,7 @@ async def in_process(seconds: float, pings: int) -> dict:
     # raw: a tiny grad ping-ponged between two in-memory buses
     net = MemoryNetwork(AsyncioScheduler(loop), seed=0, log=False)
     a, b = net.attach(1), net.attach(2)
-    msg = {"t": "grad", "step": 1, "loss": 0.0, "samples": 1, "g": [0.0] * BUCKET_LEN}
+    msg = {"t": "grad", "term": 1, "step": 1, "loss": 0.0, "samples": 1, "g": [0.0] * BUCKET_LEN}
     b.on_message = lambda m: b.post(dict(msg, to=1))
     fut: list[asyncio.Future] = []
     a.on_message = lambda m: fut[0].done() or fut[0].set_result(None)

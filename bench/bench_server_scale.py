@@ -90,13 +90,13 @@ async def client(a: argparse.Namespace) -> None:
                 g = grads.get(r.sender)
                 if g is None:
                     g = grads[r.sender] = FrameWriter(b.id).write(
-                        {"t": "grad", "to": r.sender, "step": 1, "loss": 0.5, "samples": 8,
+                        {"t": "grad", "to": r.sender, "term": 1, "step": 1, "loss": 0.5, "samples": 8,
                          "g": [0.0] * BUCKET_LEN})
                 loop.call_later(a.compute_ms / 1000.0, b.send_raw, g)
         b.on_chunk = on_chunk
 
     async def beats(b: WsBus) -> None:
-        beat = FrameWriter(b.id).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 1,
+        beat = FrameWriter(b.id).write({"t": "beat", "batch": 8, "ready": True, "running": True, "term": 1, "step": 1,
                                         "backend": "numpy"})
         await asyncio.sleep(random.uniform(0, policy(room_n(b)).beat_ms / 1000.0))
         while True:
@@ -124,7 +124,7 @@ async def client(a: argparse.Namespace) -> None:
             k += 1
             n_total = room_n(b)
             assign = {str(j): i * 8 for i, j in enumerate(sorted(b.peers))}
-            b.send_raw(w.write({"t": "round", "step": k, "lr": 0.01, "assign": assign,
+            b.send_raw(w.write({"t": "round", "term": 1, "step": k, "lr": 0.01, "assign": assign,
                                 "params": [0.0] * BUCKET_LEN, "loss": 0.5, "samples": 8 * n_total,
                                 "cohort": n_total}))
             await asyncio.sleep(1.0 / a.round_hz)
@@ -178,7 +178,7 @@ class Probe:
 
 def _chunk(sender: int, to: int) -> bytes:
     from tabcohort.wire import FrameWriter
-    (c,) = FrameWriter(sender).write({"t": "grad", "to": to, "step": 1, "loss": 0.0, "samples": 1,
+    (c,) = FrameWriter(sender).write({"t": "grad", "to": to, "term": 1, "step": 1, "loss": 0.0, "samples": 1,
                                       "g": [0.0] * 8})
     return c
 

@@ -28,7 +28,7 @@ PRECISIONS = ["f32", "f16", "bf16", "int8"]
 
 
 def round_msg(params) -> dict:
-    return {"t": "round", "step": 1, "lr": 0.1, "loss": 1.0, "samples": 64, "cohort": 4,
+    return {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 64, "cohort": 4,
             "assign": {1: 0, 2: 64, 3: 128, 4: 192}, "params": params}
 
 

@@ -205,7 +205,7 @@ def _chunk(sender: int, to: int) -> bytes:
     """A tiny ``grad`` message from ``sender`` to ``to``, encoded once (one chunk)."""
     from tabcohort.wire import FrameWriter
 
-    (c,) = FrameWriter(sender).write({"t": "grad", "to": to, "step": 1, "loss": 0.0, "samples": 1,
+    (c,) = FrameWriter(sender).write({"t": "grad", "to": to, "term": 1, "step": 1, "loss": 0.0, "samples": 1,
                                       "g": [0.0] * 8})
     return c
 

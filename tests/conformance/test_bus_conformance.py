@@ -10,15 +10,15 @@ from tabcohort.bus import LinkBytes
 
 
 def beat(step: int = 1) -> dict:
-    return {"t": "beat", "batch": 4, "ready": True, "running": True, "step": step, "backend": "py"}
+    return {"t": "beat", "batch": 4, "ready": True, "running": True, "term": 1, "step": step, "backend": "py"}
 
 
 def grad(g, to: int, step: int = 1) -> dict:
-    return {"t": "grad", "step": step, "loss": 0.5, "samples": 4, "g": g, "to": to}
+    return {"t": "grad", "term": 1, "step": step, "loss": 0.5, "samples": 4, "g": g, "to": to}
 
 
 def round_msg(params, step: int = 1) -> dict:
-    return {"t": "round", "step": step, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
+    return {"t": "round", "term": 1, "step": step, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
             "assign": {1: 0}, "params": params}
 
 

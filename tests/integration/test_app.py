@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
 def beat() -> dict:
-    return {"t": "beat", "batch": 4, "ready": True, "running": True, "step": 1, "backend": "py"}
+    return {"t": "beat", "batch": 4, "ready": True, "running": True, "term": 1, "step": 1, "backend": "py"}
 
 
 @pytest_asyncio.fixture
@@ -111,7 +111,7 @@ async def test_black_holed_consumer_is_dropped_without_blocking_the_others(clien
                 got += 1
     reader = asyncio.create_task(read_good())
     w = FrameWriter(wa["id"], max_message_bytes=65536)
-    chunk = w.write({"t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 16000})[0]
+    chunk = w.write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 16000})[0]
     room = client.app[ROOMS].get("r")
     sent = 0
     loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ from tabcohort.errors import ConfigError
 
 
 def beat() -> dict:
-    return {"t": "beat", "batch": 4, "ready": True, "running": True, "step": 1, "backend": "py"}
+    return {"t": "beat", "batch": 4, "ready": True, "running": True, "term": 1, "step": 1, "backend": "py"}
 
 
 def room(**lim) -> Room:
@@ -54,7 +54,7 @@ def test_broadcast_to_others_addressed_to_one_spoofed_dropped():
     chunk = FrameWriter(a.id).write(beat())[0]
     r.relay(a, chunk)
     assert drain(a) == [] and drain(b) == [chunk] and drain(c) == [chunk]
-    to_c = FrameWriter(a.id).write({**beat(), "t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [1.0],
+    to_c = FrameWriter(a.id).write({**beat(), "t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1, "g": [1.0],
                                     "to": c.id})[0]
     r.relay(a, to_c)
     assert drain(b) == [] and drain(c) == [to_c]
@@ -69,7 +69,7 @@ def test_a_consumer_over_its_queue_bound_is_dropped_not_waited_for():
     a, b, c = (r.register(now=0) for _ in range(3))
     kicked = []
     b.kick = lambda code, reason: kicked.append(code)
-    chunk = FrameWriter(a.id).write({"t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 120})[0]
+    chunk = FrameWriter(a.id).write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 120})[0]
     for _ in range(12):
         r.relay(a, chunk)
         drain(c)  # c keeps up, b never reads

@@ -68,20 +68,21 @@ def hello(sender, *, ready=True, running=True, step=0, batch=2, job=JOB, version
     return msg
 
 
-def beat(sender, *, ready=True, running=True, step=0, batch=2, to=None):
+def beat(sender, *, ready=True, running=True, step=0, batch=2, to=None, term=0):
     msg = {"t": "beat", "from": sender, "batch": batch, "ready": ready, "running": running,
-           "step": step, "backend": "python"}
+           "step": step, "backend": "python", "term": term}
     if to is not None:
         msg["to"] = to
     return msg
 
 
-def round_msg(sender, step, *, params=None, assign=None, lr=0.1, n=4, loss=math.nan, samples=0, cohort=1):
-    return {"t": "round", "from": sender, "step": step, "lr": lr, "assign": assign or {},
+def round_msg(sender, step, *, params=None, assign=None, lr=0.1, n=4, loss=math.nan, samples=0, cohort=1,
+              term=1):
+    return {"t": "round", "from": sender, "step": step, "term": term, "lr": lr, "assign": assign or {},
             "params": to_vector(params if params is not None else [0.25] * n),
             "loss": loss, "samples": samples, "cohort": cohort}
 
 
-def grad(sender, to, step, *, g=None, n=4, loss=1.0, samples=2):
-    return {"t": "grad", "from": sender, "to": to, "step": step, "loss": loss, "samples": samples,
+def grad(sender, to, step, *, g=None, n=4, loss=1.0, samples=2, term=1):
+    return {"t": "grad", "from": sender, "to": to, "step": step, "term": term, "loss": loss, "samples": samples,
             "g": to_vector(g if g is not None else [1.0] * n)}

@@ -40,12 +40,12 @@ def corpus(rng: random.Random) -> list[list[bytes]]:
             w = FrameWriter(rng.randrange(1, 6), precision=prec, max_message_bytes=mmb, int8_block=8)
             n = rng.choice([0, 1, 5, 24])
             g = [rng.uniform(-3, 3) for _ in range(n)]
-            frames.append(w.write({"t": "grad", "step": 4, "loss": 0.5, "samples": 3, "g": g, "to": 1}))
-            frames.append(w.write({"t": "round", "step": 9, "lr": 0.1, "loss": 1.0, "samples": 8,
+            frames.append(w.write({"t": "grad", "term": 1, "step": 4, "loss": 0.5, "samples": 3, "g": g, "to": 1}))
+            frames.append(w.write({"t": "round", "term": 1, "step": 9, "lr": 0.1, "loss": 1.0, "samples": 8,
                                    "cohort": 2, "assign": {1: 0, 2: 8}, "params": g}))
             frames.append(w.write({"t": "hello", "version": 1, "job": "jøb", "batch": 8, "ready": True,
                                    "running": True, "step": 0, "model": "mlp", "backend": "py"}))
-            frames.append(w.write({"t": "beat", "batch": 8, "ready": False, "running": True, "step": 3,
+            frames.append(w.write({"t": "beat", "batch": 8, "ready": False, "running": True, "term": 1, "step": 3,
                                    "backend": "é" * 10}))
     return frames
 
@@ -126,7 +126,7 @@ def test_absurd_declarations_allocate_nothing_big():
     lim = WireLimits()  # the real defaults: 64 MiB frames, 16 Mi-element vectors
     r = FrameReader(lim)
     w = FrameWriter(1, max_message_bytes=64)
-    chunk = w.write({"t": "grad", "step": 1, "loss": 0.0, "samples": 1, "g": [1.0] * 30})[0]
+    chunk = w.write({"t": "grad", "term": 1, "step": 1, "loss": 0.0, "samples": 1, "g": [1.0] * 30})[0]
     hostile = []
     for count, frame_len in ((0xFFFF, 0xFFFFFFFF), (0xFFFF, lim.max_frame_bytes), (2, 2**25)):
         b = bytearray(chunk)

@@ -10,7 +10,7 @@ from tabcohort.sched import SimScheduler
 
 
 def beat(step: int) -> dict:
-    return {"t": "beat", "batch": 1, "ready": True, "running": True, "step": step, "backend": "py"}
+    return {"t": "beat", "batch": 1, "ready": True, "running": True, "term": 1, "step": step, "backend": "py"}
 
 
 def rig(n: int = 3, **kw):
@@ -113,7 +113,7 @@ def test_unknown_recipient_and_reattach():
 
 def test_chunked_frames_are_counted_and_logged_independently():
     s, net, (a, b), box = rig(2, max_message_bytes=256, precision="bf16")
-    a.post({"t": "grad", "step": 1, "loss": 0.0, "samples": 1, "g": [0.5] * 1000, "to": b.id})
+    a.post({"t": "grad", "term": 1, "step": 1, "loss": 0.0, "samples": 1, "g": [0.5] * 1000, "to": b.id})
     s.run_until(1)
     (m,) = box[b.id]
     assert m["to"] == b.id and len(m["g"]) == 1000

@@ -148,26 +148,6 @@ def test_stopped_rank_leaves_cohort_at_once():
     assert r.m.cohort_ids(1) == [1, 3]
 
 
-def test_leader_is_lowest_ready_running_not_lowest_alive():
-    r = rig(5, ready=True)
-    r.m.start(now_ms=0)
-    r.m.handle(beat(2, running=False), now_ms=1)
-    r.m.handle(beat(3, ready=False), now_ms=1)
-    r.m.handle(beat(4), now_ms=1)
-    assert r.m.leader_id(1) == 4
-    r.m.handle(beat(4, running=False), now_ms=2)
-    assert r.m.leader_id(2) == 5 and r.m.is_leader(2)
-
-
-def test_is_leader_requires_defer_until_passed():
-    r = leader_rig([5])
-    r.m.start(now_ms=0)
-    r.drain()
-    r.m.defer_until_ms = 100
-    assert not r.m.is_leader(99) and r.m.is_leader(100)
-
-
-# ---------------------------------------------------------------- leader: one round
 def test_assignment_is_consecutive_windows_mod_2_32():
     a = assignment([9, 2, 5], {2: 3, 5: 4, 9: 1}, 7)
     assert a == {2: 56, 5: 59, 9: 63}
@@ -427,37 +407,6 @@ def test_a_stopping_leader_keeps_announcing_running_until_its_final_publish():
     assert kinds.index(("round", None)) < kinds.index(("beat", False))
 
 
-def test_stop_idle_leader_publishes_now():
-    r = leader_rig()
-    r.m.start(now_ms=0)
-    r.drain()
-    r.m.handle(beat(0), now_ms=1)                  # a lower rank appears: leadership lost
-    own = [a for a in r.out if isinstance(a, Compute)][0]
-    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=300)
-    r.m.on_timer(now_ms=300)
-    assert not r.m.looping
-    r.drain()
-    r.m.handle(beat(0, running=False), now_ms=301)
-    assert r.m.is_leader(301) and not r.m.looping   # leader, but idle (no takeover yet)
-    r.m.stop(now_ms=302)
-    pubs = r.posts(t="round")
-    assert len(pubs) == 1 and pubs[0]["assign"] == {}
-
-
-def test_leadership_lost_exits_loop_without_publish():
-    r = leader_rig([2])
-    r.m.start(now_ms=0)
-    own = r.computes(r.drain())[0]
-    r.m.handle(beat(0), now_ms=1)                  # lower id, ready and running
-    r.m.handle(grad(2, 1, 0), now_ms=1)
-    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=2)
-    assert r.m.step == 1                           # the round in flight is not lost
-    r.m.on_timer(now_ms=2)
-    assert not r.m.looping
-    assert r.posts(t="round") == []
-
-
-# ---------------------------------------------------------------- follower
 def test_hello_is_answered_with_a_broadcast_beat_and_no_params():
     r = rig(5, ready=True)
     r.m.handle(hello(9), now_ms=1)
@@ -471,31 +420,12 @@ def test_round_records_last_open():
     assert r.m.last_open_ms == 123
 
 
-def test_acting_leader_stands_down_for_lower_sender_and_does_not_adopt():
-    r = leader_rig([3], rank_id=2)
-    r.m.start(now_ms=0)
-    r.drain()
-    r.m.handle(round_msg(1, 50, params=[9.0] * 4), now_ms=10)
-    assert not r.m.looping and r.m.defer_until_ms == 10 + T.takeover_ms
-    assert r.m.step == 0 and list(r.w.params()) != [9.0] * 4
-    assert r.m.ready
-    assert [p["t"] for p in r.posts()] == ["hello"]
-
-
 def test_acting_leader_ignores_higher_sender_round():
     r = leader_rig([3], rank_id=2)
     r.m.start(now_ms=0)
     r.drain()
     r.m.handle(round_msg(3, 50, params=[9.0] * 4), now_ms=10)
     assert r.m.looping and r.m.step == 0
-
-
-def test_pretender_round_is_ignored():
-    r = rig(5)
-    r.m.start(now_ms=0)
-    r.m.handle(beat(2), now_ms=1)
-    r.m.handle(round_msg(3, 0, params=[9.0] * 4), now_ms=1)
-    assert r.m.drops["pretender"] == 1 and not r.m.ready
 
 
 def test_out_of_order_round_from_followed_leader_is_ignored():
@@ -636,26 +566,6 @@ def test_joiner_does_not_bootstrap_while_a_live_peer_is_ready():
 
 
 # ---------------------------------------------------------------- heartbeat, takeover
-def test_heartbeat_sends_beat_and_takes_over_after_takeover_window():
-    r = rig(2)
-    r.m.start(now_ms=0)
-    r.m.handle(beat(1), now_ms=0)
-    r.m.handle(round_msg(1, 5, assign={1: 0, 2: 2}), now_ms=0)
-    r.drain()
-    t = 0.0
-    while t < 3200:
-        t += 400
-        r.m.on_timer(now_ms=t)
-        assert [p for p in r.posts() if p["t"] == "round"] == []
-    assert any(p["t"] == "beat" for p in [a.msg for a in r.out if isinstance(a, Post)])
-    t += 400
-    r.m.on_timer(now_ms=t)
-    assert r.m.looping and r.m.counters["takeover"] == 1
-    rd = r.posts(t="round")
-    assert len(rd) == 1 and rd[0]["step"] == 5
-
-
-# ---------------------------------------------------------------- suspension
 def test_suspended_rank_clears_ready_and_rejoins():
     r = leader_rig([3], rank_id=1)
     r.m.start(now_ms=0)
@@ -852,3 +762,230 @@ def test_quorum_rule_finishes_at_quorum():
     r.m.handle(grad(2, 1, 0), now_ms=52)
     r.m.handle(grad(3, 1, 0), now_ms=54)
     assert r.m.step == 1 and r.m.counters["buckets_reduced"] == 3
+
+
+# ---------------------------------------------------------------- lineage, terms and majority
+def follower_of(leader, rank_id=2, peers=(), *, step=5, term=1, now=0.0):
+    """A running rank that follows ``leader`` at ``step`` (term ``term``), with live peers."""
+    r = rig(rank_id, now=now)
+    r.m.start(now_ms=now)
+    for p in (leader, *peers):
+        r.m.handle(beat(p, step=step, term=term), now_ms=now)
+    r.m.handle(round_msg(leader, step, term=term, params=[1.0] * 4), now_ms=now)
+    r.drain()
+    return r
+
+
+def silence(r, until, peers=(), **beat_kw):
+    """Step every deadline up to ``until``; only ``peers`` beat (everyone else is silent)."""
+    tick(r, until, peers, **beat_kw)
+
+
+def test_takeover_goes_to_the_lowest_id_of_the_most_advanced_lineage():
+    r = rig(5, ready=True)
+    r.m.handle(beat(2, running=False), now_ms=0)
+    r.m.handle(beat(3, ready=False), now_ms=0)
+    r.m.handle(beat(4), now_ms=0)
+    r.m.start(now_ms=0)
+    assert not r.m.is_leader(0) and not r.m._may_take_lead(0)   # 4 is lower, equally advanced
+    r.m.handle(beat(4, running=False), now_ms=1)
+    assert r.m._may_take_lead(1)
+    r2 = rig(5, ready=True)
+    r2.m.handle(beat(4, term=3, step=1), now_ms=0)                # 4's lineage is ahead of ours
+    r2.m.handle(beat(7, term=3, step=9), now_ms=0)
+    assert not r2.m._may_take_lead(0)
+    r2.m.term, r2.m.step = 3, 9
+    assert r2.m._may_take_lead(0)                                 # level with 7, lower id than 7
+    r2.m.defer_until_ms = 100
+    assert not r2.m._may_take_lead(99) and r2.m._may_take_lead(100)
+
+
+def test_a_lower_id_joiner_never_takes_the_lead_while_rounds_flow():
+    r = follower_of(3, rank_id=1, peers=[4])
+    for k in range(1, 20):
+        t = k * 400.0
+        r.m.handle(beat(3, step=5 + k, term=1), now_ms=t)
+        r.m.handle(beat(4, step=5 + k, term=1), now_ms=t)
+        r.m.handle(round_msg(3, 5 + k, term=1, params=[1.0] * 4), now_ms=t)
+        r.m.on_timer(now_ms=t)
+    assert not r.m.looping and r.m.leader_id(t) == 3 and r.m.counters["takeover"] == 0
+
+
+def test_a_takeover_starts_a_new_term_above_every_term_seen():
+    r = follower_of(1, rank_id=2, peers=[3])
+    t = 0.0
+    while not r.m.looping:
+        t += 400
+        r.m.handle(beat(3, step=5, term=1), now_ms=t)     # 1 is silent; 2 and 3 are a majority
+        r.m.on_timer(now_ms=t)
+        assert t < 10_000
+    assert t > T.takeover_ms and r.m.counters["takeover"] == 1
+    rd = r.posts(t="round")[-1]
+    assert rd["term"] == 2 and rd["step"] == 5 and r.m.term == 2
+
+
+def test_a_deposed_leader_that_returns_never_rewinds_the_new_lineage():
+    # the state machine reproduction: 2 follows 1 at step 5; 1 goes silent; 2 takes over and
+    # drives to step 10; 1 comes back and sends rounds 6..9 of its old term
+    r = follower_of(1, rank_id=2, peers=[3])
+    t = 0.0
+    while not r.m.looping:
+        t += 400
+        r.m.handle(beat(3, step=5, term=1), now_ms=t)
+        r.m.on_timer(now_ms=t)
+    while r.m.step < 10:
+        own = r.computes(r.drain())[-1]
+        r.m.handle(grad(3, 2, r.m.step, term=2), now_ms=t)
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=t)
+        r.m.on_timer(now_ms=t)
+    mine = list(r.w.params())
+    for step in range(6, 10):
+        r.m.handle(round_msg(1, step, term=1, params=[7.0] * 4), now_ms=t)
+    assert r.m.drops["round_while_leading"] == 4 and r.m.looping and r.m.term == 2
+    assert r.m.step >= 10 and list(r.w.params())[:1] != [7.0]
+    # a follower of the new lineage drops the old one's rounds too
+    f = follower_of(2, rank_id=3, term=2, step=10)
+    f.m.handle(round_msg(1, 9, term=1, params=[7.0] * 4), now_ms=1)
+    assert f.m.drops["stale_term"] == 1 and f.m.following == 2 and f.m.step == 10
+    # and the returning rank adopts the new lineage at once when it sees its round
+    old = leader_rig([3], rank_id=1)
+    old.m.start(now_ms=0)
+    old.drain()
+    old.m.handle(round_msg(2, 10, term=2, params=mine), now_ms=10)
+    assert not old.m.looping and not old.m.is_leader(10) and old.m.following == 2
+    assert old.m.term == 2 and old.m.step == 10 and list(old.w.params()) == mine
+    assert old.posts(t="round") == []                   # standing down publishes nothing
+
+
+def test_a_leader_yields_only_to_a_winning_lineage():
+    r = leader_rig([3], rank_id=2)
+    r.m.start(now_ms=0)
+    r.drain()
+    assert r.m.term == 1
+    r.m.handle(round_msg(1, 50, term=0, params=[9.0] * 4), now_ms=10)   # lower id, older term
+    assert r.m.looping and r.m.step == 0 and r.m.drops["round_while_leading"] == 1
+    r.m.handle(round_msg(3, 50, term=1, params=[9.0] * 4), now_ms=11)   # same term, higher id
+    assert r.m.looping and r.m.drops["round_while_leading"] == 2
+    r.m.handle(round_msg(1, 50, term=1, params=[9.0] * 4), now_ms=12)   # same term, lower id
+    assert not r.m.looping and r.m.step == 50 and list(r.w.params()) == [9.0] * 4
+    assert r.m.defer_until_ms == 12 + T.takeover_ms and r.m.counters["stand_down"] == 1
+    r2 = leader_rig([3], rank_id=2)
+    r2.m.start(now_ms=0)
+    r2.m.handle(round_msg(7, 3, term=5, params=[8.0] * 4), now_ms=10)   # higher term, higher id
+    assert not r2.m.looping and r2.m.following == 7 and r2.m.term == 5
+
+
+def test_pretender_round_is_ignored():
+    r = follower_of(2, rank_id=5)
+    r.m.handle(round_msg(3, 9, term=1, params=[9.0] * 4), now_ms=1)
+    assert r.m.drops["pretender"] == 1 and r.m.following == 2 and r.m.step == 5
+    r.m.handle(round_msg(3, 1, term=2, params=[9.0] * 4), now_ms=2)     # a newer term wins
+    assert r.m.following == 3 and r.m.step == 1 and r.m.term == 2
+
+
+def test_a_leader_without_a_majority_commits_nothing_and_resumes_when_it_sees_one():
+    r = leader_rig([2, 3, 4])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)   # quorum 3 not reached
+    assert r.m.has_majority(1)
+    silence(r, 3000)                   # {1} | {2, 3, 4}: nobody answers, nobody beats
+    assert r.m.counters["round_no_majority"] == 1 and r.m.step == 0
+    assert not r.m.has_majority(3000) and not r.m.looping and r.m.is_leader(3000)
+    assert r.m.counters["paused_no_majority"] >= 1
+    assert r.m.members(3000) == {1, 2, 3, 4}          # unreachable is not gone
+    silence(r, 6000)
+    assert r.m.step == 0 and r.posts(t="round") == [] or all(
+        p["step"] == 0 for p in r.posts(t="round"))
+    tick(r, 7000, peers=[2, 3])                        # the partition heals
+    assert r.m.looping and r.m.counters["lead_resumed"] == 1
+
+
+def test_an_even_split_goes_on_only_on_the_side_of_the_lowest_member():
+    low = leader_rig([2, 3, 4], rank_id=1)
+    low.m.start(now_ms=0)
+    tick(low, 3000, peers=[2])                          # {1, 2} | {3, 4}
+    assert low.m.has_majority(3000)
+    high = follower_of(1, rank_id=3, peers=[2, 4])
+    tick(high, 3000, peers=[4])
+    assert not high.m.has_majority(3000)
+    silence(high, 20_000, peers=[4])
+    assert high.m.counters["takeover"] == 0 and not high.m.looping
+
+
+def test_a_rank_that_left_leaves_the_membership_at_once_and_frees_the_survivor():
+    r = follower_of(1, rank_id=2)
+    silence(r, 3000)
+    assert not r.m.has_majority(3000) and r.m.counters["takeover"] == 0    # 1 vs 1: 1's side
+    r.m.peer_left(1, now_ms=3001)                        # the server saw 1's link close
+    assert r.m.members(3001) == {2} and r.m.has_majority(3001)
+    tick(r, 3500)
+    assert r.m.looping and r.m.counters["takeover"] == 1 and r.m.term == 2
+    s = follower_of(1, rank_id=2)                        # a rank that stops leaves at once too
+    s.m.handle(beat(1, running=False, step=5, term=1), now_ms=1)
+    assert s.m.members(1) == {2}
+    f = follower_of(1, rank_id=2)                        # without a word: after policy.forget
+    silence(f, policy(2, T).forget_ms + 2000)
+    assert f.m.looping and f.m.counters["takeover"] == 1
+
+
+def test_a_round_with_non_finite_parameters_is_never_adopted():
+    r = follower_of(1, rank_id=2)
+    r.m.handle(round_msg(1, 6, term=1, params=[1.0, math.inf, 1.0, 1.0]), now_ms=1)
+    r.m.handle(round_msg(1, 7, term=1, params=[math.nan] * 4), now_ms=2)
+    assert r.m.drops["round_non_finite"] == 2 and r.m.step == 5 and list(r.w.params()) == [1.0] * 4
+
+
+def test_an_update_that_overflows_is_not_applied_published_or_counted_as_a_step():
+    r = leader_rig([2, 3], lr=1e30)
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    before = list(r.w.params())
+    r.m.handle(grad(2, 1, 0, g=[1e10] * 4, samples=2), now_ms=1)
+    r.m.handle(grad(3, 1, 0, g=[1e10] * 4, samples=2), now_ms=1)
+    r.m.bucket_ready(own.token, 0.5, [1e10] * 4, now_ms=2)
+    assert r.m.diverged == 1 and r.m.step == 0 and list(r.w.params()) == before
+    assert "diverged" in r.m.fault and r.m.state(2)["diverged"] == 1
+    r.m.on_timer(now_ms=2)
+    for rd in r.posts(t="round"):
+        assert all(math.isfinite(x) for x in rd["params"])
+    r.m.stop(now_ms=3)
+    assert all(all(math.isfinite(x) for x in rd["params"]) for rd in r.posts(t="round"))
+
+
+def test_an_evicted_rank_that_returns_is_assigned_but_not_awaited_until_it_keeps_up():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    seen = []                                  # (awaited, wanted) of every round driven
+
+    def run(until, responders, t):
+        while t < until:
+            if r.m._phase == "own":
+                col = r.m._collection
+                seen.append((set(col.awaited), set(col.wanted)))
+                own = [a for a in r.computes(r.drain()) if a.own][-1]
+                for k in responders:
+                    r.m.handle(grad(k, 1, col.step, term=col.term), now_ms=t)
+                r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=t)
+            d = r.m.next_deadline_ms()
+            t = min(until, max(t + 1, d if d is not None else until))
+            tick(r, t, peers=responders)
+        return t
+
+    t = run(2500, [2], 0.0)                     # 3 sleeps: evicted (not seen within drop)
+    assert r.m.flaps[3] == 1 and 3 not in r.m.cohort_ids(t)
+    seen.clear()
+    t = run(4000, [2, 3], t)                    # 3 is back and keeps up
+    seen = [(aw, wa) for aw, wa in seen if 3 in wa]
+    assert 3 not in seen[0][0]                                 # assigned, not awaited
+    back = next(i for i, (aw, _) in enumerate(seen) if 3 in aw)
+    assert back == 3                                           # after 3 buckets in time
+    assert 3 not in r.m._probation and r.m.counters["readmitted"] == 1
+
+
+def test_a_bucket_of_another_term_is_dropped():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(grad(2, 1, 0, term=7), now_ms=1)
+    assert r.m.drops["grad_wrong_term"] == 1 and 2 not in r.m._collection.received

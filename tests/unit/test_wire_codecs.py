@@ -89,7 +89,7 @@ def test_f16_overflow_falls_back_to_f32(use_numpy, big):
     assert e.flags & FLAG_F32_FALLBACK and len(e.data) == 16
     assert same_bits(out, [f32(0.1), big, INF, NAN])
     r = FrameReader(use_numpy=use_numpy)
-    (m,) = r.feed(w.write({"t": "grad", "step": 1, "loss": 0.0, "samples": 1, "g": xs})[0], now_ms=0)
+    (m,) = r.feed(w.write({"t": "grad", "term": 1, "step": 1, "loss": 0.0, "samples": 1, "g": xs})[0], now_ms=0)
     assert w.f16_fallbacks == 1 and same_bits(m["g"], out)
 
 
@@ -239,7 +239,7 @@ def test_inputs_of_every_kind_encode_alike(use_numpy, prec):
     if use_numpy:
         from tabcohort._compat import np
         kinds += [np.array(xs, dtype=np.float32), np.array(xs, dtype=np.float64)]
-    bodies = {w.encode_body({"t": "grad", "step": 0, "loss": 0.0, "samples": 1, "g": k}) for k in kinds}
+    bodies = {w.encode_body({"t": "grad", "term": 1, "step": 0, "loss": 0.0, "samples": 1, "g": k}) for k in kinds}
     assert len(bodies) == 1
 
 

@@ -25,18 +25,18 @@ from ._wire_util import PATHS, PRECISIONS, random_vector, same_bits
 
 HELLO = {"t": "hello", "version": 1, "job": "ab" * 32, "batch": 64, "ready": False, "running": True,
          "step": 2**63 + 5, "model": "mlp-784-128-10 ✓", "backend": "numpy"}
-BEAT = {"t": "beat", "batch": 7, "ready": True, "running": False, "step": 0, "backend": "py"}
+BEAT = {"t": "beat", "batch": 7, "ready": True, "running": False, "term": 1, "step": 0, "backend": "py"}
 
 
 def round_msg(params, **kw):
-    m = {"t": "round", "step": 12, "lr": 0.05, "loss": math.nan, "samples": 0, "cohort": 3,
+    m = {"t": "round", "term": 1, "step": 12, "lr": 0.05, "loss": math.nan, "samples": 0, "cohort": 3,
          "assign": {0xFFFFFFFF: 5, 2: 0, 7: 64}, "params": params}
     m.update(kw)
     return m
 
 
 def grad_msg(g, **kw):
-    m = {"t": "grad", "step": 12, "loss": 2.5, "samples": 32, "g": g}
+    m = {"t": "grad", "term": 1, "step": 12, "loss": 2.5, "samples": 32, "g": g}
     m.update(kw)
     return m
 
@@ -131,7 +131,7 @@ def _vec(code, flags, n, block, data=b""):
     return struct.pack("<BBII", code, flags, n, block) + data
 
 
-GRAD_HEAD = b"\x04" + struct.pack("<QdQ", 1, 0.5, 2)
+GRAD_HEAD = b"\x04" + struct.pack("<QQdQ", 1, 1, 0.5, 2)
 
 
 @pytest.mark.parametrize("body, reason", [
@@ -141,7 +141,8 @@ GRAD_HEAD = b"\x04" + struct.pack("<QdQ", 1, 0.5, 2)
     (b"\x02" + struct.pack("<IBBQ", 1, 2, 0, 0) + b"\x00\x00", "bad_value"),
     (b"\x02" + struct.pack("<IBBQ", 1, 1, 0, 0) + b"\x41\x00", "absurd_size"),
     (b"\x02" + struct.pack("<IBBQ", 1, 1, 0, 0) + b"\x02\x00\xc3\x28", "invalid_utf8"),
-    (b"\x02" + struct.pack("<IBBQ", 1, 1, 0, 0) + b"\x00\x00\x00", "length_mismatch"),
+    (b"\x02" + struct.pack("<IBBQ", 1, 1, 0, 0) + b"\x00\x00" + b"\x00" * 8 + b"\x00", "length_mismatch"),
+    (b"\x02" + struct.pack("<IBBQ", 1, 1, 0, 0) + b"\x00\x00" + b"\x00" * 7, "truncated"),
     (GRAD_HEAD + _vec(0, 0, 3, 0, b"\x00" * 11), "length_mismatch"),
     (GRAD_HEAD + _vec(0, 0, 2**31, 0), "absurd_size"),
     (GRAD_HEAD + _vec(7, 0, 0, 0), "bad_value"),
@@ -151,9 +152,9 @@ GRAD_HEAD = b"\x04" + struct.pack("<QdQ", 1, 0.5, 2)
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", -1.0) + b"\x01"), "bad_value"),
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", math.inf) + b"\x01"), "bad_value"),
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", 1.0) + b"\x80"), "bad_value"),
-    (b"\x03" + struct.pack("<QddQII", 1, 0.1, 0.0, 1, 1, 2**31), "absurd_size"),
-    (b"\x03" + struct.pack("<QddQII", 1, 0.1, 0.0, 1, 1, 5) + b"\x00" * 8, "length_mismatch"),
-    (b"\x03" + struct.pack("<QddQIIIIII", 1, 0.1, 0.0, 1, 1, 2, 5, 0, 5, 0), "bad_value"),
+    (b"\x03" + struct.pack("<QQddQII", 1, 1, 0.1, 0.0, 1, 1, 2**31), "absurd_size"),
+    (b"\x03" + struct.pack("<QQddQII", 1, 1, 0.1, 0.0, 1, 1, 5) + b"\x00" * 8, "length_mismatch"),
+    (b"\x03" + struct.pack("<QQddQIIIIII", 1, 1, 0.1, 0.0, 1, 1, 2, 5, 0, 5, 0), "bad_value"),
 ])
 @pytest.mark.parametrize("use_numpy", PATHS)
 def test_frame_body_drops(use_numpy, body, reason):

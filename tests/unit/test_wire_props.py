@@ -59,7 +59,7 @@ def test_numpy_and_stdlib_paths_give_identical_bytes(prec):
     @SETTINGS
     @given(xs=_vec_for(prec), block=st.sampled_from([1, 5, 256]), mmb=st.sampled_from([64, 200, 65536]))
     def check(xs, block, mmb):
-        msg = {"t": "grad", "step": 3, "loss": 0.25, "samples": 8, "g": xs, "to": 9}
+        msg = {"t": "grad", "term": 1, "step": 3, "loss": 0.25, "samples": 8, "g": xs, "to": 9}
         wp = FrameWriter(1, precision=prec, int8_block=block, max_message_bytes=mmb, use_numpy=False)
         wn = FrameWriter(1, precision=prec, int8_block=block, max_message_bytes=mmb, use_numpy=True)
         chunks = wp.write(msg)

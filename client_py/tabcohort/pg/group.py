@@ -238,7 +238,7 @@ class ProcessGroup:
             raise err
 
     def _send(self, sig: ops.Sig, phase: int, vec: Any, *, to: int | None, weight: float = 0.0) -> None:
-        msg = {"t": "grad", "step": self._seq, "loss": weight, "samples": sig.pack(phase), "g": vec}
+        msg = {"t": "grad", "term": 1, "step": self._seq, "loss": weight, "samples": sig.pack(phase), "g": vec}
         if to is not None:
             msg["to"] = to
         self.bus.post(msg, precision=ops.PREC_NAMES[sig.prec])

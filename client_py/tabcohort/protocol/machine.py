@@ -30,16 +30,19 @@ _MAX_PACE_TRIES = 20  # "The leader loop": wait one beat at most 20 times
 _RATE_WINDOW_MS = 2000.0
 _SPREAD_ALPHA = 0.25  # grace rule: weight of the newest round in the typical arrival spread
 _GRACE_SKIP_MISSES = 2  # grace rule: a rank that missed this many rounds in a row is not awaited
+_PROBATION_BUCKETS = 3  # "Flapping ranks": in-time buckets per eviction before a rank is awaited again
+_PROBATION_MAX = 24
 
 # Required keys and their types, per message type (see docs/INTERFACES.md).
 _INT = int
 _SCHEMA: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     "hello": (("version", _INT), ("job", str), ("batch", _INT), ("ready", bool),
               ("running", bool), ("step", _INT), ("model", str), ("backend", str)),
-    "beat": (("batch", _INT), ("ready", bool), ("running", bool), ("step", _INT), ("backend", str)),
-    "round": (("step", _INT), ("lr", (float, int)), ("assign", dict), ("params", object),
+    "beat": (("batch", _INT), ("ready", bool), ("running", bool), ("step", _INT), ("backend", str),
+             ("term", _INT)),
+    "round": (("step", _INT), ("term", _INT), ("lr", (float, int)), ("assign", dict), ("params", object),
               ("loss", (float, int)), ("samples", _INT), ("cohort", _INT)),
-    "grad": (("step", _INT), ("loss", (float, int)), ("samples", _INT), ("g", object)),
+    "grad": (("step", _INT), ("term", _INT), ("loss", (float, int)), ("samples", _INT), ("g", object)),
 }
 
 
@@ -69,12 +72,15 @@ class Link(Protocol):
 class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
-    __slots__ = ("step", "wanted", "quorum", "received", "opened_ms", "first_ms", "last_ms",
-                 "grace_until_ms")
+    __slots__ = ("step", "term", "wanted", "awaited", "quorum", "received", "opened_ms", "first_ms",
+                 "last_ms", "grace_until_ms")
 
-    def __init__(self, step: int, wanted: set[int], quorum: int, opened_ms: float) -> None:
+    def __init__(self, step: int, term: int, wanted: set[int], awaited: set[int], quorum: int,
+                 opened_ms: float) -> None:
         self.step = step
-        self.wanted = wanted
+        self.term = term
+        self.wanted = wanted                    # assigned ranks: their buckets are accepted
+        self.awaited = awaited                  # the ranks the quorum is taken of ("Flapping ranks")
         self.quorum = quorum
         self.received: dict[int, tuple[float, int, Any]] = {}  # id -> (loss, samples, g)
         self.opened_ms = opened_ms              # when the round was sent
@@ -128,6 +134,8 @@ class RankMachine:
             elapsed: time since the round was sent), never past the collect window.
         grace_fraction: bound of the grace window relative to the round's elapsed time.
         grace_margin: the grace window covers at least this many typical spreads.
+        term: the lineage term this rank's parameters come from (PROTOCOL.md, "Lineage and
+            terms"); 0 for a rank that has never adopted or driven a round.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -136,7 +144,7 @@ class RankMachine:
     def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
-                 grace_fraction: float = 0.1, grace_margin: float = 2.0) -> None:
+                 grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -176,7 +184,23 @@ class RankMachine:
 
         self.roster = Roster()
         self.policy: Policy = policy(1, timing)
-        self.following: int | None = None   # the leader whose rounds this rank follows
+        self.following: int | None = None   # the leader whose rounds this rank follows (self when leading)
+        # Lineage and terms: the term of the lineage this rank's parameters belong to, and
+        # whether this rank holds the lead of it (acquired by bootstrap or takeover only).
+        if isinstance(term, bool) or not isinstance(term, int) or term < 0:
+            raise LocalProtocolError(f"term must be a non-negative integer, got {term!r}")
+        self.term = term
+        self._leading = False
+        # Membership and majority: id -> last time seen ready and running; a member leaves it
+        # when it says it stopped, when the room's witness says its link closed, or after
+        # policy.forget without a word.
+        self.membership: dict[int, float] = {}
+        # Flapping ranks: evictions per rank, and the in-time buckets a returning rank owes
+        # before it is awaited again.
+        self.flaps: Counter[int] = Counter()
+        self._probation: dict[int, int] = {}
+        self.diverged = 0                   # rounds whose update made the parameters non-finite
+        self._round_params: Any = None      # the parameters of the round being driven
         self.last_open_ms = now_ms
         self.defer_until_ms = -math.inf
         self._last_input_ms = now_ms
@@ -243,14 +267,35 @@ class RankMachine:
         return sorted(ids)
 
     def leader_id(self, now_ms: float) -> int | None:
-        """The lowest id of :meth:`cohort_ids`, or None when it is empty."""
-        ids = self.cohort_ids(now_ms)
-        return ids[0] if ids else None
+        """The rank whose lead this rank is in: itself while it holds the lead, else the sender
+        of the rounds it follows (None before any) (PROTOCOL.md, "Lineage and terms")."""
+        if self._leading and self.running and self.ready:
+            return self.id
+        return self.following
 
     def is_leader(self, now_ms: float) -> bool:
-        """Running, ready, leader id is self, and ``now >= deferUntil`` ("Membership")."""
-        return (self.running and self.ready and not self.disposed
-                and self.leader_id(now_ms) == self.id and now_ms >= self.defer_until_ms)
+        """Running, ready and holding the lead (acquired by bootstrap or takeover, kept until
+        a round of a winning lineage arrives, PROTOCOL.md "Lineage and terms")."""
+        return self.running and self.ready and not self.disposed and self._leading
+
+    def members(self, now_ms: float) -> set[int]:
+        """The membership a majority is taken of: self (when ready and running) and every rank
+        seen ready and running within ``policy.forget`` that has not left
+        (PROTOCOL.md, "Membership and majority")."""
+        out = set(self.membership)
+        if self.ready and self.running:
+            out.add(self.id)
+        return out
+
+    def has_majority(self, now_ms: float) -> bool:
+        """True when this rank, with the live ready running members, makes more than half of
+        :meth:`members`, or exactly half including the lowest member id (the tie-break that
+        lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority")."""
+        members = self.members(now_ms) | {self.id}
+        live = {m.id for m in self.roster.live(now_ms, self.policy.drop_ms) if m.ready and m.running}
+        visible = (live & members) | {self.id}
+        return 2 * len(visible) > len(members) or (2 * len(visible) == len(members)
+                                                  and min(members) in visible)
 
     @property
     def looping(self) -> bool:
@@ -269,8 +314,11 @@ class RankMachine:
         self._announce()
         if not self.ready:
             self._begin_join(now_ms)
-        else:
+        elif self._leading:
             self._maybe_start_loop(now_ms)
+        elif self.following is None and self._may_take_lead(now_ms):
+            # ready from the start (a checkpoint) and no lead known: lead as a bootstrap would
+            self._take_lead(now_ms)
         self._report(now_ms)
 
     def stop(self, *, now_ms: float) -> None:
@@ -281,6 +329,7 @@ class RankMachine:
         was_leader = self.is_leader(now_ms) or self.looping
         self.running = False
         self.joining = False
+        self._leading = False
         if was_leader and self.ready:
             if self._phase in ("own", "collect"):
                 self._stopping_publish = True      # the loop publishes when it drains
@@ -308,6 +357,22 @@ class RankMachine:
         self.joining = False
         self._actions.clear()
 
+    def peer_left(self, rank_id: int, *, now_ms: float) -> None:
+        """The room's witness (the server, which sees every rank's link) says ``rank_id``'s link
+        closed: it has left, not become unreachable. It leaves the membership and the roster at
+        once; if it was the leader, the takeover need not wait out ``policy.takeover``
+        (PROTOCOL.md, "Membership and majority")."""
+        if self._input(now_ms):
+            return
+        if isinstance(rank_id, bool) or not isinstance(rank_id, int) or rank_id == self.id:
+            return
+        self.counters["peer_left"] += 1
+        self.membership.pop(rank_id, None)
+        self.roster.members.pop(rank_id, None)
+        self._probation.pop(rank_id, None)
+        if self.following == rank_id and not self._leading:
+            self.last_open_ms = min(self.last_open_ms, now_ms - self.policy.takeover_ms)
+
     def handle(self, msg: Any, *, now_ms: float) -> None:
         """Feed one decoded peer message. Never raises for bad peer input."""
         if self._input(now_ms):
@@ -333,7 +398,15 @@ class RankMachine:
         if t == "grad" and len(msg["g"]) != self.worker.bucket_len:
             self.drops["grad_bad_length"] += 1
             return
-        self.roster.refresh(msg, now_ms)
+        returning = sender not in self.roster.members and self.flaps.get(sender, 0) > 0
+        m = self.roster.refresh(msg, now_ms)
+        if returning:
+            # an evicted rank comes back: awaited again only once it keeps up ("Flapping ranks")
+            self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * self.flaps[sender])
+        if m.ready and m.running:
+            self.membership[sender] = now_ms
+        elif not m.running and t in ("hello", "beat"):
+            self.membership.pop(sender, None)          # it stopped: it left
         if t == "hello":
             self._beat(now_ms)       # so the newcomer learns the roster
         elif t == "round":
@@ -376,7 +449,7 @@ class RankMachine:
             self._own_token = None
             self._on_own_bucket(float(loss), samples, g, now_ms)
         elif self._inflight is not None and token == self._inflight[0]:
-            _, seq, step, to = self._inflight
+            _, seq, step, to, term = self._inflight
             self._inflight = None
             if seq != self._adopt_seq:
                 self.counters["stale_bucket"] += 1      # a newer round was adopted meanwhile
@@ -384,7 +457,8 @@ class RankMachine:
                 self.drops["own_bucket_invalid"] += 1  # never send what the leader must drop
             else:
                 self._actions.append(Post({"t": "grad", "from": self.id, "to": to, "step": step,
-                                           "loss": float(loss), "samples": samples, "g": g}))
+                                           "term": term, "loss": float(loss), "samples": samples,
+                                           "g": g}))
             self._start_pending_contribution()
         else:
             self.counters["unknown_token"] += 1
@@ -425,7 +499,10 @@ class RankMachine:
             "peers": [{"id": k, "backend": m.backend} for k, m in sorted(live.items())],
             "bucket_len": self.worker.bucket_len, "batch": self.worker.batch,
             "model": self.worker.model, "backend": self.worker.backend, "precision": self.precision,
-            "lr": self.lr, "fault": self.fault,
+            "lr": self.lr, "fault": self.fault, "term": self.term,
+            "members": len(self.members(now_ms)), "majority": self.has_majority(now_ms),
+            "flaps": {f"{k:08x}": v for k, v in sorted(self.flaps.items())},
+            "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms, "collect_rule": self.collect_rule},
             "drops": dict(self.drops), "counters": dict(self.counters),
         }
@@ -451,6 +528,7 @@ class RankMachine:
         self.counters["suspended"] += 1
         self.ready = False
         self._end_loop()
+        self._leading = False
         self.following = None
         self._pending = None
         self._adopt_seq += 1          # any bucket in flight is now stale
@@ -500,22 +578,53 @@ class RankMachine:
             # or followers would see it stop, count themselves leader and publish stale
             # parameters of their own (docs/PROTOCOL-NOTES.md, note 10)
             "running": self.running or self._stopping_publish, "step": self.step,
-            "backend": self.worker.backend}))
+            "backend": self.worker.backend, "term": self.term}))
 
     def _report(self, now_ms: float) -> None:
         self._actions.append(Report(self.state(now_ms)))
 
     # --- heartbeat and takeover
     def _heartbeat(self, now_ms: float) -> None:
-        self.roster.prune(now_ms, self.policy.drop_ms)
+        for k in self.roster.prune(now_ms, self.policy.drop_ms):
+            if k in self.membership:
+                self.flaps[k] += 1                   # evicted without leaving ("Flapping ranks")
+        for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
+            del self.membership[k]
+            self._probation.pop(k, None)
         self.policy = policy(len(self.roster.members) + 1, self.timing)
         self._next_beat_ms = now_ms + self.policy.beat_ms
         self._beat(now_ms)
-        if (self.running and self.ready and self._phase is None and self._collection is None
-                and now_ms - self.last_open_ms > self.policy.takeover_ms and self.is_leader(now_ms)):
-            self.counters["takeover"] += 1
-            self._maybe_start_loop(now_ms)
+        if self.running and self.ready and self._phase is None and self._collection is None:
+            if self._leading:
+                if self.has_majority(now_ms):         # a lead paused without a majority resumes
+                    self.counters["lead_resumed"] += 1
+                    self._maybe_start_loop(now_ms)
+            elif now_ms - self.last_open_ms > self.policy.takeover_ms and self._may_take_lead(now_ms):
+                self.counters["takeover"] += 1
+                self._take_lead(now_ms)
         self._report(now_ms)
+
+    def _may_take_lead(self, now_ms: float) -> bool:
+        """Takeover eligibility (PROTOCOL.md, "Heartbeat and takeover"): past ``deferUntil``,
+        a majority in view, and this rank is the lowest id among itself and the live ready
+        running members whose (term, step) is the most advanced: a rank whose lineage is
+        behind must adopt, not lead."""
+        if now_ms < self.defer_until_ms or not self.has_majority(now_ms):
+            return False
+        cands = [(m.term, m.step, m.id) for m in self.roster.live(now_ms, self.policy.drop_ms)
+                 if m.ready and m.running]
+        cands.append((self.term, self.step, self.id))
+        best = max((t, st) for t, st, _ in cands)
+        return min(k for t, st, k in cands if (t, st) == best) == self.id
+
+    def _take_lead(self, now_ms: float) -> None:
+        """Start a new term (one above every term this rank has seen) and lead it."""
+        seen = [m.term for m in self.roster.members.values()]
+        self.term = max([self.term] + seen) + 1
+        self._leading = True
+        self.following = self.id
+        self.last_open_ms = now_ms
+        self._maybe_start_loop(now_ms)
 
     # --- joining
     def _begin_join(self, now_ms: float) -> None:
@@ -541,28 +650,35 @@ class RankMachine:
             # Rounds carry no ready/running: beat now so peers learn at once that this rank is
             # ready, not a beat period later (until then a follower would count itself leader).
             self._beat(now_ms)
-            self._maybe_start_loop(now_ms)
+            self._take_lead(now_ms)
 
     # --- follower
     def _on_round(self, msg: dict, now_ms: float) -> None:
+        """PROTOCOL.md, "Follower: receiving messages", round; lineages are ordered by
+        (term, lower sender id) ("Lineage and terms")."""
         sender = msg["from"]
+        term = msg["term"]
+        if self._leading or self.looping or self._collection is not None:
+            # a rank holding the lead yields only to a winning lineage, and then adopts it
+            if (term, -sender) < (self.term, -self.id):
+                self.drops["round_while_leading"] += 1
+                return
+            self._stand_down(now_ms)
+        elif term < self.term:
+            self.drops["stale_term"] += 1             # a deposed lineage: never rewind to it
+            return
+        elif term == self.term and self.following is not None and sender != self.following:
+            if sender > self.following:
+                self.drops["pretender"] += 1
+                return
+            # the same term led by two ranks (a simultaneous takeover): the lower id wins
+        elif term == self.term and sender == self.following and msg["step"] < self.step:
+            self.drops["stale_round"] += 1            # an out-of-order duplicate of this lead
+            return
+        if not all_finite(msg["params"]):
+            self.drops["round_non_finite"] += 1       # never adopt non-finite parameters
+            return
         self.last_open_ms = now_ms
-        if self.looping or self._collection is not None:
-            if sender < self.id:
-                self._stand_down(now_ms)
-            self.drops["round_while_leading"] += 1
-            return
-        leader = self.leader_id(now_ms)
-        # Rule 3 (pretender), with one documented departure (docs/PROTOCOL-NOTES.md): a rank
-        # that is the leader id itself but not yet driving keeps following the rank whose
-        # rounds it already follows, so it takes over with the newest parameters instead of
-        # whichever round it happened to adopt first (a resumed tab replays a backlog).
-        if leader is not None and sender > leader and not (leader == self.id and sender == self.following):
-            self.drops["pretender"] += 1
-            return
-        if sender == self.following and msg["step"] < self.step:
-            self.drops["stale_round"] += 1
-            return
         # adopt: idempotent and order-independent
         try:
             self.worker.set_params(msg["params"])
@@ -571,6 +687,7 @@ class RankMachine:
             self.drops["round_rejected_by_worker"] += 1
             return
         self.following = sender
+        self.term = int(term)
         became_ready = not self.ready
         self.step = int(msg["step"])
         lr = msg["lr"]
@@ -588,25 +705,27 @@ class RankMachine:
             self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
         offset = msg["assign"].get(self.id)
         if self.running and offset is not None:
-            self._pending = (self._adopt_seq, self.step, int(offset), sender)
+            self._pending = (self._adopt_seq, self.step, int(offset), sender, self.term)
             self._start_pending_contribution()
 
     def _start_pending_contribution(self) -> None:
         if self._inflight is not None or self._pending is None:
             return
-        seq, step, offset, to = self._pending
+        seq, step, offset, to, term = self._pending
         self._pending = None
         if seq != self._adopt_seq:
             return
         self._tokens += 1
-        self._inflight = (self._tokens, seq, step, to)
+        self._inflight = (self._tokens, seq, step, to, term)
         self._actions.append(Compute(token=self._tokens, step=step, offset=offset, own=False))
 
     def _stand_down(self, now_ms: float) -> None:
+        """Give up the lead to a winning lineage; the caller adopts its round."""
         self.counters["stand_down"] += 1
         self._end_loop()
+        self._leading = False
+        self._stopping_publish = False
         self.defer_until_ms = now_ms + self.timing.takeover_ms
-        self._announce()
         self._report(now_ms)
 
     # --- leader loop
@@ -635,6 +754,12 @@ class RankMachine:
                 self._publish()
                 self._beat(now_ms)                 # and now it has stopped (note 10)
             return
+        if not self.has_majority(now_ms):
+            # "Membership and majority": a leader that cannot see a majority of its members
+            # commits nothing; it keeps the lead and resumes at a heartbeat once it sees one
+            self.counters["paused_no_majority"] += 1
+            self._end_loop()
+            return
         if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:
             self._pace_tries += 1
             self.counters["paced"] += 1
@@ -652,13 +777,17 @@ class RankMachine:
         assign = assignment(ids, batches, self.step)
         self._round_step = self.step
         if len(ids) > 1:
-            # install the collection state BEFORE sending the round (step 3)
-            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum), now_ms)
+            # install the collection state BEFORE sending the round (step 3); ranks on
+            # probation are assigned and accepted but not awaited ("Flapping ranks")
+            awaited = {k for k in ids if k not in self._probation}
+            self._collection = _Collection(self.step, self.term, set(ids), awaited,
+                                           min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
+        self._round_params = self.worker.params()
         self._actions.append(Post({
-            "t": "round", "from": self.id, "step": self.step, "lr": self.lr, "assign": assign,
-            "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
+            "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr,
+            "assign": assign, "params": self._round_params, "loss": self.loss, "samples": self.samples,
             "cohort": len(ids)}))
         self.last_open_ms = now_ms
         self._phase = "own"
@@ -695,6 +824,9 @@ class RankMachine:
             self._late_bucket(msg, now_ms)
             self.drops["grad_no_collection"] += 1
             return
+        if msg["term"] != col.term:
+            self.drops["grad_wrong_term"] += 1
+            return
         if msg["step"] != col.step:
             self._late_bucket(msg, now_ms)
             self.drops["grad_wrong_step"] += 1
@@ -715,6 +847,13 @@ class RankMachine:
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
         _arrived(col, now_ms)
+        owed = self._probation.get(sender)
+        if owed is not None:                           # one more bucket in time
+            if owed <= 1:
+                del self._probation[sender]
+                self.counters["readmitted"] += 1
+            else:
+                self._probation[sender] = owed - 1
         if self._phase == "collect" and len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
 
@@ -729,7 +868,7 @@ class RankMachine:
         # whose buckets missed the last rounds entirely (not even late) is a straggler: waiting
         # for it buys nothing.
         missed = self.missed_rounds
-        if all(k in col.received or missed.get(k, 0) >= _GRACE_SKIP_MISSES for k in col.wanted):
+        if all(k in col.received or missed.get(k, 0) >= _GRACE_SKIP_MISSES for k in col.awaited):
             self._finish_round(now_ms)
             return
         if col.grace_until_ms is None:
@@ -770,6 +909,9 @@ class RankMachine:
         col = self._collection
         if col is not None:
             buckets = list(col.received.values())
+            for k in col.wanted & self._probation.keys():
+                if k not in col.received:              # missed again: owes the full run anew
+                    self._probation[k] = min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k]))
             if self.collect_rule == "grace":
                 self._take_spread_sample()          # a round with no quorum wait has none yet
                 self._spread_pending = _Spread(col)
@@ -779,7 +921,10 @@ class RankMachine:
         self._own_bucket = None
         self._phase_deadline_ms = None
         try:
-            if buckets:
+            if buckets and not self.has_majority(now_ms):
+                # a majority went out of view while the round was open: commit nothing
+                self.counters["round_no_majority"] += 1
+            elif buckets:
                 self._reduce_and_apply(buckets, now_ms)
             else:
                 self.counters["empty_round"] += 1
@@ -800,7 +945,19 @@ class RankMachine:
             self.counters["empty_round"] += 1
             return
         self.worker.apply(avg, self.lr)
-        q = self.link.quantize(self.worker.params())
+        after = self.worker.params()
+        if not all_finite(after):
+            # the update overflowed float32: keep the round's (finite) parameters, publish
+            # nothing new and say so ("Leader: driving one round", step 8)
+            self.diverged += 1
+            self.fault = (f"diverged: the update of step {self.step} made parameters non-finite "
+                          f"(lr {self.lr:g}); kept the last finite parameters")
+            if self._round_params is not None:
+                self.worker.set_params(self._round_params)
+            self.counters["apply_non_finite"] += 1
+            self.counters["empty_round"] += 1
+            return
+        q = self.link.quantize(after)
         if q is not None:
             self.worker.set_params(q)
         self.step += 1
@@ -825,6 +982,6 @@ class RankMachine:
         """Send the final parameters with an empty assignment ("Publish")."""
         self.counters["published"] += 1
         self._actions.append(Post({
-            "t": "round", "from": self.id, "step": self.step, "lr": self.lr, "assign": {},
+            "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
             "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
             "cohort": len(self.cohort_ids(self._last_input_ms))}))

@@ -20,9 +20,12 @@ class Timing:
     drop_ms: float = 1600.0
     collect_ms: float = 2000.0
     takeover_ms: float = 3200.0
+    #: how long a member that is neither seen nor known to have left still counts in the
+    #: membership that a majority is taken of (PROTOCOL.md, "Membership and majority")
+    forget_ms: float = 60000.0
 
     def __post_init__(self) -> None:
-        for name in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms"):
+        for name in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(name, v, "must be a positive number of milliseconds")
@@ -38,6 +41,7 @@ class Policy:
     drop_ms: float
     takeover_ms: float
     collect_ms: float
+    forget_ms: float = 60000.0
 
 
 def _round_half_even(x: float) -> int:
@@ -60,4 +64,6 @@ def policy(n: int, timing: Timing = Timing()) -> Policy:
     drop = max(timing.drop_ms, 4 * beat)
     takeover = max(timing.takeover_ms, 8 * beat)
     collect = min(3 * timing.collect_ms, float(_round_half_even(timing.collect_ms * (1 + n / 16))))
-    return Policy(n=n, beat_ms=beat, quorum=quorum, drop_ms=drop, takeover_ms=takeover, collect_ms=collect)
+    forget = max(timing.forget_ms, 4 * takeover)
+    return Policy(n=n, beat_ms=beat, quorum=quorum, drop_ms=drop, takeover_ms=takeover, collect_ms=collect,
+                  forget_ms=forget)

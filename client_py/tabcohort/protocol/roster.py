@@ -18,10 +18,11 @@ class Member:
     running: bool = False
     step: int = 0
     backend: str = ""
+    term: int = 0
 
 
 #: Fields a message may carry that refresh the member record.
-_RECORD_FIELDS = ("batch", "ready", "running", "step", "backend")
+_RECORD_FIELDS = ("batch", "ready", "running", "step", "backend", "term")
 
 
 @dataclass

@@ -74,6 +74,10 @@ class SimRank:
         self.bus.close()
         if self._timer is not None:
             self._timer.cancel()
+        if self.sim.witness:
+            # the room's server sees the link close and tells every other rank
+            for r in self.sim.alive():
+                r._input(lambda r=r: r.machine.peer_left(self.id, now_ms=self.sim.now_ms()))
 
     def freeze(self, duration_ms: float) -> None:
         """Stop processing for ``duration_ms``; inputs queue and are delivered on resume."""
@@ -128,10 +132,13 @@ class SimCohort:
         timing: protocol base periods.
         seed: seeds the network's fault knobs.
         precision: wire precision of the network.
+        witness: model the room's server as the witness of links: a killed rank's peers are
+            told it left (``RankMachine.peer_left``); a partition is never witnessed.
     """
 
     def __init__(self, *, job: str = "sim", timing: Timing = Timing(), seed: int = 0,
-                 precision: str = "f32", **network_kw: Any) -> None:
+                 precision: str = "f32", witness: bool = True, **network_kw: Any) -> None:
+        self.witness = witness
         self.scheduler = SimScheduler()
         self.network = MemoryNetwork(self.scheduler, seed=seed, precision=precision, **network_kw)
         self.network_precision = precision

@@ -33,10 +33,10 @@ SCHEMAS: dict[str, tuple[tuple[str, Any], ...]] = {
     "hello": (("version", "u16"), ("job", ("str", 128)), ("batch", "u32"), ("ready", "bool"),
               ("running", "bool"), ("step", "u64"), ("model", ("str", 256)), ("backend", ("str", 64))),
     "beat": (("batch", "u32"), ("ready", "bool"), ("running", "bool"), ("step", "u64"),
-             ("backend", ("str", 64))),
-    "round": (("step", "u64"), ("lr", "f64"), ("loss", "f64"), ("samples", "u64"), ("cohort", "u32"),
+             ("backend", ("str", 64)), ("term", "u64")),
+    "round": (("step", "u64"), ("term", "u64"), ("lr", "f64"), ("loss", "f64"), ("samples", "u64"), ("cohort", "u32"),
               ("assign", "assign"), ("params", "vec")),
-    "grad": (("step", "u64"), ("loss", "f64"), ("samples", "u64"), ("g", "vec")),
+    "grad": (("step", "u64"), ("term", "u64"), ("loss", "f64"), ("samples", "u64"), ("g", "vec")),
 }
 
 _INT = {"u16": (struct.Struct("<H"), 0xFFFF), "u32": (struct.Struct("<I"), 0xFFFFFFFF),
