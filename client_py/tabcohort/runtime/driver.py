@@ -77,6 +77,13 @@ class RankDriver:
     def set_lr(self, lr: float) -> None:
         self.machine.set_lr(lr, now_ms=self.now_ms())
 
+    def peer_left(self, rank_id: int) -> None:
+        """The room's server (the witness of links) says ``rank_id``'s link closed."""
+        if self._closed:
+            return
+        self.machine.peer_left(rank_id, now_ms=self.now_ms())
+        self._flush()
+
     def state(self) -> dict:
         """A fresh state report, with the bus's wire-level drops merged in."""
         st = self.machine.state(self.now_ms())

@@ -161,6 +161,8 @@ class InprocCohort:
         del self.drivers[d.machine.id]
         d.bus.close()
         await d.close()
+        for other in self.drivers.values():   # the witness a server room has: its link closed
+            other.peer_left(d.machine.id)
 
     async def run(self) -> InprocResult:
         cfg = self.cfg
@@ -205,9 +207,9 @@ class InprocCohort:
                 for d in list(self.drivers.values()):
                     await d.close()
                 raise TabcohortError(
-                    f"training diverged at step {step}: gradients are no longer finite and no round has "
-                    f"applied for {DIVERGED_AFTER_S:g} s (a NaN never reaches the parameters); "
-                    f"try a smaller --lr (now {cfg.lr})")
+                    f"training diverged at step {step}: gradients or updates are no longer finite and "
+                    f"no round has applied for {DIVERGED_AFTER_S:g} s (the parameters stay the last finite "
+                    f"ones: a NaN or infinity never reaches them); try a smaller --lr (now {cfg.lr})")
             acc = self._accuracy()
             if now - last_print >= 1.0:
                 last_print = now
@@ -234,7 +236,8 @@ class InprocCohort:
 
     def _non_finite(self) -> int:
         keys = ("reduce_non_finite", "own_bucket_invalid", "grad_non_finite")
-        return sum(d.machine.drops.get(k, 0) for d in self.drivers.values() for k in keys)
+        return sum(d.machine.drops.get(k, 0) for d in self.drivers.values() for k in keys) + sum(
+            d.machine.diverged for d in self.drivers.values())
 
     def _accuracy(self) -> float | None:
         ld = self.leader()

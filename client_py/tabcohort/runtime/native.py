@@ -249,6 +249,7 @@ class RankRun:
         self.first_loss: float | None = None
         self.publish_seen = False
         self.start_step = 0
+        self.driver: Any = None
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
@@ -341,7 +342,7 @@ class RankRun:
                                   collect_rule=job.get("collect_rule", "quorum"))
             if self.start_step:
                 machine.step = self.start_step
-            driver = RankDriver(machine, worker, bus)
+            driver = self.driver = RankDriver(machine, worker, bus)
             inner = bus.on_message
 
             def tap(msg: dict) -> None:
@@ -421,7 +422,12 @@ class RankRun:
 
     def _on_control(self, obj: dict) -> None:
         t = obj.get("type")
-        if t == "stop":
+        if t == "peer" and obj.get("up") is False:
+            # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
+            k = obj.get("id")
+            if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
+                self.driver.peer_left(k)
+        elif t == "stop":
             self._request_stop(f"server: {obj.get('reason')}")
         elif t == "failed":
             self.failed = str(obj.get("reason"))

@@ -263,7 +263,12 @@ class TabRun:
 
     def _on_control(self, obj: dict) -> None:
         t = obj.get("type")
-        if t == "stop":
+        if t == "peer" and obj.get("up") is False:
+            # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
+            k = obj.get("id")
+            if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
+                self.driver.peer_left(k)
+        elif t == "stop":
             self._request_stop(f"server: {obj.get('reason')}")
         elif t == "failed":
             self.failed = str(obj.get("reason"))
