@@ -250,3 +250,112 @@ def test_grace_rule_keeps_late_buckets_of_equally_fast_ranks_and_ignores_a_10x_s
     assert g_rate > 0.97 * q_rate                     # ... for a round rate within 3 %
     g_slow, _ = collect_run("grace", slow=True)
     assert g_slow > 0.995 * g_rate                    # the straggler is not waited for
+
+
+# ---------------------------------------------------------------- partitions (PROTOCOL.md, "Lineage and terms")
+def leaders_since(sim, since):
+    return {s for s, seq in rounds_by_sender(sim, since=since).items() if any(m["assign"] for _, m in seq)}
+
+
+def settle_after_heal(sim, n):
+    p = policy(n, T)
+    quiet = sim.now_ms() + p.drop_ms + p.takeover_ms + p.collect_ms + 4 * p.beat_ms
+    sim.run_until(quiet)
+    return quiet
+
+
+def test_a_healed_partition_keeps_the_majority_lineage_and_one_model():
+    # 4 ranks, leader 1; {1} | {2, 3, 4} for 8 s, then heal
+    sim = make(4)
+    sim.run_until(3000)
+    split = sim.now_ms()
+    sim.network.partition([{1}, {2, 3, 4}])
+    sim.run_until(split + 8000)
+    minority = rounds_by_sender(sim, since=split + 2500, until=split + 8000).get(1, [])
+    assert all(not m["assign"] for _, m in minority) or sim.ranks[1].machine.counters["round_no_majority"] > 0
+    assert sim.ranks[1].machine.step <= max(m["step"] for _, s, _, m in entries(sim, "round", until=split) if s == 1) + 1
+    majority_step = max(r.machine.step for k, r in sim.ranks.items() if k != 1)
+    majority_term = max(r.machine.term for k, r in sim.ranks.items() if k != 1)
+    assert majority_term == 2 and majority_step > sim.ranks[1].machine.step + 20
+    heal = sim.now_ms()
+    sim.network.heal()
+    quiet = settle_after_heal(sim, 4)
+    sim.run_until(quiet + 3000)
+    assert len(leaders_since(sim, quiet)) == 1
+    after = [m["step"] for _, s, _, m in entries(sim, "round", since=heal) if m["assign"]]
+    assert min(after) >= majority_step - 1              # the majority is never rewound
+    assert {r.machine.term for r in sim.alive()} == {majority_term}
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_one_against_one_picks_the_lowest_members_side_and_both_end_on_it():
+    sim = make(2)
+    sim.run_until(3000)
+    sim.network.partition([{1}, {2}])
+    sim.run_until(12_000)
+    assert sim.ranks[2].machine.counters["takeover"] == 0 and sim.ranks[1].machine.step > 100
+    sim.network.heal()
+    quiet = settle_after_heal(sim, 2)
+    assert leaders_since(sim, quiet) == {1} or not leaders_since(sim, quiet + 1)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_partitions_end_with_one_leader_one_model_and_no_majority_rewind(seed):
+    """For random partition patterns and heal times: after the heal settles exactly one leader
+    drives, the lineage of any strict majority is never rewound, and all ranks end bit-identical."""
+    rng = random.Random(1000 + seed)
+    n = rng.choice([3, 4, 5, 6])
+    ids = list(range(1, n + 1))
+    sim = make(n, seed=seed, compute_ms=15.0)
+    for a, b in itertools.combinations(ids, 2):
+        sim.network.set_link(a, b, delay_ms=rng.uniform(0, 5), jitter_ms=1)
+    sim.run_until(2500)
+    floors = []                      # (heal time, step the strict majority had reached)
+    for _ in range(rng.choice([1, 2, 3])):
+        sim.run_until(sim.now_ms() + rng.uniform(500, 3000))
+        shuffled = ids[:]
+        rng.shuffle(shuffled)
+        cuts = sorted(rng.sample(range(1, n), rng.choice([1, 2]) if n > 2 else 1))
+        groups = [set(shuffled[i:j]) for i, j in zip([0] + cuts, cuts + [n])]
+        sim.network.partition(groups)
+        sim.run_until(sim.now_ms() + rng.uniform(1000, 15_000))
+        big = max(groups, key=len)
+        if 2 * len(big) > n:
+            floors.append((sim.now_ms(), max(sim.ranks[k].machine.step for k in big),
+                           max(sim.ranks[k].machine.term for k in big)))
+        sim.network.heal()
+        sim.run_until(sim.now_ms() + rng.uniform(0, 4000))
+    quiet = settle_after_heal(sim, n)
+    sim.run_until(quiet + 3000)
+    assert len(leaders_since(sim, quiet)) == 1
+    for heal, floor, term in floors:
+        later = [m for _, s, _, m in entries(sim, "round", since=heal + 1) if m["assign"] and m["term"] >= term]
+        assert later and min(m["step"] for m in later if m["term"] == max(x["term"] for x in later)) >= floor - 1
+    terms = {r.machine.term for r in sim.alive()}
+    assert len(terms) == 1
+    check_updates_use_only_buckets_of_their_step(sim)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_a_rank_awake_one_second_a_minute_does_not_stall_the_cohort():
+    """A throttled rank (a background tab): evicted while asleep, and on return assigned but
+    not awaited until it keeps up, so each wake-up costs the cohort no collect window."""
+    sim = make(3, compute_ms=10.0)
+    sim.run_until(3000)
+    base0 = sim.ranks[1].machine.step
+    sim.run_until(8000)
+    base_rate = (sim.ranks[1].machine.step - base0) / 5.0
+    t = sim.now_ms()
+    s0 = sim.ranks[1].machine.step
+    for k in range(4):
+        sim.ranks[3].freeze(14_000)                   # asleep 14 s, awake 1 s
+        sim.run_until(t + 15_000 * (k + 1))
+    rate = (sim.ranks[1].machine.step - s0) / 60.0
+    assert sim.ranks[1].machine.flaps[3] >= 3
+    assert rate > 0.8 * base_rate, (rate, base_rate)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
