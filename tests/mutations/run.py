@@ -71,12 +71,14 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'batches[k] = self.worker.batch',
      [f"{U}::test_uses_members_reported_batch_for_assignment"]),
     ("collection installed before the round is sent", M,
-     '''            self._collection = _Collection(self.step, set(ids), min(len(ids), self.policy.quorum), now_ms)
+     '''                                           min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
+        self._round_params = self.worker.params()
         self._actions.append(Post({''',
-     '''            pass
+     '''                                           min(len(awaited), self.policy.quorum), now_ms)
         self._collection = None
+        self._round_params = self.worker.params()
         self._actions.append(Post({''',
      [f"{U}::test_collection_installed_before_round_so_fast_bucket_is_kept"]),
     ("own bucket always part of the reduce", M,
@@ -226,7 +228,8 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if gap > self.policy.drop_ms and (self.ready or self.looping):', 'if False:',
      [f"{U}::test_suspended_rank_clears_ready_and_rejoins", f"{U}::test_resumed_leader_does_not_rewind_cohort"]),
     ("a stopped rank leaves the cohort (stop clears running)", M,
-     '        self.running = False\n        self.joining = False\n        if was_leader', '        self.joining = False\n        if was_leader',
+     '        self.running = False\n        self.joining = False\n        self._leading = False\n        if was_leader',
+     '        self.joining = False\n        self._leading = False\n        if was_leader',
      [f"{U}::test_stop_beats_and_reports"]),
     ("becoming ready is announced with a beat at once (PROTOCOL-NOTES 2)", M,
      "            self._beat(now_ms)\n            self._take_lead(now_ms)",
