@@ -269,7 +269,7 @@ def profile(world: int, reps: int = 5) -> dict:
     params = np.random.default_rng(0).standard_normal(N_PARAMS).astype(np.float32)
     w, r = FrameWriter(1), FrameReader(None)
     round_msg = {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": world,
-                 "assign": {2: 0}, "params": params}
+                 "assign": {2: 0}, "shares": {2: 8}, "cursor": 0, "params": params}
     grad_msg = {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": params, "to": 2}
 
     def t(f) -> float:

@@ -125,6 +125,7 @@ async def client(a: argparse.Namespace) -> None:
             n_total = room_n(b)
             assign = {str(j): i * 8 for i, j in enumerate(sorted(b.peers))}
             b.send_raw(w.write({"t": "round", "term": 1, "step": k, "lr": 0.01, "assign": assign,
+                                "shares": {k: 8 for k in assign}, "cursor": 0,
                                 "params": [0.0] * BUCKET_LEN, "loss": 0.5, "samples": 8 * n_total,
                                 "cohort": n_total}))
             await asyncio.sleep(1.0 / a.round_hz)

@@ -101,7 +101,7 @@ async def bus_goodput(total_bytes: int) -> tuple[float, float, float]:
     import numpy as np
     n = 1 << 20  # 4 MiB of float32 parameters per message
     params = np.arange(n, dtype=np.float32)
-    msg = {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2, "assign": {}, "params": params}
+    msg = {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2, "assign": {}, "shares": {}, "cursor": 0, "params": params}
     n_msgs = max(1, total_bytes // (4 * n))
     got = {"n": 0}
     done = asyncio.Event()

@@ -29,7 +29,8 @@ PRECISIONS = ["f32", "f16", "bf16", "int8"]
 
 def round_msg(params) -> dict:
     return {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 64, "cohort": 4,
-            "assign": {1: 0, 2: 64, 3: 128, 4: 192}, "params": params}
+            "assign": {1: 0, 2: 64, 3: 128, 4: 192}, "shares": {1: 64, 2: 64, 3: 64, 4: 64},
+            "cursor": 0, "params": params}
 
 
 def time_path(prec: str, params, use_numpy: bool, reps: int, block: int) -> tuple[float, int]:

@@ -19,7 +19,7 @@ def grad(g, to: int, step: int = 1) -> dict:
 
 def round_msg(params, step: int = 1) -> dict:
     return {"t": "round", "term": 1, "step": step, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
-            "assign": {1: 0}, "params": params}
+            "assign": {1: 0}, "shares": {1: 8}, "cursor": 0, "params": params}
 
 
 def inboxes(buses) -> dict[int, list[dict]]:

@@ -70,12 +70,13 @@ def check_updates_use_only_buckets_of_their_step(sim, lr=0.05):
             valid = [m for s, m in grads if m["step"] == r0["step"]]
             scratch = ToyWorker(bucket_len=N_PARAMS, batch=3)
             scratch.set_params(r0["params"])
-            own_loss, own_g = scratch.grads_sync(r0["assign"][leader])
+            own_share = r0["shares"][leader]
+            own_loss, own_g = scratch.grads_sync(r0["assign"][leader], own_share)
             target = [float(x) for x in r1["params"]]
             found = False
             for k in range(len(valid) + 1):
                 for subset in itertools.combinations(valid, k):
-                    buckets = [(3, own_g)] + [(m["samples"], m["g"]) for m in subset]
+                    buckets = [(own_share, own_g)] + [(m["samples"], m["g"]) for m in subset]
                     tot = sum(s for s, _ in buckets)
                     avg = weighted_mean([g for _, g in buckets], [s / tot for s, _ in buckets])
                     w = ToyWorker(bucket_len=N_PARAMS, batch=3)

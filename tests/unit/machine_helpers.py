@@ -77,8 +77,11 @@ def beat(sender, *, ready=True, running=True, step=0, batch=2, to=None, term=0):
 
 
 def round_msg(sender, step, *, params=None, assign=None, lr=0.1, n=4, loss=math.nan, samples=0, cohort=1,
-              term=1):
-    return {"t": "round", "from": sender, "step": step, "term": term, "lr": lr, "assign": assign or {},
+              term=1, shares=None, share=2, cursor=0):
+    assign = assign or {}
+    shares = shares if shares is not None else {k: share for k in assign}
+    return {"t": "round", "from": sender, "step": step, "term": term, "lr": lr, "assign": assign,
+            "shares": shares, "cursor": cursor,
             "params": to_vector(params if params is not None else [0.25] * n),
             "loss": loss, "samples": samples, "cohort": cohort}
 

@@ -42,7 +42,8 @@ def corpus(rng: random.Random) -> list[list[bytes]]:
             g = [rng.uniform(-3, 3) for _ in range(n)]
             frames.append(w.write({"t": "grad", "term": 1, "step": 4, "loss": 0.5, "samples": 3, "g": g, "to": 1}))
             frames.append(w.write({"t": "round", "term": 1, "step": 9, "lr": 0.1, "loss": 1.0, "samples": 8,
-                                   "cohort": 2, "assign": {1: 0, 2: 8}, "params": g}))
+                                   "cohort": 2, "assign": {1: 0, 2: 8}, "shares": {1: 8, 2: 8}, "cursor": 0,
+                                   "params": g}))
             frames.append(w.write({"t": "hello", "version": 1, "job": "jøb", "batch": 8, "ready": True,
                                    "running": True, "step": 0, "model": "mlp", "backend": "py"}))
             frames.append(w.write({"t": "beat", "batch": 8, "ready": False, "running": True, "term": 1, "step": 3,

@@ -227,6 +227,7 @@ def test_reduce_is_sample_weighted():
     r = leader_rig([2])
     r.w.set_params([0.0] * 4)
     r.m.set_lr(1.0)
+    r.m.handle(beat(2, batch=6), now_ms=0)          # 2's share is its declared batch
     r.m.start(now_ms=0)
     own = r.computes(r.drain())[0]
     r.m.handle(grad(2, 1, 0, g=[10.0] * 4, samples=6, loss=3.0), now_ms=1)

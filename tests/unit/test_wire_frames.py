@@ -30,7 +30,8 @@ BEAT = {"t": "beat", "batch": 7, "ready": True, "running": False, "term": 1, "st
 
 def round_msg(params, **kw):
     m = {"t": "round", "term": 1, "step": 12, "lr": 0.05, "loss": math.nan, "samples": 0, "cohort": 3,
-         "assign": {0xFFFFFFFF: 5, 2: 0, 7: 64}, "params": params}
+         "assign": {0xFFFFFFFF: 5, 2: 0, 7: 64}, "shares": {0xFFFFFFFF: 3, 2: 64, 7: 1},
+         "cursor": 2**40, "params": params}
     m.update(kw)
     return m
 
@@ -152,9 +153,9 @@ GRAD_HEAD = b"\x04" + struct.pack("<QQdQ", 1, 1, 0.5, 2)
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", -1.0) + b"\x01"), "bad_value"),
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", math.inf) + b"\x01"), "bad_value"),
     (GRAD_HEAD + _vec(3, 0, 1, 4, struct.pack("<f", 1.0) + b"\x80"), "bad_value"),
-    (b"\x03" + struct.pack("<QQddQII", 1, 1, 0.1, 0.0, 1, 1, 2**31), "absurd_size"),
-    (b"\x03" + struct.pack("<QQddQII", 1, 1, 0.1, 0.0, 1, 1, 5) + b"\x00" * 8, "length_mismatch"),
-    (b"\x03" + struct.pack("<QQddQIIIIII", 1, 1, 0.1, 0.0, 1, 1, 2, 5, 0, 5, 0), "bad_value"),
+    (b"\x03" + struct.pack("<QQddQIQI", 1, 1, 0.1, 0.0, 1, 1, 0, 2**31), "absurd_size"),
+    (b"\x03" + struct.pack("<QQddQIQI", 1, 1, 0.1, 0.0, 1, 1, 0, 5) + b"\x00" * 12, "length_mismatch"),
+    (b"\x03" + struct.pack("<QQddQIQIIIIIII", 1, 1, 0.1, 0.0, 1, 1, 0, 2, 5, 0, 1, 5, 0, 1), "bad_value"),
 ])
 @pytest.mark.parametrize("use_numpy", PATHS)
 def test_frame_body_drops(use_numpy, body, reason):

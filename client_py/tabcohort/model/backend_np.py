@@ -131,21 +131,21 @@ class NumpyMLPWorker(MLPWorker):
         g = np.asarray(avg, dtype=np.float64).reshape(-1)
         self._set(self._p64 - float(lr) * g)
 
-    def _grad_slices(self, offset: int) -> Generator[None, None, tuple[float, Any]]:
+    def _grad_slices(self, offset: int, n: int) -> Generator[None, None, tuple[float, Any]]:
         n_train = self.dataset.train_len
         start = offset % n_train
         layers = self._layers  # captured: an apply() between slices must not mix versions
         total, g = 0.0, None
-        for lo in range(0, self.batch, self.chunk):
+        for lo in range(0, n, self.chunk):
             if lo:
                 yield
-            hi = min(self.batch, lo + self.chunk)
+            hi = min(n, lo + self.chunk)
             idx = (start + np.arange(lo, hi)) % n_train
             s, gs = _loss_grad_sums(self.mlp, layers,
                                     self._X[idx].astype(np.float64), self._y[idx])
             total += s
             g = gs if g is None else g + gs
-        return total / self.batch, (g / self.batch).astype(np.float32)
+        return total / n, (g / n).astype(np.float32)
 
     def _test_logits(self) -> Any:
         relu = self.mlp.activation == "relu"

@@ -202,7 +202,7 @@ class PythonMLPWorker(MLPWorker):
         self._p = array("f", p)
         self._layers = unpack(self.mlp, self._p.tolist())
 
-    def _grad_slices(self, offset: int) -> Generator[None, None, tuple[float, array]]:
+    def _grad_slices(self, offset: int, n: int) -> Generator[None, None, tuple[float, array]]:
         ds = self.dataset
         f, n_train = ds.n_features, ds.train_len
         x_all, y_all = ds.x_train, ds.y_train
@@ -211,12 +211,12 @@ class PythonMLPWorker(MLPWorker):
         total = 0.0
         start = offset % n_train
         every = self.yield_every
-        for k in range(self.batch):
+        for k in range(n):
             if k and k % every == 0:
                 yield
             i = (start + k) % n_train
             total += _accumulate(layers, relu, x_all[i * f:(i + 1) * f].tolist(), y_all[i], g)
-        return total / self.batch, _flatten(g, float(self.batch))
+        return total / n, _flatten(g, float(n))
 
     def _test_logits(self):
         ds = self.dataset

@@ -187,8 +187,9 @@ class MLPWorker:
                 "activation": self.mlp.activation, "loss": "softmax_xent",
                 "dtype": "float32", "bucket_len": self.bucket_len, "init_seed": self.seed}
 
-    async def grads(self, offset: int) -> tuple[float, Any]:
-        """Mean loss and mean gradient over ``batch`` training samples, yielding between slices.
+    async def grads(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
+        """Mean loss and mean gradient over ``samples`` training samples (default ``batch``: the
+        rank's share, PROTOCOL.md "Shares"), yielding between slices.
 
         Sample ``k`` is training row ``(offset + k) % train_len``. Between slices of work the
         coroutine awaits ``asyncio.sleep(0)`` so the event loop (heartbeats) keeps running.
@@ -197,15 +198,16 @@ class MLPWorker:
 
         Args:
             offset: the assignment offset (an int, normally a uint32).
+            samples: the share: how many consecutive samples, >= 1.
 
         Returns:
             ``(loss, g)``: the mean softmax cross-entropy (float, nats) and the mean gradient,
             float32, shape ``(bucket_len,)`` in this backend's vector type.
 
         Raises:
-            LocalProtocolError: ``offset`` is not an integer.
+            LocalProtocolError: ``offset`` is not an integer, or ``samples`` is not >= 1.
         """
-        slices = self._grad_slices(check_offset(offset))
+        slices = self._grad_slices(check_offset(offset), _check_samples(samples, self.batch))
         while True:
             try:
                 next(slices)
@@ -213,9 +215,9 @@ class MLPWorker:
                 return done.value
             await asyncio.sleep(0)
 
-    def grads_sync(self, offset: int) -> tuple[float, Any]:
+    def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         """:meth:`grads` without yielding to the event loop (same result)."""
-        return run_slices(self._grad_slices(check_offset(offset)))
+        return run_slices(self._grad_slices(check_offset(offset), _check_samples(samples, self.batch)))
 
     def set_params(self, vec: Any) -> None:
         """Replace the parameters (a copy is stored, rounded to float32).
@@ -236,12 +238,21 @@ class MLPWorker:
     def _set(self, vec: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _grad_slices(self, offset: int) -> Generator[None, None, tuple[float, Any]]:
+    def _grad_slices(self, offset: int, n: int) -> Generator[None, None, tuple[float, Any]]:
         raise NotImplementedError  # pragma: no cover - abstract
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(model={self.model!r}, batch={self.batch}, "
                 f"bucket_len={self.bucket_len}, dataset={self.dataset.name!r})")
+
+
+def _check_samples(samples: Any, default: int) -> int:
+    """A share as a positive int (``None``: the worker's batch)."""
+    if samples is None:
+        return default
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise LocalProtocolError(f"samples must be an integer >= 1, got {samples!r}")
+    return samples
 
 
 def as_float_list(vec: Any) -> list[float]:

@@ -53,8 +53,9 @@ class ToyWorker:
             row = table[r] = [self._target(r, j) for j in range(self.bucket_len)]
         return row
 
-    def grads_sync(self, offset: int) -> tuple[float, Any]:
-        """Mean loss and gradient over samples ``offset .. offset+batch-1`` (mod train_len)."""
+    def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
+        """Mean loss and gradient over samples ``offset .. offset+samples-1`` (mod train_len);
+        ``samples`` defaults to ``batch``."""
         self.calls += 1
         if self.fail_next > 0:
             self.fail_next -= 1
@@ -63,19 +64,20 @@ class ToyWorker:
         p = self._p
         g = [0.0] * n
         loss = 0.0
-        for s in range(self.batch):
+        nb = self.batch if samples is None else int(samples)
+        for s in range(nb):
             t = self._targets(((offset + s) % self.train_len) % 17)
             for j in range(n):
                 d = p[j] - t[j]
                 g[j] += d
                 loss += 0.5 * d * d
-        b = float(self.batch)
+        b = float(nb)
         if offset in self.nan_offsets:
             g[0] = float("nan")
         return loss / b, to_vector([x / b for x in g])
 
-    async def grads(self, offset: int) -> tuple[float, Any]:
-        result = self.grads_sync(offset)   # against the parameters held when compute starts
+    async def grads(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
+        result = self.grads_sync(offset, samples)   # against the parameters held when compute starts
         if self.compute_ms > 0:
             import asyncio
             await asyncio.sleep(self.compute_ms / 1000.0)

@@ -15,20 +15,22 @@ class Post:
 
 @dataclass(frozen=True)
 class Compute:
-    """Compute a gradient bucket: ``worker.grads(offset)``, then feed the result back with
-    ``machine.bucket_ready(token, loss, g, now_ms=...)`` (or ``bucket_failed``).
+    """Compute a gradient bucket: ``worker.grads(offset, samples)``, then feed the result back
+    with ``machine.bucket_ready(token, loss, g, now_ms=...)`` (or ``bucket_failed``).
 
     Attributes:
         token: identifies this request; pass it back unchanged.
         step: the round's step.
         offset: the assigned dataset offset (uint32).
         own: True for the leader's own bucket, False for a follower's contribution.
+        samples: the share: how many consecutive samples from ``offset`` (PROTOCOL.md, "Shares").
     """
 
     token: int
     step: int
     offset: int
     own: bool
+    samples: int = 1
 
 
 @dataclass(frozen=True)

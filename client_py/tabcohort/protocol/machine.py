@@ -21,7 +21,8 @@ from .. import PROTOCOL_VERSION
 from ..errors import LocalProtocolError
 from ..vec import all_finite, weighted_mean
 from .actions import Action, Compute, Post, Report
-from .assign import assignment
+from .assign import windows
+from .shares import PROBE_EVERY, SpeedTable, plan_shares
 from .policy import Policy, Timing, policy
 from .roster import Roster
 
@@ -40,8 +41,8 @@ _SCHEMA: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
               ("running", bool), ("step", _INT), ("model", str), ("backend", str)),
     "beat": (("batch", _INT), ("ready", bool), ("running", bool), ("step", _INT), ("backend", str),
              ("term", _INT)),
-    "round": (("step", _INT), ("term", _INT), ("lr", (float, int)), ("assign", dict), ("params", object),
-              ("loss", (float, int)), ("samples", _INT), ("cohort", _INT)),
+    "round": (("step", _INT), ("term", _INT), ("lr", (float, int)), ("assign", dict), ("shares", dict),
+              ("cursor", _INT), ("params", object), ("loss", (float, int)), ("samples", _INT), ("cohort", _INT)),
     "grad": (("step", _INT), ("term", _INT), ("loss", (float, int)), ("samples", _INT), ("g", object)),
 }
 
@@ -72,13 +73,15 @@ class Link(Protocol):
 class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
-    __slots__ = ("step", "term", "wanted", "awaited", "quorum", "received", "opened_ms", "first_ms",
-                 "last_ms", "grace_until_ms")
+    __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
+                 "first_ms", "last_ms", "grace_until_ms")
 
-    def __init__(self, step: int, term: int, wanted: set[int], awaited: set[int], quorum: int,
+    def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
         self.step = step
         self.term = term
+        self.shares = shares                    # id -> samples assigned ("Shares")
+        wanted = set(shares)
         self.wanted = wanted                    # assigned ranks: their buckets are accepted
         self.awaited = awaited                  # the ranks the quorum is taken of ("Flapping ranks")
         self.quorum = quorum
@@ -136,6 +139,9 @@ class RankMachine:
         grace_margin: the grace window covers at least this many typical spreads.
         term: the lineage term this rank's parameters come from (PROTOCOL.md, "Lineage and
             terms"); 0 for a rank that has never adopted or driven a round.
+        global_batch: the samples one round covers, split across the cohort in proportion to
+            each rank's measured throughput and capped by each rank's declared batch
+            (PROTOCOL.md, "Shares"); None: every rank's share is its declared batch.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -144,7 +150,8 @@ class RankMachine:
     def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
-                 grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0) -> None:
+                 grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0,
+                 global_batch: int | None = None) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -199,6 +206,15 @@ class RankMachine:
         # before it is awaited again.
         self.flaps: Counter[int] = Counter()
         self._probation: dict[int, int] = {}
+        if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                         or global_batch < 1):
+            raise LocalProtocolError(f"global_batch must be an integer >= 1 or None, got {global_batch!r}")
+        self.global_batch = global_batch
+        self.speeds = SpeedTable()          # the leader's throughput estimates ("Shares")
+        self.cursor = 0                     # samples assigned before the current step
+        self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
+        # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
+        self._sent_rounds: dict[tuple[int, int], tuple[float, dict[int, int]]] = {}
         self.diverged = 0                   # rounds whose update made the parameters non-finite
         self._round_params: Any = None      # the parameters of the round being driven
         self.last_open_ms = now_ms
@@ -440,16 +456,17 @@ class RankMachine:
             token: the token of the Compute action.
             loss: mean loss over the bucket's samples.
             g: float32 vector, shape (bucket_len,): the mean gradient.
-            samples: samples in the bucket (default ``worker.batch``).
+            samples: samples in the bucket (default: the share the Compute asked for).
         """
         if self._input(now_ms):
             return
-        samples = self.worker.batch if samples is None else int(samples)
         if token == self._own_token:
             self._own_token = None
-            self._on_own_bucket(float(loss), samples, g, now_ms)
+            share = self.shares.get(self.id, self.worker.batch)
+            self._on_own_bucket(float(loss), share if samples is None else int(samples), g, now_ms)
         elif self._inflight is not None and token == self._inflight[0]:
-            _, seq, step, to, term = self._inflight
+            _, seq, step, to, term, share = self._inflight
+            samples = share if samples is None else int(samples)
             self._inflight = None
             if seq != self._adopt_seq:
                 self.counters["stale_bucket"] += 1      # a newer round was adopted meanwhile
@@ -503,11 +520,21 @@ class RankMachine:
             "members": len(self.members(now_ms)), "majority": self.has_majority(now_ms),
             "flaps": {f"{k:08x}": v for k, v in sorted(self.flaps.items())},
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
+            "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
+            "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
+            "speeds": {f"{k:08x}": round(sp.samples_per_s, 1) for k, sp in sorted(self.speeds.speeds.items())},
             "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms, "collect_rule": self.collect_rule},
             "drops": dict(self.drops), "counters": dict(self.counters),
         }
 
     # ------------------------------------------------------------------ internals
+    def _epoch(self) -> float | None:
+        """Epochs covered by the samples assigned so far, when the worker knows its training set."""
+        n = getattr(self.worker, "train_len", None)
+        if n is None:
+            n = getattr(getattr(self.worker, "dataset", None), "train_len", None)
+        return round(self.cursor / n, 3) if isinstance(n, int) and n > 0 else None
+
     def _foreign_add(self, sender: int) -> None:
         self._foreign.add(sender)
         self.roster.members.pop(sender, None)
@@ -703,21 +730,25 @@ class RankMachine:
         self.counters["adopted"] += 1
         if became_ready:
             self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
+        shares = msg["shares"]
+        self.shares = dict(shares)
+        self.cursor = int(msg["cursor"]) + sum(shares.values())
         offset = msg["assign"].get(self.id)
         if self.running and offset is not None:
-            self._pending = (self._adopt_seq, self.step, int(offset), sender, self.term)
+            self._pending = (self._adopt_seq, self.step, int(offset), sender, self.term,
+                             int(shares.get(self.id, self.worker.batch)))
             self._start_pending_contribution()
 
     def _start_pending_contribution(self) -> None:
         if self._inflight is not None or self._pending is None:
             return
-        seq, step, offset, to, term = self._pending
+        seq, step, offset, to, term, share = self._pending
         self._pending = None
         if seq != self._adopt_seq:
             return
         self._tokens += 1
-        self._inflight = (self._tokens, seq, step, to, term)
-        self._actions.append(Compute(token=self._tokens, step=step, offset=offset, own=False))
+        self._inflight = (self._tokens, seq, step, to, term, share)
+        self._actions.append(Compute(token=self._tokens, step=step, offset=offset, own=False, samples=share))
 
     def _stand_down(self, now_ms: float) -> None:
         """Give up the lead to a winning lineage; the caller adopts its round."""
@@ -774,28 +805,45 @@ class RankMachine:
         for k in ids:
             m = self.roster.members.get(k)
             batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch
-        assign = assignment(ids, batches, self.step)
+        probing: set[int] = set()
+        if self.global_batch is None:
+            shares = {k: int(batches[k]) for k in ids}
+        else:
+            # "Shares": the global batch in proportion to measured throughput, within caps
+            shares, probing = plan_shares(self.global_batch, ids, batches, self.speeds,
+                                          probe=self.step % PROBE_EVERY == 0)
+            if self.id not in shares:
+                shares[self.id] = 1                 # the leader's own bucket is always reduced
+        assign = windows(shares, self.cursor)
+        self.shares = shares
         self._round_step = self.step
-        if len(ids) > 1:
+        if len(shares) > 1:
             # install the collection state BEFORE sending the round (step 3); ranks on
-            # probation are assigned and accepted but not awaited ("Flapping ranks")
-            awaited = {k for k in ids if k not in self._probation}
-            self._collection = _Collection(self.step, self.term, set(ids), awaited,
+            # probation or on a probe share are assigned and accepted but not awaited
+            awaited = {k for k in shares if k not in self._probation and k not in probing}
+            awaited.add(self.id)
+            self._collection = _Collection(self.step, self.term, dict(shares), awaited,
                                            min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
+        self._sent_rounds[(self.term, self.step)] = (now_ms, dict(shares))
+        while len(self._sent_rounds) > 4:
+            del self._sent_rounds[next(iter(self._sent_rounds))]
         self._round_params = self.worker.params()
         self._actions.append(Post({
             "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr,
-            "assign": assign, "params": self._round_params, "loss": self.loss, "samples": self.samples,
+            "assign": assign, "shares": dict(shares), "cursor": self.cursor,
+            "params": self._round_params, "loss": self.loss, "samples": self.samples,
             "cohort": len(ids)}))
+        self.cursor += sum(shares.values())
         self.last_open_ms = now_ms
         self._phase = "own"
         self._phase_deadline_ms = None
         self._own_bucket = None
         self._tokens += 1
         self._own_token = self._tokens
-        self._actions.append(Compute(token=self._tokens, step=self.step, offset=assign[self.id], own=True))
+        self._actions.append(Compute(token=self._tokens, step=self.step, offset=assign[self.id], own=True,
+                                     samples=shares[self.id]))
 
     def _on_own_bucket(self, loss: float, samples: int, g: Any, now_ms: float) -> None:
         if self._phase != "own":
@@ -805,6 +853,7 @@ class RankMachine:
             self.drops["own_bucket_invalid"] += 1
         else:
             self._own_bucket = (loss, samples, g)
+            self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)
         col = self._collection
         if col is None:
             self._finish_round(now_ms)
@@ -822,8 +871,12 @@ class RankMachine:
         sender = msg["from"]
         if col is None:
             self._late_bucket(msg, now_ms)
+            self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
             self.drops["grad_no_collection"] += 1
             return
+        if msg["term"] == col.term and msg["step"] != col.step:
+            # a bucket of an earlier round: too late to count, but it tells the rank's speed
+            self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
         if msg["term"] != col.term:
             self.drops["grad_wrong_term"] += 1
             return
@@ -842,11 +895,12 @@ class RankMachine:
         if not all_finite(g) or not math.isfinite(loss):
             self.drops["grad_non_finite"] += 1
             return
-        if msg["samples"] <= 0:
-            self.drops["grad_bad_samples"] += 1
+        if msg["samples"] != col.shares[sender]:
+            self.drops["grad_bad_samples"] += 1        # a bucket must cover exactly its share
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
         _arrived(col, now_ms)
+        self._observe_turnaround(sender, col.term, col.step, msg["samples"], now_ms)
         owed = self._probation.get(sender)
         if owed is not None:                           # one more bucket in time
             if owed <= 1:
@@ -856,6 +910,14 @@ class RankMachine:
                 self._probation[sender] = owed - 1
         if self._phase == "collect" and len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
+
+    def _observe_turnaround(self, rank: int, term: int, step: int, samples: int, now_ms: float) -> None:
+        """"Shares": a bucket of a round this rank drove arrived; fold its turnaround into the
+        sender's throughput estimate (only a bucket that covers its share counts)."""
+        sent = self._sent_rounds.get((term, step))
+        if sent is None or sent[1].get(rank) != samples:
+            return
+        self.speeds.observe(rank, samples, now_ms - sent[0])
 
     def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
         """Received buckets (own included) reached the quorum while collecting."""
@@ -983,5 +1045,6 @@ class RankMachine:
         self.counters["published"] += 1
         self._actions.append(Post({
             "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
+            "shares": {}, "cursor": self.cursor,
             "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
             "cohort": len(self.cohort_ids(self._last_input_ms))}))

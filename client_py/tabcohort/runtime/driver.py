@@ -128,7 +128,7 @@ class RankDriver:
 
     async def _compute(self, action: Compute) -> None:
         try:
-            loss, g = await self.worker.grads(action.offset)
+            loss, g = await self.worker.grads(action.offset, action.samples)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -24,16 +24,19 @@ class SimRank:
     """One simulated rank: machine + memory bus + worker on the shared virtual clock."""
 
     def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
-                 ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum") -> None:
+                 ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum",
+                 ms_per_sample: float = 0.0, global_batch: int | None = None) -> None:
         self.sim = sim
         self.id = rank_id
         self.worker = worker
-        self.compute_ms = compute_ms
+        self.compute_ms = compute_ms            # fixed cost per bucket (virtual ms)
+        self.ms_per_sample = ms_per_sample      # plus this per sample of the share
         self.bus = sim.network.attach(rank_id)
         self.bus.on_message = self._on_message
         self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
                                    timing=sim.timing, ready=ready, lr=lr, eval_every=eval_every,
-                                   precision=sim.network_precision, collect_rule=collect_rule)
+                                   precision=sim.network_precision, collect_rule=collect_rule,
+                                   global_batch=global_batch)
         self.alive = True
         self.frozen = False
         self._held: list[Callable[[], None]] = []
@@ -113,14 +116,15 @@ class SimRank:
         self._timer = self.sim.scheduler.call_later(max(0.0, d - self.sim.now_ms()), self._on_timer)
 
     def _compute(self, a: Compute) -> None:
+        took = self.compute_ms + self.ms_per_sample * a.samples
         try:
-            loss, g = self.worker.grads_sync(a.offset)
+            loss, g = self.worker.grads_sync(a.offset, a.samples)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
-            self.sim.scheduler.call_later(self.compute_ms, lambda: self._input(
+            self.sim.scheduler.call_later(took, lambda: self._input(
                 lambda: self.machine.bucket_failed(a.token, err, now_ms=self.sim.now_ms())))
             return
-        self.sim.scheduler.call_later(self.compute_ms, lambda: self._input(
+        self.sim.scheduler.call_later(took, lambda: self._input(
             lambda: self.machine.bucket_ready(a.token, loss, g, now_ms=self.sim.now_ms())))
 
 
@@ -152,9 +156,12 @@ class SimCohort:
 
     def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
             start: bool = True, lr: float = 0.1, eval_every: int = 0,
-            collect_rule: str = "quorum") -> SimRank:
+            collect_rule: str = "quorum", ms_per_sample: float = 0.0,
+            global_batch: int | None = None) -> SimRank:
+        """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share`` virtual ms."""
         r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
-                    eval_every=eval_every, collect_rule=collect_rule)
+                    eval_every=eval_every, collect_rule=collect_rule, ms_per_sample=ms_per_sample,
+                    global_batch=global_batch)
         self.ranks[rank_id] = r
         if start:
             r.start()

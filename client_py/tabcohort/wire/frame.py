@@ -9,7 +9,9 @@ Field encodings:
 - ``u16``/``u32``/``u64``: unsigned integers; ``f64``: IEEE binary64 (NaN allowed: a ``round``'s
   ``loss`` is NaN before the first reduce); ``bool``: one byte, 0 or 1.
 - ``str``: ``u16`` byte length + UTF-8 bytes, at most the field's maximum (INTERFACES.md).
-- ``assign``: ``u32`` count + count x (``u32`` id, ``u32`` offset), ids strictly ascending.
+- ``assign``: ``u32`` count + count x (``u32`` id, ``u32`` offset, ``u32`` share), ids strictly
+  ascending; it carries two message keys, ``assign`` ({id: offset}) and ``shares`` ({id: share},
+  the same ids; a share is the number of samples assigned, >= 1).
 - ``vec``: ``u8`` codec id, ``u8`` flags (bit 0: f32 fallback), ``u32`` element count,
   ``u32`` int8 block size (0 for other codecs), then the codec's payload
   (:mod:`tabcohort.wire.codecs`).
@@ -35,7 +37,7 @@ SCHEMAS: dict[str, tuple[tuple[str, Any], ...]] = {
     "beat": (("batch", "u32"), ("ready", "bool"), ("running", "bool"), ("step", "u64"),
              ("backend", ("str", 64)), ("term", "u64")),
     "round": (("step", "u64"), ("term", "u64"), ("lr", "f64"), ("loss", "f64"), ("samples", "u64"), ("cohort", "u32"),
-              ("assign", "assign"), ("params", "vec")),
+              ("cursor", "u64"), ("assign", "assign"), ("params", "vec")),
     "grad": (("step", "u64"), ("term", "u64"), ("loss", "f64"), ("samples", "u64"), ("g", "vec")),
 }
 
@@ -44,7 +46,7 @@ _INT = {"u16": (struct.Struct("<H"), 0xFFFF), "u32": (struct.Struct("<I"), 0xFFF
 _F64 = struct.Struct("<d")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_PAIR = struct.Struct("<II")
+_TRIPLE = struct.Struct("<III")
 VEC_HEADER = struct.Struct("<BBII")
 
 
@@ -81,9 +83,15 @@ def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
             elif kind == "bool":
                 parts.append(b"\x01" if v else b"\x00")
             elif kind == "assign":
-                items = sorted((int(k), int(o)) for k, o in dict(v).items())
+                shares = dict(msg.get("shares") or {})
+                offsets = dict(v)
+                if set(shares) != set(offsets):
+                    raise LocalProtocolError(f"{t}.shares must name the same ids as {t}.{key}")
+                items = sorted((int(k), int(o), int(shares[k])) for k, o in offsets.items())
+                if any(sh < 1 for _, _, sh in items):
+                    raise LocalProtocolError(f"{t}.shares must be >= 1")
                 parts.append(_U32.pack(len(items)))
-                parts.extend(_PAIR.pack(k, o) for k, o in items)
+                parts.extend(_TRIPLE.pack(k, o, sh) for k, o, sh in items)
             elif kind == "vec":
                 x = as_f32_np(v) if use_numpy else as_f32_py(v)
                 if len(x) > 0xFFFFFFFF:
@@ -149,7 +157,7 @@ def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool) -> dict:
                 raise RemoteProtocolError(L.BAD_VALUE, f"{t}.{key} bool byte {b}")
             msg[key] = b == 1
         elif kind == "assign":
-            msg[key] = _decode_assign(c, limits)
+            msg[key], msg["shares"] = _decode_assign(c, limits)
         elif kind == "vec":
             msg[key] = _decode_vec(c, limits, use_numpy)
         else:
@@ -165,19 +173,23 @@ def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool) -> dict:
     return msg
 
 
-def _decode_assign(c: _Cursor, limits: L.WireLimits) -> dict[int, int]:
+def _decode_assign(c: _Cursor, limits: L.WireLimits) -> tuple[dict[int, int], dict[int, int]]:
     (n,) = c.unpack(_U32)
     if n > limits.max_assign:
         raise RemoteProtocolError(L.ABSURD_SIZE, f"assign count {n} > {limits.max_assign}")
-    raw = c.take(8 * n, L.LENGTH_MISMATCH)
+    raw = c.take(12 * n, L.LENGTH_MISMATCH)
     out: dict[int, int] = {}
+    shares: dict[int, int] = {}
     last = -1
-    for k, o in _PAIR.iter_unpack(raw):
+    for k, o, sh in _TRIPLE.iter_unpack(raw):
         if k <= last:
             raise RemoteProtocolError(L.BAD_VALUE, "assign ids not strictly ascending")
+        if sh < 1:
+            raise RemoteProtocolError(L.BAD_VALUE, "assign share 0")
         out[k] = o
+        shares[k] = sh
         last = k
-    return out
+    return out, shares
 
 
 def _decode_vec(c: _Cursor, limits: L.WireLimits, use_numpy: bool) -> Any:

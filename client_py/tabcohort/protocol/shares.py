@@ -1,0 +1,198 @@
+"""Speed-proportional shares of a fixed global batch (PROTOCOL.md, "Shares").
+
+Pure functions and a small estimator; no clock reads (times come in as arguments).
+
+Each rank's bucket turnaround (from the round being sent to its bucket arriving) is modelled
+as ``t(s) = a + b * s`` for a share of ``s`` samples: ``a`` is the rank's fixed cost per round
+(latency, a tab's page-worker hops), ``b`` its time per sample. Both come from an
+exponentially weighted least-squares fit over the rank's recent buckets. The leader then picks
+the shares that make every bucket arrive at the same time ``T`` (``a_k + b_k s_k = T``, the
+shares summing to the global batch), so no rank waits for another; a rank whose fixed cost
+alone exceeds ``T`` gets no share (one sample from it would make it the last bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+#: weight of the newest bucket in a rank's turnaround statistics (EWMA)
+SPEED_ALPHA = 0.3
+#: a rank whose one-sample bucket is predicted later than this factor of the round's time gets
+#: no share in that round
+SLOW_MARGIN = 1.05
+#: a rank with no share is probed with one sample every this many rounds
+PROBE_EVERY = 8
+
+
+@dataclass
+class Speed:
+    """Exponentially weighted moments of one rank's (share, turnaround) observations."""
+
+    m_s: float
+    m_t: float
+    m_ss: float
+    m_st: float
+    n: int = 1
+
+    def model(self) -> tuple[float, float]:
+        """``(a_ms, b_ms_per_sample)`` of ``t(s) = a + b s``, both >= 0, ``b > 0``."""
+        var = self.m_ss - self.m_s * self.m_s
+        if self.n >= 3 and var > (0.05 * self.m_s) ** 2:
+            b = (self.m_st - self.m_s * self.m_t) / var
+            a = self.m_t - b * self.m_s
+            if b > 0 and a >= 0:
+                return a, b
+            if b > 0:                      # a < 0: noise; all of it per sample
+                return 0.0, self.m_t / self.m_s
+        # one share size seen so far: the time cannot be split, count it all per sample
+        # except what the smallest observations say is fixed
+        return 0.0, max(self.m_t, 1e-6) / max(self.m_s, 1e-9)
+
+    @property
+    def samples_per_s(self) -> float:
+        return 1000.0 * self.m_s / max(self.m_t, 1e-6)
+
+
+@dataclass
+class SpeedTable:
+    """Per-rank turnaround statistics, fed by the leader as buckets arrive."""
+
+    speeds: dict[int, Speed] = field(default_factory=dict)
+
+    def observe(self, rank: int, samples: int, turnaround_ms: float) -> None:
+        """A bucket of ``samples`` samples arrived ``turnaround_ms`` after its round was sent."""
+        if samples <= 0 or not math.isfinite(turnaround_ms) or turnaround_ms < 0:
+            return
+        s, t = float(samples), max(0.01, float(turnaround_ms))
+        sp = self.speeds.get(rank)
+        if sp is None:
+            self.speeds[rank] = Speed(s, t, s * s, s * t)
+            return
+        a = SPEED_ALPHA
+        sp.m_s += a * (s - sp.m_s)
+        sp.m_t += a * (t - sp.m_t)
+        sp.m_ss += a * (s * s - sp.m_ss)
+        sp.m_st += a * (s * t - sp.m_st)
+        sp.n += 1
+
+    def forget(self, rank: int) -> None:
+        self.speeds.pop(rank, None)
+
+    def predicted_ms(self, rank: int, samples: int) -> float | None:
+        """Predicted turnaround of a bucket of ``samples`` (None: no history)."""
+        sp = self.speeds.get(rank)
+        if sp is None:
+            return None
+        a, b = sp.model()
+        return a + b * samples
+
+
+def _equal_finish(total: float, ranks: Sequence[int], caps: Mapping[int, int],
+                  models: Mapping[int, tuple[float, float]]) -> tuple[dict[int, float], set[int]]:
+    """Fractional shares with ``a_k + b_k s_k`` equal for every rank not capped, summing to
+    ``total``; ranks whose fixed cost exceeds the common time are excluded."""
+    active = list(ranks)
+    fixed: dict[int, float] = {}
+    excluded: set[int] = set()
+    while active:
+        left = total - sum(fixed.values())
+        inv = sum(1.0 / models[k][1] for k in active)
+        T = (left + sum(models[k][0] / models[k][1] for k in active)) / inv
+        # a rank whose one-sample bucket would arrive well after T: no share
+        late = [k for k in active if models[k][0] + models[k][1] > SLOW_MARGIN * T or models[k][0] >= T]
+        if late and len(active) + len(fixed) > 1:
+            worst = max(late, key=lambda k: (models[k][0] + models[k][1], k))
+            active.remove(worst)
+            excluded.add(worst)
+            continue
+        share = {k: (T - models[k][0]) / models[k][1] for k in active}
+        over = [k for k in active if share[k] > caps[k]]
+        if over:
+            for k in over:
+                fixed[k] = float(caps[k])
+                active.remove(k)
+            continue
+        fixed.update(share)
+        break
+    return fixed, excluded
+
+
+def _round_shares(frac: Mapping[int, float], caps: Mapping[int, int], total: int) -> dict[int, int]:
+    """Integers from fractional shares by the largest remainder (ties: lower id), within caps."""
+    ints = {k: max(0, min(caps[k], int(math.floor(v + 1e-9)))) for k, v in frac.items()}
+    left = min(total, sum(caps[k] for k in frac)) - sum(ints.values())
+    order = sorted(frac, key=lambda k: (-(frac[k] - ints[k]), k))
+    while left > 0:
+        moved = False
+        for k in order:
+            if left <= 0:
+                break
+            if ints[k] < caps[k] and frac[k] > 0:
+                ints[k] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            break
+    return ints
+
+
+def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: SpeedTable, *,
+                probe: bool = False) -> tuple[dict[int, int], set[int]]:
+    """The shares of one round (PROTOCOL.md, "Shares").
+
+    Args:
+        total: the global batch (samples the round should cover), >= 1.
+        ids: the cohort's ids.
+        caps: each rank's declared maximum per bucket (its ``batch``), >= 1.
+        table: the leader's turnaround statistics.
+        probe: this round probes ranks that get no share with one sample each.
+
+    Returns:
+        ``(shares, probing)``: samples per rank, each >= 1 (ranks with no share are left
+        out), summing to ``min(total, sum of caps)`` (plus one per probe); and the ranks given a
+        one-sample probe, which are not to be awaited.
+    """
+    ids = sorted(ids)
+    caps = {k: max(1, int(caps[k])) for k in ids}
+    known = [k for k in ids if k in table.speeds]
+    unknown = [k for k in ids if k not in table.speeds]
+    shares: dict[int, int] = {}
+    left = int(total)
+    if not known:
+        # nobody measured yet (a cohort's first round): equal shares within caps
+        frac = {k: total / len(ids) for k in ids}
+        for _ in range(len(ids)):
+            over = [k for k in frac if frac[k] > caps[k]]
+            if not over:
+                break
+            rest = [k for k in frac if k not in over]
+            extra = sum(frac[k] - caps[k] for k in over)
+            for k in over:
+                frac[k] = float(caps[k])
+            for k in rest:
+                frac[k] += extra / len(rest)
+        ints = _round_shares(frac, caps, left)
+        return {k: v for k, v in ints.items() if v > 0}, set()
+    # a rank with no history gets a small probe share first
+    probe_share = max(1, left // (4 * len(ids)))
+    for k in unknown:
+        if left <= 0:
+            break
+        shares[k] = min(caps[k], probe_share, left)
+        left -= shares[k]
+    models = {k: table.speeds[k].model() for k in known}
+    frac, excluded = _equal_finish(left, known, caps, models)
+    ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
+    for k, v in ints.items():
+        if v > 0:
+            shares[k] = v
+        else:
+            excluded.add(k)
+    probing: set[int] = set()
+    if probe:
+        for k in sorted(excluded):
+            shares[k] = 1
+            probing.add(k)
+    return shares, probing
