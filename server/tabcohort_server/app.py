@@ -392,8 +392,10 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                 item = peer.pop()
                 if isinstance(item, bytes):
                     link = peer.rtc
-                    if link is None or not link.up or not await link.send(item):
-                        await ws.send_bytes(item)
+                    # re-cut for the rank's channel (on either path: one frame, one cut)
+                    for piece in (item,) if link is None else link.fit(item):
+                        if link is None or not link.up or not await link.send(piece):
+                            await ws.send_bytes(piece)
                 else:
                     await ws.send_str(item)
                 room.sent(peer, item)
