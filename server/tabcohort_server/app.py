@@ -32,7 +32,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from . import checkpoint as ckpt
 from .config import ServerConfig
 from .metrics import RoomCollector
-from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, Peer, Room, RoomError, RoomRegistry)
+from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RETRY_LATER, Peer, Room, RoomError,
+                    RoomRegistry)
 
 log = logging.getLogger("tabcohort.server")
 
@@ -354,6 +355,10 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     resume = reg.get("resume")
     now = time.monotonic()
+    if not request.app[ROOMS].admission.take(now):  # the admission rate limit (token bucket)
+        room.drop("register_deferred")
+        await ws.close(code=CLOSE_RETRY_LATER, message=b"too many registrations; retry later")
+        return ws
     try:
         if isinstance(resume, dict):
             rid = resume.get("id")
