@@ -1,6 +1,6 @@
 """A server restarted without ``--checkpoint-dir`` has lost the ranks' resume key: every resume is
 refused (4004). Each rank then joins again as a new rank, keeping its parameters and step, and
-training goes on (docs/PROTOCOL-NOTES.md, "Close codes"). Real processes on loopback; every wait
+training goes on (docs/PROTOCOL-NOTES.md, note 11). Real processes on loopback; every wait
 is a bounded poll."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ the relay reports its own slowest queue, so a leader paces on a stalled peer beh
 
 A dropped socket is reconnected with the same id (the server holds it for its grace period)
 with full-jitter exponential backoff (:mod:`tabcohort.bus.backoff`); posts while disconnected are
-dropped (``disconnected``). Server close codes (docs/PROTOCOL-NOTES.md, "Close codes"): 4029 (the
+dropped (``disconnected``). Server close codes (docs/INTERFACES.md, "Close codes"): 4029 (the
 server admits registrations at a bounded rate) is retried after the next backoff delay, at
 connect and at reconnect alike; 4004 on a resume (the server no longer knows the id: its grace
 expired, or it restarted without its checkpoint directory) ends the link with a ``failed``
