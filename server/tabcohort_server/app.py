@@ -401,9 +401,10 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                     for piece in (item,) if link is None else link.fit(item):
                         if link is None or not link.up or not await link.send(piece):
                             await ws.send_bytes(piece)
+                        room.sent(peer, piece)   # counts what went on the wire
                 else:
                     await ws.send_str(item)
-                room.sent(peer, item)
+                    room.sent(peer, item)
 
     room.send_control(peer, room.welcome(peer, resumed=resumed))
     if room.stopped:  # a rank that joins a stopped room is told at once, as the others were

@@ -268,7 +268,8 @@ class Room:
             p.wake()
 
     def sent(self, p: Peer, item: bytes | str) -> None:
-        """The socket layer wrote ``item`` (popped from ``p.queue``) to the socket."""
+        """The socket layer wrote ``item`` (popped from ``p.queue``, or one piece of it re-cut for
+        the rank's data channel) to the socket."""
         p.n_out += 1
         p.bytes_out += len(item)
         self._load_changed(p)
