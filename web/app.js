@@ -326,12 +326,25 @@ function render(s) {
     if (lead) { $("lr").value = s.lr; $("precision").value = s.precision; }
   }
   const links = new Map((s.links || []).map((l) => [l.peer, l]));
+  // peer data is untrusted (any rank sends its own backend string): text nodes only, never markup
   const rows = (s.peers || []).map((p) => {
     const l = links.get(p.id) || { transport: s.transport, sent: 0, received: 0 };
-    return `<tr><td>${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}</td><td>${p.backend || "–"}</td>` +
-      `<td>${l.transport}</td><td>${fmtBytes(l.sent)}</td><td>${fmtBytes(l.received)}</td></tr>`;
+    return row([`${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}`, p.backend || "–", l.transport,
+      fmtBytes(l.sent), fmtBytes(l.received)]);
   });
-  document.querySelector("#peers tbody").innerHTML = rows.join("") || `<tr><td colspan="5">no peers yet</td></tr>`;
+  document.querySelector("#peers tbody").replaceChildren(...(rows.length ? rows : [row(["no peers yet"], 5)]));
+}
+
+// A table row of text cells (textContent: a value is shown as typed, never parsed as HTML).
+function row(cells, span) {
+  const tr = document.createElement("tr");
+  for (const c of cells) {
+    const td = document.createElement("td");
+    td.textContent = String(c);
+    if (span) td.colSpan = span;
+    tr.append(td);
+  }
+  return tr;
 }
 
 main().catch((e) => fail("page", `The page failed: ${e.message || e}`));

@@ -6,7 +6,8 @@ const params = new URLSearchParams(location.search);
 const op = (window.tcOperator = { room: null, polls: 0, last: null, error: null });
 const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
-const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+// any value as a string, for a text node (objects as JSON, so nothing is ever parsed as markup)
+const text = (v) => (typeof v === "object" && v !== null ? JSON.stringify(v) : String(v));
 
 function fail(text) { op.error = text; $("error").hidden = false; $("error").textContent = text; $("status").textContent = "Not available."; }
 
@@ -51,19 +52,43 @@ function render(s, q) {
   const ck = s.checkpoint;
   const dd = $("r-ckpt");
   if (ck) {
-    dd.innerHTML = `step ${ck.step}, accuracy ${ck.accuracy === null ? "–" : (ck.accuracy * 100).toFixed(1) + " %"} ` +
-      `<a id="ckpt-link" href="/api/rooms/${encodeURIComponent(s.room)}/checkpoint${q}" download>Download checkpoint (float32)</a>`;
+    const a = document.createElement("a");
+    a.id = "ckpt-link";
+    a.href = `/api/rooms/${encodeURIComponent(s.room)}/checkpoint${q}`;
+    a.download = "";
+    a.textContent = "Download checkpoint (float32)";
+    dd.replaceChildren(`step ${ck.step}, accuracy ${typeof ck.accuracy === "number" ? (ck.accuracy * 100).toFixed(1) + " %" : "–"} `, a);
   }
   const lead = s.ranks.find((r) => r.report && r.report.is_leader && r.connected);
   if (lead) { lossChart.push(lead.report.step, lead.report.loss); accChart.push(lead.report.step, lead.report.accuracy); }
-  $("ranks").querySelector("tbody").innerHTML = s.ranks.map((r) => {
+  // every value here comes from a rank's report (untrusted): text nodes only, never markup
+  const rows = s.ranks.map((r) => {
     const p = r.report || {};
-    return `<tr><td>${r.id_hex}</td><td>${r.connected ? "yes" : "no"}</td>` +
-      `<td>${p.is_leader ? '<span class="leader">leader</span>' : p.ready ? "follower" : p.running ? "joining" : "–"}</td>` +
-      `<td>${p.step ?? "–"}</td><td>${p.cohort ?? "–"}</td><td>${num(p.loss, 4)}</td><td>${esc(p.backend ?? "–")}</td>` +
-      `<td>${num(p.steps_per_s, 1)}</td><td>${fmtBytes(p.wire_bytes_per_s)}/s</td><td>${esc(p.precision ?? "–")}</td>` +
-      `<td>${esc(p.fault ?? "none")}</td><td>${r.report_age_s === null ? "–" : r.report_age_s.toFixed(1) + " s"}</td></tr>`;
-  }).join("") || `<tr><td colspan="12">no ranks yet</td></tr>`;
+    const tr = document.createElement("tr");
+    const cell = (v) => { const td = document.createElement("td"); td.append(v); tr.append(td); };
+    cell(text(r.id_hex));
+    cell(r.connected ? "yes" : "no");
+    if (p.is_leader) { const sp = document.createElement("span"); sp.className = "leader"; sp.textContent = "leader"; cell(sp); }
+    else cell(p.ready ? "follower" : p.running ? "joining" : "–");
+    cell(text(p.step ?? "–"));
+    cell(text(p.cohort ?? "–"));
+    cell(num(p.loss, 4));
+    cell(text(p.backend ?? "–"));
+    cell(num(p.steps_per_s, 1));
+    cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
+    cell(text(p.precision ?? "–"));
+    cell(text(p.fault ?? "none"));
+    cell(typeof r.report_age_s === "number" ? r.report_age_s.toFixed(1) + " s" : "–");
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = document.createElement("tr"), td = document.createElement("td");
+    td.colSpan = 12;
+    td.textContent = "no ranks yet";
+    tr.append(td);
+    rows.push(tr);
+  }
+  $("ranks").querySelector("tbody").replaceChildren(...rows);
 }
 
 init();

@@ -32,7 +32,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from . import checkpoint as ckpt
 from .config import ServerConfig
 from .metrics import RoomCollector
-from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, Peer, Room, RoomError, RoomRegistry)
+from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RETRY_LATER, Peer, Room, RoomError,
+                    RoomRegistry)
 
 log = logging.getLogger("tabcohort.server")
 
@@ -354,6 +355,10 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     resume = reg.get("resume")
     now = time.monotonic()
+    if not request.app[ROOMS].admission.take(now):  # the admission rate limit (token bucket)
+        room.drop("register_deferred")
+        await ws.close(code=CLOSE_RETRY_LATER, message=b"too many registrations; retry later")
+        return ws
     try:
         if isinstance(resume, dict):
             rid = resume.get("id")
@@ -392,11 +397,14 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                 item = peer.pop()
                 if isinstance(item, bytes):
                     link = peer.rtc
-                    if link is None or not link.up or not await link.send(item):
-                        await ws.send_bytes(item)
+                    # re-cut for the rank's channel (on either path: one frame, one cut)
+                    for piece in (item,) if link is None else link.fit(item):
+                        if link is None or not link.up or not await link.send(piece):
+                            await ws.send_bytes(piece)
+                        room.sent(peer, piece)   # counts what went on the wire
                 else:
                     await ws.send_str(item)
-                room.sent(peer, item)
+                    room.sent(peer, item)
 
     room.send_control(peer, room.welcome(peer, resumed=resumed))
     if room.stopped:  # a rank that joins a stopped room is told at once, as the others were

@@ -121,6 +121,9 @@ class ServerLimits:
         heartbeat_s: WebSocket ping period (aiohttp ``heartbeat``).
         close_timeout_s: bound on a close handshake before the transport is aborted.
         max_checkpoint_bytes: largest checkpoint upload.
+        register_rate_per_s, register_burst: the admission rate limit (a token bucket over all
+            rooms) for WebSocket registrations, resumes included; one beyond it is closed with
+            4029 and the client retries after a full-jitter backoff.
     """
 
     max_rooms: int = 64
@@ -135,6 +138,8 @@ class ServerLimits:
     heartbeat_s: float = 10.0
     close_timeout_s: float = 2.0
     max_checkpoint_bytes: int = 256 << 20
+    register_rate_per_s: float = 50.0
+    register_burst: int = 100
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():

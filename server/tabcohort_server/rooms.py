@@ -34,13 +34,16 @@ CLOSE_UNKNOWN_ID = 4004
 CLOSE_SLOW_CONSUMER = 4008
 CLOSE_ROOM_FULL = 4009
 CLOSE_REPLACED = 4010
+#: registrations over the server's admission rate (``ServerLimits.register_rate_per_s``): the
+#: client backs off (full jitter) and tries again; as HTTP's 429 Too Many Requests (RFC 6585)
+CLOSE_RETRY_LATER = 4029
 
 #: Report fields kept from a rank's state report (anything else is ignored).
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
-                 "counters", "gaps")
+                 "counters", "gaps", "rejoins")
 
 
 class RoomError(Exception):
@@ -265,7 +268,8 @@ class Room:
             p.wake()
 
     def sent(self, p: Peer, item: bytes | str) -> None:
-        """The socket layer wrote ``item`` (popped from ``p.queue``) to the socket."""
+        """The socket layer wrote ``item`` (popped from ``p.queue``, or one piece of it re-cut for
+        the rank's data channel) to the socket."""
         p.n_out += 1
         p.bytes_out += len(item)
         self._load_changed(p)
@@ -464,13 +468,41 @@ def _json_num(v: Any) -> float | None:
     return None if x == -math.inf else x
 
 
+class TokenBucket:
+    """A token bucket: ``burst`` tokens, refilled at ``rate_per_s``; each admission takes one.
+
+    Args:
+        rate_per_s: sustained admissions per second.
+        burst: the most admitted at once (the bucket's size; it starts full).
+    """
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        self.rate_per_s = float(rate_per_s)
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self._at: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Admit one (True) if a token is left at time ``now`` (seconds, monotonic)."""
+        if self._at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self._at) * self.rate_per_s)
+        self._at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
 class RoomRegistry:
-    """All rooms of one server."""
+    """All rooms of one server, and its admission rate limit for registrations (every room's
+    registrations and resumes draw on one bucket: ``ServerLimits.register_rate_per_s`` and
+    ``register_burst``)."""
 
     def __init__(self, jobs: dict[str, JobConfig], limits: ServerLimits, seed: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self.rooms = {name: Room(name, job, limits, rng, clock) for name, job in jobs.items()}
+        self.admission = TokenBucket(limits.register_rate_per_s, limits.register_burst)
 
     def get(self, name: str) -> Room | None:
         return self.rooms.get(name)

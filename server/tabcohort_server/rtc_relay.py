@@ -3,8 +3,12 @@ data channel to the server (``signal`` with ``to == 0`` on its WebSocket); this 
 with aiortc and feeds the channel into the same relay as the WebSocket links.
 
 Inbound chunks go to :meth:`Room.relay` exactly as WebSocket chunks do (the routing header's
-sender must be the link's id). Outbound, the socket writer in ``app.py`` sends chunks on the
-channel while it is open (:meth:`RtcLink.send`, flow-controlled on ``bufferedAmount``: the chunks
+sender must be the link's id). Outbound, a chunk cut for the sender's link can be larger than
+the receiver's channel takes (its offer's ``a=max-message-size``, RFC 8841 section 6; 16 or
+64 KiB in some browsers): :meth:`RtcLink.fit` re-cuts it by its routing header
+(:func:`tabcohort.wire.rechunk`, no payload decode) into the receiver's size, on the channel
+and on the WebSocket fallback alike, so a frame's chunks stay one consistent frame whichever
+path each takes. The socket writer in ``app.py`` sends chunks on the channel while it is open (:meth:`RtcLink.send`, flow-controlled on ``bufferedAmount``: the chunks
 wait in the peer's relay queue, so relay pressure and the slow-consumer bound work unchanged),
 and controls on the WebSocket. When the channel closes the link falls back to the WebSocket.
 
@@ -18,6 +22,9 @@ import logging
 from typing import Any, Sequence
 
 from tabcohort.bus.rtc_util import add_candidate, configuration, set_host_addresses
+from tabcohort.errors import ConfigError, RemoteProtocolError
+from tabcohort.wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, negotiate_max_message_bytes, rechunk
+from tabcohort.wire.chunk import MIN_MESSAGE_BYTES
 
 from .rooms import Peer, Room
 
@@ -29,10 +36,17 @@ LOW_WATER_BYTES = 256 << 10
 
 
 class RtcLink:
-    """One rank's data channel to the server."""
+    """One rank's data channel to the server.
 
-    def __init__(self, peer: Peer) -> None:
+    Attributes:
+        max_message_bytes: the largest message the rank's channel takes, bytes (the smaller of
+            ours and its offer's ``a=max-message-size``; ``None`` until the offer is read).
+    """
+
+    def __init__(self, peer: Peer, on_drop: Any = None) -> None:
         self.peer = peer
+        self.max_message_bytes: int | None = None
+        self.on_drop = on_drop
         self.pc: Any = None
         self.channel: Any = None
         self.up = False
@@ -40,6 +54,20 @@ class RtcLink:
         self.bytes_out = 0
         self._low = asyncio.Event()
         self._low.set()
+
+    def fit(self, chunk: bytes) -> list[bytes]:
+        """The chunks to send this rank in place of ``chunk``: re-cut to ``max_message_bytes``
+        by the routing header when its frame was cut larger (:func:`tabcohort.wire.rechunk`).
+        A chunk that cannot be re-cut (not cut as a writer cuts) is dropped and counted."""
+        m = self.max_message_bytes
+        if m is None:
+            return [chunk]
+        try:
+            return rechunk(chunk, m)
+        except RemoteProtocolError as e:
+            if self.on_drop is not None:
+                self.on_drop(f"rechunk_{e.reason}")
+            return []
 
     async def send(self, chunk: bytes) -> bool:
         """Send one chunk on the channel, waiting (bounded by the channel closing) for room.
@@ -65,6 +93,23 @@ class RtcLink:
         self._low.set()
         pc, self.pc, self.channel = self.pc, None, None
         return pc.close() if pc is not None else None
+
+
+def _offered_max_message_bytes(sdp: str) -> int:
+    """The chunk limit towards a rank: the smaller of ours (256 KiB) and its offer's
+    ``a=max-message-size`` (RFC 8841 section 6: absent -> 64 KiB, 0 -> no limit)."""
+    remote = None
+    for line in sdp.splitlines():
+        if line.startswith("a=max-message-size:"):
+            try:
+                remote = int(line.split(":", 1)[1].strip())
+            except ValueError:
+                remote = None
+            break
+    try:
+        return negotiate_max_message_bytes(DATA_CHANNEL_MAX_MESSAGE_BYTES, remote)
+    except ConfigError:  # below the minimum: the smallest we cut
+        return MIN_MESSAGE_BYTES
 
 
 class RtcTerminator:
@@ -121,7 +166,8 @@ class RtcTerminator:
         from aiortc import RTCPeerConnection, RTCSessionDescription
 
         self.detach(p)
-        link = p.rtc = RtcLink(p)
+        link = p.rtc = RtcLink(p, on_drop=room.drop)
+        link.max_message_bytes = _offered_max_message_bytes(sdp)
         pc = link.pc = RTCPeerConnection(configuration(self.ice_servers))
 
         @pc.on("datachannel")

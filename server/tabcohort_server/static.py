@@ -17,6 +17,10 @@ Routes (registered by :func:`setup_static`, called from ``create_app``):
   with stdlib :mod:`zipfile` on first request, cached in memory, rebuilt when a source file
   changes (size or mtime). No network, no build tools.
 - ``GET /vendor/uplot/...``: uPlot's ``dist`` from ``node_modules/uplot``.
+
+Every response carries a Content-Security-Policy (:func:`content_security_policy`) without
+``'unsafe-inline'`` or ``'unsafe-eval'``: the page has no inline script, and a string a peer
+managed to get into the page as markup could not run (the page renders peer data as text).
 """
 
 from __future__ import annotations
@@ -153,6 +157,30 @@ class WheelBuilder:
 
 
 WHEEL = web.AppKey("wheel", WheelBuilder)
+CSP = web.AppKey("csp", str)
+
+
+def content_security_policy(cdn: str | None = None) -> str:
+    """The Content-Security-Policy of every response (W3C CSP Level 3).
+
+    Scripts come from this server only (``cdn``: plus the Pyodide CDN's origin, when the server has
+    no local Pyodide); ``'wasm-unsafe-eval'`` lets Pyodide compile its WebAssembly (nothing else
+    is evaluated); the rank's worker is a same-origin module script; fetches and the WebSocket go
+    to this origin only. No inline script, no inline event handler, no plugins, no framing.
+
+    Args:
+        cdn: an ``https://host`` origin also allowed for scripts and fetches, or ``None``.
+    """
+    extra = f" {cdn}" if cdn else ""
+    return ("default-src 'none'; "
+            f"script-src 'self' 'wasm-unsafe-eval'{extra}; worker-src 'self'; "
+            f"connect-src 'self'{extra}; img-src 'self' data:; style-src 'self'; "
+            "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.setdefault("Content-Security-Policy", request.app[CSP])
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
 
 
 def boot_info(wheel: WheelBuilder) -> dict[str, Any]:
@@ -201,6 +229,13 @@ def _page(name: str):
 def setup_static(app: web.Application) -> None:
     """Register the page, Pyodide, wheel and vendor routes on ``app``."""
     app[WHEEL] = WheelBuilder()
+    d = _pyodide_dir()
+    cdn = None
+    if d is None or _packages_dir() is None:   # the page loads Pyodide (or numpy) from the CDN
+        u = CDN.split("/")
+        cdn = f"{u[0]}//{u[2]}"
+    app[CSP] = content_security_policy(cdn)
+    app.on_response_prepare.append(_security_headers)
     app.router.add_get("/", _page("index.html"))
     app.router.add_get("/operator", _page("operator.html"))
     app.router.add_get("/api/boot", _boot)
@@ -208,7 +243,6 @@ def setup_static(app: web.Application) -> None:
     app.router.add_get("/pyodide-stdlib.zip", _stdlib)
     if WEB_DIR.is_dir():
         app.router.add_static("/web/", WEB_DIR)
-    d = _pyodide_dir()
     if d is not None:
         app.router.add_static("/pyodide/", d)
     pk = _packages_dir()

@@ -100,12 +100,28 @@ class ConfServer:
                            rtc_host_addresses=["127.0.0.1"])   # the server's end of rtc-star links
         app = create_app(cfg)
         self.rooms = {k: app[ROOMS].get(k) for k in ("star", "mesh")}
+        # SDPs through the server get their a=max-message-size set to ``sdp_cap`` while it is set
+        # (a receiver that takes 16 KiB messages): the mesh's offers and answers between ranks,
+        # and the star ranks' offers to the server (tests/conformance/rtc_harness.py)
+        self.sdp_cap: int | None = None
+        star, mesh = self.rooms["star"], self.rooms["mesh"]
+        answer, forward = star.on_server_signal, mesh.signal
+        star.on_server_signal = lambda p, sig: answer(p, self._capped(sig))
+        mesh.signal = lambda p, obj: forward(p, self._capped(obj))
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+
+    def _capped(self, sig: dict) -> dict:
+        from tests.conformance.rtc_harness import cap_sdp
+
+        n = self.sdp_cap
+        if n is None or not isinstance(sig.get("sdp"), str) or sig.get("kind") not in ("offer", "answer"):
+            return sig
+        return dict(sig, sdp=cap_sdp(sig["sdp"], n))
 
     def ws_url(self, room: str) -> str:
         return self.url.replace("http://", "ws://") + f"/api/rooms/{room}/ws"
@@ -210,7 +226,8 @@ class PageBus:
 class PageHarness(BusHarness):
     """One case's harness over a shared :class:`PageSession` (fresh buses per case)."""
 
-    def __init__(self, session: PageSession, kind: str, precision: str = "f32") -> None:
+    def __init__(self, session: PageSession, kind: str, precision: str = "f32", *,
+                 small_message_bytes: int | None = None) -> None:
         assert kind in ("star", "rtc-star", "mesh")
         self.session = session
         self.kind = kind
@@ -218,6 +235,11 @@ class PageHarness(BusHarness):
         self.precision = precision
         self.room = session.server.rooms[self.room_name]
         self.max_message_bytes = 262144 if kind == "mesh" else 65536
+        #: receivers' data channels take this much (the server rewrites SDPs; see ConfServer)
+        self.small_message_bytes = small_message_bytes
+        session.server.sdp_cap = small_message_bytes
+        if small_message_bytes is not None and kind == "mesh":
+            self.max_message_bytes = small_message_bytes
         self.high_water_bytes = HIGH_WATER
         self.buses: list[PageBus] = []
 
@@ -234,6 +256,14 @@ class PageHarness(BusHarness):
         return new
 
     # ------------------------------------------------------------------ settle
+    def received_size(self, sender: Any, receiver: Any, msg: dict) -> int:
+        """rtc-star with small receivers: the server re-cuts each chunk (``wire.rechunk``)."""
+        if self.small_message_bytes is None or self.kind != "rtc-star":
+            return self.encoded_size(sender, msg)
+        from tabcohort.wire import FrameWriter, rechunk
+        w = FrameWriter(sender.id, precision=self.precision, max_message_bytes=self.max_message_bytes)
+        return sum(len(c) for ch in w.write(msg) for c in rechunk(ch, self.small_message_bytes))
+
     def _relay(self, d: dict) -> tuple | None:
         p = self.room.peers.get(d["id"])
         return None if p is None else (p.n_in, p.n_out, p.queued_bytes, len(p.queue), p.connected)
@@ -296,5 +326,6 @@ class PageHarness(BusHarness):
         try:
             self.check_paths()
         finally:
+            self.session.server.sdp_cap = None
             self.session.call("reset")
             wait(lambda: not self.room.connected, 20, f"the {self.kind} room to be empty")

@@ -49,6 +49,11 @@ class BusHarness:
         w = FrameWriter(bus.id, precision=self.precision, max_message_bytes=self.max_message_bytes)
         return sum(map(len, w.write(msg)))
 
+    def received_size(self, sender: Bus, receiver: Bus, msg: dict) -> int:
+        """Bytes one copy of ``msg`` from ``sender`` takes off ``receiver``'s link: the encoded
+        size, unless a relay re-cuts chunks for the receiver's link (``wire.rechunk``)."""
+        return self.encoded_size(sender, msg)
+
     def close(self) -> None:
         """Tear everything down."""
 

@@ -50,6 +50,9 @@ if _ws_available():
 
         HARNESSES["rtc-mesh"] = lambda p: RtcMeshHarness(p)
         HARNESSES["rtc-star"] = lambda p: RtcStarHarness(p)
+        # receivers whose channels take 16 KiB messages (RFC 8841 a=max-message-size)
+        HARNESSES["rtc-mesh-16k"] = lambda p: RtcMeshHarness(p, small_message_bytes=16384)
+        HARNESSES["rtc-star-16k"] = lambda p: RtcStarHarness(p, small_message_bytes=16384)
 if sys.platform != "emscripten":
     from .tcp_harness import TcpHarness
 

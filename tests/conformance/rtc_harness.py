@@ -4,13 +4,21 @@ the harness's loop, and aiortc data channels on loopback (host candidates forced
 - ``RtcMeshHarness``: a mesh room; every pair must be on a data channel (``rtc``) before a case
   runs, so a silent fallback to the relay fails the battery.
 - ``RtcStarHarness``: a star room whose ranks link to the server over WebRTC (``--link rtc``).
+
+``small_message_bytes`` rewrites the ``a=max-message-size`` of SDPs on their way through the
+server (RFC 8841 section 6), as a browser that takes 16 or 64 KiB messages advertises it: in the
+mesh every offer and answer (each rank cuts its chunks to that size); in the star the ranks'
+offers only, so ranks send 256 KiB chunks and the server must re-cut every large frame for
+every receiver (``wire.rechunk``) or aiortc refuses the send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from tabcohort.bus import Bus
+from tabcohort.wire import rechunk
 
 from .bus_harness import LoopBusHarness
 
@@ -18,12 +26,22 @@ SETTLE_TIMEOUT_S = 30.0
 LOOPBACK = ["127.0.0.1"]
 
 
+def cap_sdp(sdp: str, max_message_bytes: int) -> str:
+    """``sdp`` with every ``a=max-message-size`` set to ``max_message_bytes``."""
+    out, n = re.subn(r"a=max-message-size:\d+", f"a=max-message-size:{max_message_bytes}", sdp)
+    if not n:
+        raise AssertionError("the SDP carries no a=max-message-size to rewrite")
+    return out
+
+
 class _RtcHarness(LoopBusHarness):
     topology = "star"
 
-    def __init__(self, precision: str = "f32") -> None:
+    def __init__(self, precision: str = "f32", *, small_message_bytes: int | None = None) -> None:
         super().__init__()
         self.precision = precision
+        self.small_message_bytes = small_message_bytes
+        self.n_rewritten = 0
         self.max_message_bytes = 262144
         self.high_water_bytes = 1 << 20
         self.buses: list = []
@@ -43,12 +61,23 @@ class _RtcHarness(LoopBusHarness):
                            rtc_host_addresses=LOOPBACK)
         app = create_app(cfg)
         self.room = app[ROOMS].get("conf")
+        if self.small_message_bytes is not None:
+            self._rewrite_sdps(self.small_message_bytes)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"ws://127.0.0.1:{port}/api/rooms/conf/ws"
+
+    def _capped(self, sig: dict, n: int) -> dict:
+        if isinstance(sig.get("sdp"), str) and sig.get("kind") in ("offer", "answer"):
+            self.n_rewritten += 1
+            return dict(sig, sdp=cap_sdp(sig["sdp"], n))
+        return sig
+
+    def _rewrite_sdps(self, n: int) -> None:
+        raise NotImplementedError
 
     async def _until(self, cond, what: str, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         loop = asyncio.get_running_loop()
@@ -72,6 +101,15 @@ class _RtcHarness(LoopBusHarness):
 
 class RtcMeshHarness(_RtcHarness):
     topology = "mesh"
+
+    def __init__(self, precision: str = "f32", *, small_message_bytes: int | None = None) -> None:
+        super().__init__(precision, small_message_bytes=small_message_bytes)
+        if small_message_bytes is not None:
+            self.max_message_bytes = small_message_bytes   # every link's cut
+
+    def _rewrite_sdps(self, n: int) -> None:
+        room, forward = self.room, self.room.signal     # offers and answers between ranks
+        room.signal = lambda p, obj: forward(p, self._capped(obj, n))
 
     async def amake(self, n: int) -> list[Bus]:
         from tabcohort.bus.rtc import RtcMeshBus
@@ -123,6 +161,18 @@ class RtcStarHarness(_RtcHarness):
 
     topology = "star"
 
+    def _rewrite_sdps(self, n: int) -> None:
+        room, answer = self.room, self.room.on_server_signal    # the ranks' offers to the server
+        room.on_server_signal = lambda p, sig: answer(p, self._capped(sig, n))
+
+    def received_size(self, sender: Bus, receiver: Bus, msg: dict) -> int:
+        """What arrives: the server re-cuts to the receiver's channel size."""
+        if self.small_message_bytes is None:
+            return self.encoded_size(sender, msg)
+        from tabcohort.wire import FrameWriter
+        w = FrameWriter(sender.id, precision=self.precision, max_message_bytes=self.max_message_bytes)
+        return sum(len(c) for ch in w.write(msg) for c in rechunk(ch, self.small_message_bytes))
+
     async def amake(self, n: int) -> list[Bus]:
         from tabcohort.bus.rtc import RtcStarBus
 
@@ -132,6 +182,12 @@ class RtcStarHarness(_RtcHarness):
             await b.connect()
             if not b.rtc_up:
                 raise RuntimeError(f"star data channel did not open: {b.rtc_why}")
+            if self.small_message_bytes is not None:    # the server's side of the channel is capped
+                await self._until(lambda b=b: (lk := self.room.peers[b.id].rtc) is not None and lk.up,
+                                  "server channel up")
+                sctp = self.room.peers[b.id].rtc.pc.sctp
+                assert sctp._remote_max_message_size == self.small_message_bytes, sctp._remote_max_message_size
+                assert b.writer.max_message_bytes == self.max_message_bytes
             new.append(b)
         self.buses += new
         ids = {b.id for b in self.buses}

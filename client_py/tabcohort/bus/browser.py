@@ -42,7 +42,9 @@ from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes
 from .rtc import RtcMeshBus
 from .rtc_util import ice_server_dicts
-from .ws import _FATAL_CLOSE, DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES, LinkFailed
+from .backoff import full_jitter_s
+from .ws import (_FATAL_CLOSE, CLOSE_RETRY_LATER, CLOSE_UNKNOWN_ID, DEFAULT_HIGH_WATER_BYTES,
+                 DEFAULT_MAX_QUEUE_BYTES, LinkFailed)
 
 log = logging.getLogger("tabcohort.bus.browser")
 
@@ -255,7 +257,19 @@ class BrowserBus:
         Raises:
             LinkFailed: the server refused (bad token, room full) or did not answer in time.
         """
-        await self._open(resume=False, timeout_s=timeout_s)
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + self.reconnect_max_s
+        attempt = 0
+        while True:   # as WsBus.connect: a registration over the server's rate is retried
+            try:
+                await self._open(resume=False, timeout_s=timeout_s)
+                break
+            except LinkFailed as e:
+                delay = full_jitter_s(attempt, self._rng)
+                if e.code != CLOSE_RETRY_LATER or self.closed or loop.time() + delay > t_end:
+                    raise
+                attempt += 1
+                await asyncio.sleep(delay)
         self.writer = FrameWriter(self.id, precision=self.precision, max_message_bytes=self.max_message_bytes,
                                   int8_block=self.int8_block, use_numpy=self.use_numpy)
         return self
@@ -466,11 +480,11 @@ class BrowserBus:
         fut = self._welcome
         if fut is not None and not fut.done():
             if not self._resuming:
-                fut.set_exception(LinkFailed(f"server refused the link (close {code}: {reason})"))
+                fut.set_exception(LinkFailed(f"server refused the link (close {code}: {reason})", code))
                 return
             fut.set_exception(ConnectionError(f"close {code}"))
-            if code in _FATAL_CLOSE:
-                self._fail(f"server closed the link: code {code} {reason}")
+            if code in _FATAL_CLOSE:   # a refused resume (4004): the tab may join again as a new rank
+                self._fail(f"server closed the link: code {code} {reason}", rejoin=code == CLOSE_UNKNOWN_ID)
             return
         if not was_connected:
             return
@@ -483,10 +497,10 @@ class BrowserBus:
     async def _reconnect(self) -> None:
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.reconnect_max_s
-        delay = 0.1
+        attempt = 0
         while not self.closed and loop.time() < t_end:
-            await asyncio.sleep(delay * self._rng.uniform(0.5, 1.5))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(full_jitter_s(attempt, self._rng))   # full jitter (bus/backoff.py)
+            attempt += 1
             try:
                 await self._open(resume=True, timeout_s=10.0)
             except (LinkFailed, ConnectionError) as e:
@@ -499,11 +513,12 @@ class BrowserBus:
         if not self.closed:
             self._fail(f"gave up reconnecting after {self.reconnect_max_s} s")
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, *, rejoin: bool = False) -> None:
+        """As :meth:`WsBus._fail <tabcohort.bus.ws.WsBus._fail>`."""
         self.failed = why
-        log.error("rank %08x: %s", self.id, why)
+        (log.warning if rejoin else log.error)("rank %08x: %s", self.id, why)
         if self.on_control is not None:
-            self.on_control({"type": "failed", "reason": why})
+            self.on_control({"type": "failed", "reason": why, "rejoin": rejoin})
 
     def _on_chunk(self, chunk: bytes) -> None:
         self.n_received += 1

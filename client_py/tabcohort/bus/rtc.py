@@ -695,7 +695,8 @@ class RtcStarBus(WsBus):
                 await asyncio.wait_for(self._low.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
-        if self.rtc_up and ch.readyState == "open":
+        # a chunk cut before the channel opened may exceed what it takes: the WebSocket carries it
+        if self.rtc_up and ch.readyState == "open" and len(chunk) <= self.writer.max_message_bytes:
             ch.send(chunk)
             self.rtc_sent += len(chunk)
         else:

@@ -22,7 +22,13 @@ the raw socket totals, controls included.
 the relay reports its own slowest queue, so a leader paces on a stalled peer behind the relay.
 
 A dropped socket is reconnected with the same id (the server holds it for its grace period)
-with jittered exponential backoff; posts while disconnected are dropped (``disconnected``).
+with full-jitter exponential backoff (:mod:`tabcohort.bus.backoff`); posts while disconnected are
+dropped (``disconnected``). Server close codes (docs/INTERFACES.md, "Close codes"): 4029 (the
+server admits registrations at a bounded rate) is retried after the next backoff delay, at
+connect and at reconnect alike; 4004 on a resume (the server no longer knows the id: its grace
+expired, or it restarted without its checkpoint directory) ends the link with a ``failed``
+control carrying ``rejoin: True``, and the runtime joins again as a new rank; 4000, 4001 and
+4009 end the link for good.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any, Callable
 from ..errors import ConfigError, RemoteProtocolError, TabcohortError
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
+from .backoff import full_jitter_s
 from .base import LinkBytes
 
 log = logging.getLogger("tabcohort.bus.ws")
@@ -46,11 +53,21 @@ DEFAULT_HIGH_WATER_BYTES = 1 << 20
 DEFAULT_MAX_QUEUE_BYTES = 64 << 20
 CLOSE_UNKNOWN_ID = 4004
 CLOSE_BAD_TOKEN = 4001
+#: the server's admission rate limit: registrations beyond it are closed with this; retry later
+CLOSE_RETRY_LATER = 4029
 _FATAL_CLOSE = {4000, CLOSE_BAD_TOKEN, CLOSE_UNKNOWN_ID, 4009}
 
 
 class LinkFailed(TabcohortError):
-    """The link to the server is gone for good (bad token, id no longer reserved, gave up)."""
+    """The link to the server is gone for good (bad token, id no longer reserved, gave up).
+
+    Attributes:
+        code: the server's WebSocket close code, when it closed the link (else ``None``).
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class WsBus:
@@ -132,14 +149,25 @@ class WsBus:
         self._recv_gate = asyncio.Event()
         self._recv_gate.set()
         self._session = aiohttp.ClientSession()
-        try:
-            await asyncio.wait_for(self._open(resume=False), timeout_s)
-        except (asyncio.TimeoutError, OSError, aiohttp.ClientError) as e:
-            await self._session.close()
-            raise LinkFailed(f"cannot connect to {self.ws_url}: {type(e).__name__}: {e}") from None
-        except LinkFailed:
-            await self._session.close()
-            raise
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + self.reconnect_max_s
+        attempt = 0
+        while True:
+            try:
+                await asyncio.wait_for(self._open(resume=False), timeout_s)
+                break
+            except (asyncio.TimeoutError, OSError, aiohttp.ClientError) as e:
+                await self._session.close()
+                raise LinkFailed(f"cannot connect to {self.ws_url}: {type(e).__name__}: {e}") from None
+            except LinkFailed as e:
+                delay = full_jitter_s(attempt, self._rng)
+                if e.code != CLOSE_RETRY_LATER or self.closed or loop.time() + delay > t_end:
+                    await self._session.close()
+                    raise
+                attempt += 1
+                log.info("server admits registrations at a bounded rate (close %s); retry in %.2f s",
+                         e.code, delay)
+                await asyncio.sleep(delay)
         self.writer = FrameWriter(self.id, precision=self.precision, max_message_bytes=self.max_message_bytes,
                                   int8_block=self.int8_block, use_numpy=self.use_numpy)
         loop = asyncio.get_running_loop()
@@ -161,7 +189,7 @@ class WsBus:
             code = ws.close_code
             reason = getattr(msg, "extra", None) or ""
             await ws.close()
-            raise LinkFailed(f"server refused the link (close {code}: {reason})")
+            raise LinkFailed(f"server refused the link (close {code}: {reason})", code)
         w = json.loads(msg.data)
         if w.get("type") != "welcome":
             await ws.close()
@@ -362,14 +390,17 @@ class WsBus:
 
         loop = asyncio.get_running_loop()
         t_end = loop.time() + self.reconnect_max_s
-        delay = 0.1
+        attempt = 0
         while not self.closed and loop.time() < t_end:
-            await asyncio.sleep(delay * self._rng.uniform(0.5, 1.5))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(full_jitter_s(attempt, self._rng))
+            attempt += 1
             try:
                 await asyncio.wait_for(self._open(resume=True), 10.0)
             except LinkFailed as e:
-                self._fail(str(e))
+                if e.code == CLOSE_RETRY_LATER:
+                    log.info("rank %08x: reconnect deferred by the server (close %s)", self.id, e.code)
+                    continue
+                self._fail(str(e), rejoin=e.code == CLOSE_UNKNOWN_ID)
                 return False
             except (asyncio.TimeoutError, OSError, aiohttp.ClientError, ValueError) as e:
                 log.info("rank %08x: reconnect failed: %r", self.id, e)
@@ -380,11 +411,13 @@ class WsBus:
         self._fail(f"gave up reconnecting after {self.reconnect_max_s} s")
         return False
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, *, rejoin: bool = False) -> None:
+        """The link is gone for good; ``rejoin``: the server refused the resume (4004), so the
+        rank may join again as a new rank (``failed`` control with ``rejoin: True``)."""
         self.failed = why
-        log.error("rank %08x: %s", self.id, why)
+        (log.warning if rejoin else log.error)("rank %08x: %s", self.id, why)
         if self.on_control is not None:
-            self.on_control({"type": "failed", "reason": why})
+            self.on_control({"type": "failed", "reason": why, "rejoin": rejoin})
 
     def _on_chunk(self, chunk: bytes) -> None:
         self.n_received += 1

@@ -250,6 +250,8 @@ class RankRun:
         self.publish_seen = False
         self.start_step = 0
         self.driver: Any = None
+        self.rejoin = False
+        self.n_rejoins = 0
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
@@ -330,56 +332,71 @@ class RankRun:
                 self.start_step = int(headers.get("X-Tabcohort-Step", "0"))
                 self.progress(f"loaded checkpoint at step {self.start_step} ({headers.get('X-Tabcohort-Digest', '')[:12]})")
 
-            bus = self._make_bus(job, ws_url(cfg.base_url, cfg.room))
-            await bus.connect()
-            if bus.stopped_reason is not None or self.stop_event.is_set():
-                self.progress(f"room already stopped: {bus.stopped_reason}")
-                await bus.aclose()
-                return 0
-            timing = Timing(**job["timing"])
-            machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
-                                  lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                                  collect_rule=job.get("collect_rule", "quorum"))
-            if self.start_step:
-                machine.step = self.start_step
-            driver = self.driver = RankDriver(machine, worker, bus)
-            inner = bus.on_message
+            while True:  # one pass per seat: a refused resume joins again as a new rank
+                bus = self._make_bus(job, ws_url(cfg.base_url, cfg.room))
+                await bus.connect()
+                if bus.stopped_reason is not None or self.stop_event.is_set():
+                    self.progress(f"room already stopped: {bus.stopped_reason}")
+                    await bus.aclose()
+                    return 0
+                timing = Timing(**job["timing"])
+                machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
+                                      lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
+                                      collect_rule=job.get("collect_rule", "quorum"))
+                if self.start_step:
+                    machine.step = self.start_step
+                driver = self.driver = RankDriver(machine, worker, bus)
+                inner = bus.on_message
 
-            def tap(msg: dict) -> None:
-                if msg.get("t") == "round":
-                    k = msg["from"]
-                    if not self.leaders or self.leaders[-1][0] != k:
-                        self.leaders.append([k, time.time(), int(msg["step"])])
-                        del self.leaders[:-20]
-                    loss = msg.get("loss")
-                    if self.first_loss is None and isinstance(loss, float) and math.isfinite(loss):
-                        self.first_loss = loss
-                    if not msg.get("assign"):
-                        self.publish_seen = True
-                inner(msg)
-            bus.on_message = tap
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(sig, self._request_stop, f"signal {sig.name}")
-                except (NotImplementedError, RuntimeError):  # pragma: no cover
-                    pass
-            self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
-                          f"bucket_len {worker.bucket_len})")
-            driver.start(job["lr"])
-            t0 = time.monotonic()
-            next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
-            period = job["report_interval_s"]
-            while not self.stop_event.is_set():
-                try:
-                    await asyncio.wait_for(self.stop_event.wait(), period)
-                except asyncio.TimeoutError:
-                    pass
-                st = self._state(driver, digest)
-                bus.send_control({"type": "report", "state": st})
-                self._print(time.monotonic() - t0, st)
-                if machine.looping and time.monotonic() >= next_ckpt:
-                    next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
-                    await self._upload(http, bus, machine, worker, digest, final=False)
+                def tap(msg: dict) -> None:
+                    if msg.get("t") == "round":
+                        k = msg["from"]
+                        if not self.leaders or self.leaders[-1][0] != k:
+                            self.leaders.append([k, time.time(), int(msg["step"])])
+                            del self.leaders[:-20]
+                        loss = msg.get("loss")
+                        if self.first_loss is None and isinstance(loss, float) and math.isfinite(loss):
+                            self.first_loss = loss
+                        if not msg.get("assign"):
+                            self.publish_seen = True
+                    inner(msg)
+                bus.on_message = tap
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    try:
+                        loop.add_signal_handler(sig, self._request_stop, f"signal {sig.name}")
+                    except (NotImplementedError, RuntimeError):  # pragma: no cover
+                        pass
+                self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
+                              f"bucket_len {worker.bucket_len})")
+                driver.start(job["lr"])
+                t0 = time.monotonic()
+                next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+                period = job["report_interval_s"]
+                while not self.stop_event.is_set():
+                    try:
+                        await asyncio.wait_for(self.stop_event.wait(), period)
+                    except asyncio.TimeoutError:
+                        pass
+                    st = self._state(driver, digest)
+                    bus.send_control({"type": "report", "state": st})
+                    self._print(time.monotonic() - t0, st)
+                    if machine.looping and time.monotonic() >= next_ckpt:
+                        next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+                        await self._upload(http, bus, machine, worker, digest, final=False)
+                if not self.rejoin:
+                    break
+                # the server no longer knows this id (it restarted without its checkpoint
+                # directory, or the grace period ran out): join again as a new rank, keeping the
+                # worker's parameters and the step; the next round (or, when no rank is ready,
+                # the bootstrap: PROTOCOL.md "Joining") syncs it
+                self.rejoin = False
+                self.stop_event.clear()
+                self.start_step = machine.step
+                self.n_rejoins += 1
+                await driver.close()
+                await bus.aclose()
+                self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank "
+                              f"at step {self.start_step}")
             # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
             was_leader = machine.looping or machine.is_leader(driver.now_ms())
             # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
@@ -429,6 +446,10 @@ class RankRun:
                 self.driver.peer_left(k)
         elif t == "stop":
             self._request_stop(f"server: {obj.get('reason')}")
+        elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
+            self.rejoin = True              # the resume was refused: run() joins again
+            if self.stop_event is not None:
+                self.stop_event.set()
         elif t == "failed":
             self.failed = str(obj.get("reason"))
             self._request_stop(f"link failed: {self.failed}")
@@ -447,6 +468,7 @@ class RankRun:
         st["leaders"] = self.leaders
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step
+        st["rejoins"] = self.n_rejoins
         bus = driver.bus
         if hasattr(bus, "links"):
             st["links"] = {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.links().items()}

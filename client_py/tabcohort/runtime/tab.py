@@ -44,6 +44,8 @@ class TabRun:
         self.driver: Any = None
         self.bus: Any = None
         self.start_step = 0
+        self.rejoin = False
+        self.n_rejoins = 0
         self.t0 = time.monotonic()
         # largest gaps (ms, loop clock) between consecutive heartbeats sent and messages received:
         # a hidden tab must keep both under policy.drop (DESIGN.md, "Hidden and frozen tabs")
@@ -138,75 +140,97 @@ class TabRun:
         hub = PortHub(self.port, on_other=self._on_ui).start()
         ws = cfg["base"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
         url = f"{ws}/api/rooms/{cfg['room']}/ws"
-        common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self._on_control)
-        if job.get("topology") == "mesh":
-            # a data channel per pair, in the page; idle bound as a native mesh rank's (native.py)
-            beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
-            bus = self.bus = BrowserMeshBus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
-                                            connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0), **common)
-        elif (cfg.get("link") or job.get("link") or "ws") == "rtc":
-            # star over a data channel to the server (the page's ?link=rtc; native --link rtc)
-            bus = self.bus = BrowserRtcStarBus(hub, url, connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0),
-                                               **common)
-        else:
-            bus = self.bus = BrowserBus(hub, url, **common)
-        self.progress("joining the room")
-        try:
-            await bus.connect()
-        except Exception as e:
-            await hub.aclose()
-            raise TabcohortError(f"could not join: {e}") from None
-        timing = Timing(**job["timing"])
-        machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
-                              lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                              collect_rule=job.get("collect_rule", "quorum"))
-        if self.start_step:
-            machine.step = self.start_step
-        driver = self.driver = RankDriver(machine, worker, bus)
-        inner = bus.on_message
+        running = False   # a rejoin keeps the start/stop state the user chose
+        while True:  # one pass per seat: a refused resume joins again as a new rank (no reload)
+            common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self._on_control)
+            if job.get("topology") == "mesh":
+                # a data channel per pair, in the page; idle bound as a native mesh rank's (native.py)
+                beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
+                bus = self.bus = BrowserMeshBus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
+                                                connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0), **common)
+            elif (cfg.get("link") or job.get("link") or "ws") == "rtc":
+                # star over a data channel to the server (the page's ?link=rtc; native --link rtc)
+                bus = self.bus = BrowserRtcStarBus(hub, url, connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0),
+                                                   **common)
+            else:
+                bus = self.bus = BrowserBus(hub, url, **common)
+            self.progress("joining the room")
+            try:
+                await bus.connect()
+            except Exception as e:
+                await hub.aclose()
+                raise TabcohortError(f"could not join: {e}") from None
+            timing = Timing(**job["timing"])
+            machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
+                                  lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
+                                  collect_rule=job.get("collect_rule", "quorum"))
+            if self.start_step:
+                machine.step = self.start_step
+            driver = self.driver = RankDriver(machine, worker, bus)
+            inner = bus.on_message
 
-        def tap(msg: dict) -> None:
-            now = driver.now_ms()
-            if self._last_recv_ms is not None:
-                self.gaps["recv_max_ms"] = max(self.gaps["recv_max_ms"], now - self._last_recv_ms)
-            self._last_recv_ms = now
-            if msg.get("t") == "round" and not msg.get("assign"):
-                self.publish_seen = True
-            inner(msg)
-        bus.on_message = tap
-        bus_post = bus.post
-
-        def post(msg: dict) -> None:
-            if msg.get("t") == "beat":
+            def tap(msg: dict) -> None:
                 now = driver.now_ms()
-                if self._last_beat_ms is not None:
-                    self.gaps["beat_max_ms"] = max(self.gaps["beat_max_ms"], now - self._last_beat_ms)
-                self._last_beat_ms = now
-                self.gaps["beats"] += 1
-            bus_post(msg)
-        bus.post = post
-        self.progress(f"rank {bus.id:08x} joined room {cfg['room']} ({worker.backend}, batch {worker.batch})")
-        self.ui("joined", id=bus.id, t=round(time.monotonic() - self.t0, 3))
-        if cfg.get("autostart", True):
-            driver.start(job["lr"])
-        next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
-        period = job["report_interval_s"]
-        ui_period = min(period, 0.5)
-        next_report = 0.0
+                if self._last_recv_ms is not None:
+                    self.gaps["recv_max_ms"] = max(self.gaps["recv_max_ms"], now - self._last_recv_ms)
+                self._last_recv_ms = now
+                if msg.get("t") == "round" and not msg.get("assign"):
+                    self.publish_seen = True
+                inner(msg)
+            bus.on_message = tap
+            bus_post = bus.post
+
+            def post(msg: dict) -> None:
+                if msg.get("t") == "beat":
+                    now = driver.now_ms()
+                    if self._last_beat_ms is not None:
+                        self.gaps["beat_max_ms"] = max(self.gaps["beat_max_ms"], now - self._last_beat_ms)
+                    self._last_beat_ms = now
+                    self.gaps["beats"] += 1
+                bus_post(msg)
+            bus.post = post
+            self.progress(f"rank {bus.id:08x} joined room {cfg['room']} ({worker.backend}, batch {worker.batch})")
+            self.ui("joined", id=bus.id, t=round(time.monotonic() - self.t0, 3))
+            if running if self.n_rejoins else cfg.get("autostart", True):
+                driver.start(job["lr"])
+            next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+            period = job["report_interval_s"]
+            ui_period = min(period, 0.5)
+            next_report = 0.0
+            try:
+                while not self.stop_event.is_set():
+                    try:
+                        await asyncio.wait_for(self.stop_event.wait(), ui_period)
+                    except asyncio.TimeoutError:
+                        pass
+                    st = self._state(digest)
+                    self.ui("state", state=st)
+                    if time.monotonic() >= next_report:
+                        next_report = time.monotonic() + period
+                        bus.send_control({"type": "report", "state": self._server_state(st)})
+                    if machine.looping and time.monotonic() >= next_ckpt:
+                        next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
+                        await self._upload(final=False)
+            except BaseException:
+                await driver.close()
+                await bus.aclose()
+                await hub.aclose()
+                self.port.destroy()
+                raise
+            if not self.rejoin:
+                break
+            # the server no longer knows this id (restarted without its checkpoint directory,
+            # or the grace period ran out): join again as a new rank with the worker's
+            # parameters and step; the next round (or the bootstrap) syncs it
+            self.rejoin = False
+            self.stop_event.clear()
+            running = machine.running
+            self.start_step = machine.step
+            self.n_rejoins += 1
+            await driver.close()
+            await bus.aclose()
+            self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank")
         try:
-            while not self.stop_event.is_set():
-                try:
-                    await asyncio.wait_for(self.stop_event.wait(), ui_period)
-                except asyncio.TimeoutError:
-                    pass
-                st = self._state(digest)
-                self.ui("state", state=st)
-                if time.monotonic() >= next_report:
-                    next_report = time.monotonic() + period
-                    bus.send_control({"type": "report", "state": self._server_state(st)})
-                if machine.looping and time.monotonic() >= next_ckpt:
-                    next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
-                    await self._upload(final=False)
             was_leader = machine.looping or machine.is_leader(driver.now_ms())
             # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
             # "Controls": a stopping leader publishes); one seen earlier does not count
@@ -270,6 +294,9 @@ class TabRun:
                 self.driver.peer_left(k)
         elif t == "stop":
             self._request_stop(f"server: {obj.get('reason')}")
+        elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
+            self.rejoin = True              # the resume was refused: _run() joins again
+            self.stop_event.set()
         elif t == "failed":
             self.failed = str(obj.get("reason"))
             self._request_stop(f"link failed: {self.failed}")
@@ -293,6 +320,7 @@ class TabRun:
                       "uplink_bytes": self.bus.uplink_bytes, "downlink_bytes": self.bus.downlink_bytes,
                       "pressure": self.bus.pressure()}
         st["start_step"] = self.start_step
+        st["rejoins"] = self.n_rejoins
         st["uptime_s"] = round(time.monotonic() - self.t0, 3)
         st["gaps"] = {k: round(v, 1) for k, v in self.gaps.items()}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}

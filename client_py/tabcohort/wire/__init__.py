@@ -11,6 +11,7 @@ from .chunk import (
     Route,
     negotiate_max_message_bytes,
     parse_route,
+    rechunk,
     split_frame,
 )
 from .codecs import CODECS, FLAG_F32_FALLBACK, Codec, get_codec
@@ -24,5 +25,5 @@ __all__ = [
     "CHUNK_HEADER", "CODECS", "Codec", "DATA_CHANNEL_MAX_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES",
     "DROP_REASONS", "FLAG_F32_FALLBACK", "FrameReader", "FrameWriter", "MSG_TYPES", "Route", "SCHEMAS",
     "WIRE_VERSION", "WireLimits", "decode_body", "encode_body", "get_codec",
-    "negotiate_max_message_bytes", "parse_route", "resolve_numpy", "split_frame",
+    "negotiate_max_message_bytes", "parse_route", "rechunk", "resolve_numpy", "split_frame",
 ]

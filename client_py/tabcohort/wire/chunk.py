@@ -13,7 +13,8 @@ Chunk layout (little-endian, :data:`CHUNK_HEADER`, 22 bytes)::
     ...              payload: bytes [index * P, ...) of the frame body
 
 Every chunk of a frame carries the same header except ``index``, so a relay can route by
-(sender, recipient) and drop a whole frame by (sender, frame_id) without decoding payloads.
+(sender, recipient) and drop a whole frame by (sender, frame_id) without decoding payloads,
+and re-cut a frame for a receiver whose link takes smaller messages (:func:`rechunk`).
 """
 
 from __future__ import annotations
@@ -119,3 +120,56 @@ def split_frame(body: bytes, *, sender: int, recipient: int | None, frame_id: in
                   mv[i * per : (i + 1) * per]))
         for i in range(count)
     ]
+
+
+def rechunk(chunk: Any, max_message_bytes: int) -> list[bytes]:
+    """Re-cut one relayed chunk for a link whose messages are at most ``max_message_bytes``.
+
+    For a relay (docs/INTERFACES.md, "Wire"): it reads the routing header only and slices the
+    payload as opaque bytes. Every chunk of a frame becomes the same number ``k`` of chunks, ``k``
+    derived from the header alone (``frame_len`` and ``count`` bound the payload of any chunk a
+    :func:`split_frame` writer cut), so the chunks of one frame can be re-cut one at a time, in
+    any order, without state: chunk ``i`` becomes chunks ``i * k + j`` (``j < k``) of a frame of
+    ``count * k`` chunks, same ``frame_id`` and ``frame_len``, and :class:`~tabcohort.wire.FrameReader`
+    reassembles them as any other frame. When ``k == 1`` the chunk is returned unchanged.
+
+    Args:
+        chunk: bytes-like, one chunk as received (header + payload).
+        max_message_bytes: the receiving link's largest message, header included
+            (>= :data:`MIN_MESSAGE_BYTES`).
+
+    Returns:
+        The chunks to send in its place, in index order, each at most ``max_message_bytes``.
+
+    Raises:
+        ConfigError: ``max_message_bytes`` below :data:`MIN_MESSAGE_BYTES`.
+        RemoteProtocolError: a bad header (as :func:`parse_route`), ``bad_chunk`` for a payload
+            larger than its frame's chunks can be (not cut as :func:`split_frame` cuts), or
+            ``absurd_size`` when the re-cut frame would need more than 65535 chunks.
+    """
+    if max_message_bytes < MIN_MESSAGE_BYTES:
+        raise ConfigError("max_message_bytes", max_message_bytes, f"must be >= {MIN_MESSAGE_BYTES}")
+    r = parse_route(chunk)
+    per = max_message_bytes - CHUNK_HEADER.size
+    # the largest payload a uniform cut gives any chunk of this frame: all but the last chunk
+    # carry P bytes with P * (count - 1) < frame_len
+    bound = r.frame_len if r.count == 1 else (r.frame_len - 1) // (r.count - 1)
+    k = max(1, -(-bound // per))
+    if k == 1:
+        if len(chunk) > max_message_bytes:
+            raise RemoteProtocolError(L.BAD_CHUNK, f"chunk of {len(chunk)} bytes in a frame cut at {bound}")
+        return [bytes(chunk)]
+    count = r.count * k
+    if count > MAX_CHUNKS or count > r.frame_len:
+        raise RemoteProtocolError(L.ABSURD_SIZE, f"re-cut frame would need {count} chunks")
+    payload = memoryview(chunk)[CHUNK_HEADER.size :]
+    n = len(payload)
+    if n > k * per:
+        raise RemoteProtocolError(L.BAD_CHUNK, f"payload of {n} bytes in a frame cut at {bound}")
+    step = -(-n // k) if n else 0
+    flags = FLAG_HAS_RECIPIENT if r.recipient is not None else 0
+    rcpt = r.recipient if r.recipient is not None else 0
+    base = r.index * k
+    return [b"".join((CHUNK_HEADER.pack(WIRE_VERSION, flags, r.sender, rcpt, r.frame_id, base + j, count,
+                                        r.frame_len), payload[j * step : (j + 1) * step]))
+            for j in range(k)]

@@ -1,0 +1,70 @@
+"""The server's admission rate limit for registrations (a token bucket over all rooms): a
+registration beyond it is closed with 4029 (retry later), counted, and a rank's bus backs off
+(full jitter) and joins once the bucket refills."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tabcohort.bus.ws import CLOSE_RETRY_LATER, WsBus
+from tabcohort_server import JobConfig, ServerConfig, ServerLimits, create_app
+from tabcohort_server.app import ROOMS
+from tabcohort_server.rooms import TokenBucket
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+RATE_PER_S, BURST = 2.0, 3
+
+
+@pytest_asyncio.fixture
+async def client(aiohttp_client):
+    cfg = ServerConfig(rooms={"r": JobConfig(dataset="synthetic")},
+                       limits=ServerLimits(register_rate_per_s=RATE_PER_S, register_burst=BURST))
+    return await aiohttp_client(create_app(cfg))
+
+
+async def register(client) -> tuple[aiohttp.ClientWebSocketResponse, dict | None]:
+    ws = await client.ws_connect("/api/rooms/r/ws")
+    await ws.send_str(json.dumps({"type": "register"}))
+    msg = await ws.receive()
+    return ws, json.loads(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+
+
+def test_token_bucket_admits_a_burst_then_the_rate():
+    b = TokenBucket(2.0, 3)
+    assert [b.take(10.0) for _ in range(4)] == [True, True, True, False]
+    assert not b.take(10.4)            # 0.8 token
+    assert b.take(10.5) and not b.take(10.5)
+    assert [b.take(100.0) for _ in range(4)] == [True, True, True, False]   # refilled to the burst only
+
+
+async def test_registrations_beyond_the_rate_are_told_to_retry_later(client):
+    got = [await register(client) for _ in range(BURST + 2)]
+    welcomed = [w for _, w in got if w is not None and w["type"] == "welcome"]
+    refused = [ws for ws, w in got if w is None]
+    assert len(welcomed) == BURST and len(refused) == 2
+    assert {ws.close_code for ws in refused} == {CLOSE_RETRY_LATER}
+    room = client.server.app[ROOMS].get("r")
+    assert room.drops.get("register_deferred") == 2 and len(room.connected) == BURST
+    for ws, _ in got:
+        await ws.close()
+
+
+async def test_a_bus_refused_for_the_rate_backs_off_and_joins_when_the_bucket_refills(client):
+    held = [await register(client) for _ in range(BURST)]          # the bucket is empty now
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    bus = WsBus(str(client.make_url("/api/rooms/r/ws")).replace("http://", "ws://"))
+    await asyncio.wait_for(bus.connect(), 30)
+    took = loop.time() - t0
+    room = client.server.app[ROOMS].get("r")
+    assert bus.id in room.connected and room.drops.get("register_deferred", 0) >= 1
+    assert bus.failed is None and took < 30
+    await bus.aclose()
+    for ws, _ in held:
+        await ws.close()
