@@ -356,6 +356,7 @@ class Room:
         key = SERVER if src is None else src.id
         if src is not None and frame_id is not None and p.skip.get(key) == frame_id:
             self.drop("fair_share")     # the rest of a frame already shed for p
+            src.charge("fair_share")
             return
         n = len(item)
         lim = self.limits
@@ -469,6 +470,7 @@ class Room:
             return
         if len(text) > self.limits.max_control_bytes:
             self.drop("control_too_big")
+            p.charge("control_too_big")
             return
         obj, why = parse_control(text)
         if obj is None:

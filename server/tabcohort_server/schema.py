@@ -8,7 +8,7 @@ in ``/api/rooms/ROOM`` and ``/metrics``); it never raises. The schemas are JSON 
 anywhere, a bounded nesting depth) is checked by the parser here.
 
 Bounds (all checked): ints are JSON integers in their wire range (a step is ``0 <= step < 2**63``,
-ids are uint32), floats are finite, strings are at most 256 characters (an SDP 64 KiB), maps at
+ids are uint32), floats are finite, strings are at most 256 characters (an SDP 16 KiB), maps at
 most 64 entries of short keys, lists at most 1024 items.
 """
 
@@ -72,7 +72,7 @@ CONTROL_SCHEMAS: dict[str, dict] = {
                     "properties": {"ids": {"type": "array", "maxItems": 4096, "items": U32}}},
     "signal": {"type": "object", "required": ["to", "kind"], "properties": {
         "to": U32, "kind": {"enum": ["offer", "answer", "candidate", "bye", "backlog"]},
-        "sdp": {"type": "string", "maxLength": 65536}, "bytes": U63,
+        "sdp": {"type": "string", "maxLength": 16384}, "bytes": U63,
         "candidate": {"type": "object", "maxProperties": 8, "propertyNames": KEY,
                       "additionalProperties": {"type": ["string", "integer", "null"], "maxLength": 1024}}}},
 }
