@@ -165,7 +165,7 @@ class Room:
         #: max-heap of (-(queued + backlog), version, id), stale entries dropped lazily: the max
         #: load in O(log n) per relayed frame instead of a scan of every rank (200-rank profile)
         self._loads: list[tuple[int, int, int]] = []
-        #: the highest step of the trusted leader's reports (``step()``); never the highest claim
+        #: the trusted leader's last step (``step()``); never the highest claim
         self._trusted_step = 0
 
     # ------------------------------------------------------------------ membership
@@ -222,7 +222,10 @@ class Room:
         lim = self.limits
         p.msg_bucket = TokenBucket(lim.sender_max_msgs_per_s, 2 * lim.sender_max_msgs_per_s, now)
         p.byte_bucket = TokenBucket(lim.sender_max_bytes_per_s, lim.sender_max_bytes_per_s, now)
-        p.strikes = TokenBucket(lim.sender_max_msgs_per_s,
+        # excess messages a link may send before it is closed: rate_limit_close_s seconds' worth
+        # of its rate, refilled at a quarter of its rate (a sender persistently over 1.25x its
+        # rate is closed; one that bursts over now and then only loses the excess)
+        p.strikes = TokenBucket(lim.sender_max_msgs_per_s / 4,
                                 lim.sender_max_msgs_per_s * lim.rate_limit_close_s, now)
         p.skip.clear()
         p.write_since = None
@@ -549,10 +552,11 @@ class Room:
         return min(tied, key=lambda r: r.get("step", 0))
 
     def step(self) -> int:
-        """The highest step the trusted leader has reported (:meth:`leader_report`)."""
+        """The trusted leader's step (:meth:`leader_report`); while no connected rank names a
+        leader, the last such step (never the highest any rank claimed)."""
         lead = self.leader_report()
         if lead is not None:
-            self._trusted_step = max(self._trusted_step, int(lead.get("step", 0)))
+            self._trusted_step = int(lead.get("step", 0))
         return self._trusted_step
 
     def check_stop(self, now: float) -> bool:
