@@ -56,7 +56,9 @@ REPORT_STATE = {
         "model": STR_OR_NULL, "backend": STR_OR_NULL, "precision": STR_OR_NULL, "fault": STR_OR_NULL,
         "digest": STR_OR_NULL, "transport": STR_OR_NULL,
         "pid": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-        "leaders": {"type": "array", "maxItems": 1024, "items": U32},
+        # the leaders a rank has followed: [leader id, wall time of its first round, step]
+        "leaders": {"type": "array", "maxItems": 64,
+                    "items": {"type": "array", "maxItems": 4, "items": {"type": "number", "minimum": 0}}},
         "policy": {"type": "object", "maxProperties": 16, "propertyNames": KEY,
                    "additionalProperties": {"type": ["number", "string", "boolean", "null"], "maxLength": 64}},
         # drop and event counters by reason: non-negative integers

@@ -288,3 +288,30 @@ async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic
                   f"honest pair relayed {n}/{n} each way")
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("sdp", ["garbage", "real"])
+async def test_300_webrtc_offers_make_at_most_one_warning(client, caplog, sdp):
+    from aiortc import RTCPeerConnection
+
+    caplog.set_level(logging.WARNING, logger="tabcohort.server.rtc")
+    text = "v=0 garbage"
+    pc = None
+    if sdp == "real":
+        pc = RTCPeerConnection()
+        pc.createDataChannel("x")
+        await pc.setLocalDescription(await pc.createOffer())
+        text = pc.localDescription.sdp
+    ws, w = await join(client)
+    for _ in range(300):
+        await ws.send_str(json.dumps({"type": "signal", "to": 0, "kind": "offer", "sdp": text}))
+    room = client.app[ROOMS].get("r")
+    end = time.monotonic() + 10
+    while sum(room.drops.get(k, 0) for k in ("rtc_offer_busy", "rtc_offer_rate", "rtc_failed")) < 290:
+        assert time.monotonic() < end, room.drops
+        await asyncio.sleep(0.05)
+    warnings = [r for r in caplog.records if r.name == "tabcohort.server.rtc" and r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+    await ws.close()
+    if pc is not None:
+        await pc.close()
