@@ -142,6 +142,16 @@ def test_a_forged_step_from_a_non_leader_neither_stops_the_room_nor_shows():
     assert r.stopped and r.stop_reason == "steps 1000 reached"
 
 
+def test_on_a_tie_of_named_leaders_the_lower_step_counts():
+    r, clock = make_room(steps=1000)
+    honest, forger = r.register(now=0), r.register(now=0)
+    r.control(honest, report(honest, step=30, leader=honest.id, is_leader=True), now=1)
+    r.control(forger, report(forger, step=10**15, leader=forger.id, is_leader=True), now=1)
+    assert not r.stopped and r.step() == 30
+    r.control(forger, report(forger, step=10**15, leader=honest.id, is_leader=False), now=2)  # votes for honest
+    assert not r.stopped and r.step() == 30
+
+
 def test_rank_drop_reasons_reach_the_room_json_and_metrics():
     r, _ = make_room()
     a, b = r.register(now=0), r.register(now=0)
