@@ -452,7 +452,7 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     reg = None
     if first.type == WSMsgType.TEXT and len(first.data) <= limits.max_control_bytes:
-        reg, why = parse_json(first.data)
+        reg, _why = parse_json(first.data)   # (a bad register is counted below)
     if not isinstance(reg, dict) or reg.get("type") != "register":
         room.drop("bad_register")
         await ws.close(code=CLOSE_BAD_REGISTER, message=b"first message must be a register")
