@@ -46,6 +46,9 @@ def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
     wait_tab(t, lambda s: s["ready"] and s["step"] >= 20, 60, "training (20 steps)")
     check_both_sizes(t, "training")
     assert t.page.is_visible("#leader-controls")  # a lone tab leads: lr and precision are offered
+    # the tab's controls (state reports, backlog) pass the server's schemas; its report counts
+    wait_for(lambda: cluster.state()["step"] >= 20, 20, "the tab's report to be trusted")
+    assert not [k for k in cluster.state()["drops"] if k.startswith("bad_")], cluster.state()["drops"]
 
     op = tabs(url, "operator?room=digits&token=room-token-s3cret-0123", viewport=DESKTOP)
     wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.last && tcOperator.last.ranks.length"),
