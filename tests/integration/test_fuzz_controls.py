@@ -278,3 +278,24 @@ def test_parse_control_never_raises_on_random_text():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
         obj, why = parse_control(text)
         assert (obj is None) != (why is None)
+
+
+@pytest.mark.parametrize("args,env,named", [
+    (["--token", "x"], {}, "--token"),
+    (["--operator-token", "short"], {}, "--operator-token"),
+    ([], {"TABCOHORT_OPERATOR_TOKEN": "short"}, "TABCOHORT_OPERATOR_TOKEN"),
+    (["--room", "dígïts"], {}, "--room"),
+    (["--room", ".."], {}, "--room"),
+    (["--allow-origin", "evil"], {}, "--allow-origin"),
+    (["--max-ranks-per-address", "0"], {}, "--max-ranks-per-address"),
+])
+def test_serve_refuses_bad_security_settings_naming_them_before_listening(args, env, named):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, _env
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--dataset", "synthetic", *args],
+                       capture_output=True, text=True, timeout=60, env={**_env(), **env}, cwd=ROOT)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "URL " not in r.stdout
