@@ -236,7 +236,9 @@ async def orchestrate(a: argparse.Namespace) -> dict:
         c.room = ROOM
         clients: list[subprocess.Popen] = []
         try:
-            base = await asyncio.to_thread(c.serve, "--dataset", "synthetic")
+            # every simulated rank connects from 127.0.0.1: lift the per-address bounds (README "Limits")
+            base = await asyncio.to_thread(c.serve, "--dataset", "synthetic", "--max-ranks-per-address", "1024",
+                                           "--max-connections-per-address", "4096")
             pid = c.server.p.pid
             url = base.replace("http://", "ws://") + f"/api/rooms/{ROOM}/ws"
             async with aiohttp.ClientSession() as session:

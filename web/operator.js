@@ -1,4 +1,7 @@
 // Operator view: polls the server's room JSON (GET /api/rooms/{room}) once a second.
+// Its actions (stop the room) need the operator token `tabcohort serve` prints: the link it
+// prints carries it in the URL fragment (#operator=...), which never reaches the server's logs;
+// the page keeps it in sessionStorage for this tab and sends it as `Authorization: Bearer`.
 import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
 
 const $ = (id) => document.getElementById(id);
@@ -8,6 +11,17 @@ const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
 // any value as a string, for a text node (objects as JSON, so nothing is ever parsed as markup)
 const text = (v) => (typeof v === "object" && v !== null ? JSON.stringify(v) : String(v));
+
+function operatorToken() {
+  const h = new URLSearchParams(location.hash.slice(1)).get("operator");
+  if (h) {
+    sessionStorage.setItem("tc-operator", h);
+    history.replaceState(null, "", location.pathname + location.search);  // off the address bar
+  }
+  return sessionStorage.getItem("tc-operator") || "";
+}
+op.token = operatorToken();
+const authHeaders = () => (op.token ? { Authorization: `Bearer ${op.token}` } : {});
 
 function fail(text) { op.error = text; $("error").hidden = false; $("error").textContent = text; $("status").textContent = "Not available."; }
 
@@ -27,7 +41,7 @@ async function init() {
   $("join-link").href = `/?room=${encodeURIComponent(room)}${token ? `&token=${encodeURIComponent(token)}` : ""}`;
   const poll = async () => {
     let r;
-    try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}${q}`, { cache: "no-store" }); }
+    try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}${q}`, { cache: "no-store", headers: authHeaders() }); }
     catch { $("status").textContent = "The server is unreachable; retrying…"; return; }
     if (r.status === 403) { fail("The room token is wrong or missing."); return "stop"; }
     if (r.status === 404) { fail(`There is no room named “${room}”.`); return "stop"; }
@@ -37,7 +51,43 @@ async function init() {
     render(s, q);
   };
   const loop = async () => { if ((await poll()) !== "stop") setTimeout(loop, 1000); };
+  $("stop-room").addEventListener("click", () => stopRoom(room));
+  // without the room token in the URL the download link alone would be refused: fetch it with
+  // the operator token instead and hand the browser the bytes
+  $("r-ckpt").addEventListener("click", async (ev) => {
+    const a = ev.target.closest && ev.target.closest("#ckpt-link");
+    if (!a || token || !op.token) return;
+    ev.preventDefault();
+    const r = await fetch(a.href, { headers: authHeaders() });
+    if (!r.ok) return;
+    const url = URL.createObjectURL(await r.blob());
+    const name = (r.headers.get("Content-Disposition") || "").match(/filename="([^"]+)"/);
+    const dl = Object.assign(document.createElement("a"), { href: url, download: name ? name[1] : "checkpoint.f32" });
+    document.body.append(dl);
+    dl.click();
+    dl.remove();
+    URL.revokeObjectURL(url);
+  });
   loop();
+}
+
+async function stopRoom(room) {
+  if (!op.token) {
+    const t = window.prompt("Operator token (printed by tabcohort serve at start):");
+    if (!t) return;
+    op.token = t.trim();
+    sessionStorage.setItem("tc-operator", op.token);
+  }
+  const out = $("stop-result");
+  let r;
+  try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}/stop`, { method: "POST", headers: authHeaders() }); }
+  catch { out.textContent = "The server is unreachable."; return; }
+  if (r.status === 403) {
+    sessionStorage.removeItem("tc-operator");
+    op.token = "";
+    out.textContent = "The operator token is wrong: try again.";
+  } else if (r.status === 429) out.textContent = "Too many wrong tokens from this address: wait a minute.";
+  else out.textContent = r.ok ? "Stop requested." : `The server answered ${r.status}.`;
 }
 
 function render(s, q) {

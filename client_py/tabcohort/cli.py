@@ -119,7 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=0, help="stop the room at this step (0 = no limit)")
     v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy")
     v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
-    v.add_argument("--token", default=None, help="room token ranks must present")
+    v.add_argument("--token", default=None, help="room token ranks and tabs must present (16+ characters); "
+                   "it lets one join and read the room, not stop it")
+    v.add_argument("--operator-token", default=None,
+                   help="the operator's token (16+ characters) for stopping the room, the operator view's "
+                        "actions and every room's data; default TABCOHORT_OPERATOR_TOKEN, else generated "
+                        "and printed at start")
+    v.add_argument("--allow-origin", default=None, metavar="ORIGINS",
+                   help="web origins (comma-separated, e.g. https://lab.example.org) besides the server's "
+                        "own that may open a WebSocket or change state (default: same origin only)")
+    v.add_argument("--max-ranks-per-address", type=int, default=64,
+                   help="seats (connected + reserved) one client address may hold in a room (default 64)")
+    v.add_argument("--max-connections-per-address", type=int, default=256,
+                   help="open TCP connections one client address may hold (default 256)")
     v.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints (default: none)")
     v.add_argument("--checkpoint-interval", type=float, default=5.0, help="leader uploads every N seconds")
     v.add_argument("--report-interval", type=float, default=1.0, help="ranks report every N seconds")
@@ -190,6 +202,8 @@ def _serve(a: argparse.Namespace) -> int:
         return _serve_checked(a)
     except ConfigError as e:  # a room field (``digits.steps``) or a Timing field -> the flag typed
         field = e.variable[len(a.room) + 1:] if e.variable.startswith(f"{a.room}.") else e.variable
+        if field == "allowed_origins":
+            field = "allow_origin"
         dest = field[:-2] if field.endswith("_s") else field
         if dest and "." not in dest and not dest.startswith("-") and hasattr(a, dest):
             raise ConfigError("--" + dest.replace("_", "-"), e.value, e.reason) from None
@@ -212,8 +226,20 @@ def _serve_checked(a: argparse.Namespace) -> int:
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
     from tabcohort.bus.rtc_util import parse_ice_servers
+    import os
+    op_token = a.operator_token
+    if op_token is None and os.environ.get("TABCOHORT_OPERATOR_TOKEN"):
+        from tabcohort_server.config import check_token
+        op_token = os.environ["TABCOHORT_OPERATOR_TOKEN"]
+        check_token("TABCOHORT_OPERATOR_TOKEN", op_token)
+    origins = tuple(o.strip().rstrip("/") for o in (a.allow_origin or "").split(",") if o.strip())
+    for name in ("max_ranks_per_address", "max_connections_per_address"):
+        if getattr(a, name) < 1:
+            raise ConfigError("--" + name.replace("_", "-"), getattr(a, name), "must be an integer >= 1")
     cfg = ServerConfig(rooms={a.room: job}, checkpoint_dir=a.checkpoint_dir,
-                       limits=ServerLimits(resume_grace_s=a.grace),
+                       operator_token=op_token, allowed_origins=origins,
+                       limits=ServerLimits(resume_grace_s=a.grace, max_ranks_per_address=a.max_ranks_per_address,
+                                           max_connections_per_address=a.max_connections_per_address),
                        rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers)),
                        rtc_host_addresses=None if not a.rtc_hosts else [h.strip() for h in a.rtc_hosts.split(",")])
     ifaces = None

@@ -1,28 +1,39 @@
 """The aiohttp application: ``create_app(config) -> web.Application``.
 
-Endpoints (room-scoped ones need the room token, if the room has one, as ``?token=`` or
-``Authorization: Bearer``):
+Endpoints (room-scoped ones need the room token, if the room has one, or the operator token,
+as ``?token=`` or ``Authorization: Bearer``):
 
-- ``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /api/rooms``
-- ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON)
+- ``GET /healthz``, ``GET /metrics`` (Prometheus; a token room's series only with its token or
+  the operator token), ``GET /api/rooms``
+- ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
+  only with the operator token)
 - ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len`` and ``job_hash``
-- ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable)
+- ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable),
+  gzip-compressed once at start (served compressed to clients that accept gzip)
 - ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.ws`` for the wire)
 - ``GET /api/rooms/{room}/checkpoint`` (alias ``/model``): float32 LE parameters; 404 if none
-- ``PUT /api/rooms/{room}/checkpoint``: upload by a registered rank
-- ``POST /api/rooms/{room}/stop``: stop the room now
+- ``PUT /api/rooms/{room}/checkpoint``: upload by a registered rank (its id and secret)
+- ``POST /api/rooms/{room}/stop``: stop the room now (the **operator token** only: the room
+  token lets one join, not operate)
+
+Browser requests that change state (any method but GET/HEAD/OPTIONS) and WebSocket upgrades
+must come from the server's own origin or one in ``ServerConfig.allowed_origins``; failed token
+checks are limited per address (README "Limits").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import hashlib
 import json
 import logging
 import math
+import secrets
 import time
 import weakref
+from collections import Counter
 from typing import Any, AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -31,9 +42,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import checkpoint as ckpt
 from .config import ServerConfig
+from .guard import AuthLimiter, origin_allowed
 from .metrics import RoomCollector
-from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RETRY_LATER, Peer, Room, RoomError,
-                    RoomRegistry)
+from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, Peer, Room,
+                    RoomError, RoomRegistry)
+from .schema import parse_json
 
 log = logging.getLogger("tabcohort.server")
 
@@ -58,7 +71,11 @@ class RoomAssets:
                                "url": f"/api/rooms/{room.name}/dataset"})
         self.job_json = json.dumps(d).encode()
         self.dataset_json = json.dumps(self.dataset.to_portable()).encode()
+        #: compressed once here, not per request (a recompression per GET cost training rounds)
+        self.dataset_gzip = gzip.compress(self.dataset_json, compresslevel=6, mtime=0)
         self.checkpoint_data: bytes | None = None
+        #: one checkpoint upload at a time per room (each holds up to the parameters' size)
+        self.upload_lock = asyncio.Lock()
 
     def evaluate(self, data: bytes) -> float:
         from array import array
@@ -72,8 +89,12 @@ CONFIG = web.AppKey("config", ServerConfig)
 ROOMS = web.AppKey("rooms", RoomRegistry)
 ASSETS = web.AppKey("assets", dict)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
-METRICS = web.AppKey("metrics", CollectorRegistry)
 RTC = web.AppKey("rtc", object)
+#: the operator's token (``ServerConfig.operator_token`` or generated at start)
+OPERATOR_TOKEN = web.AppKey("operator_token", str)
+#: server-wide refusals by reason (origin, auth, connections per address)
+REFUSED = web.AppKey("refused", Counter)
+AUTH = web.AppKey("auth", AuthLimiter)
 
 
 def create_app(config: ServerConfig | None = None) -> web.Application:
@@ -85,8 +106,12 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     config = config or ServerConfig()
     config.validate()
     limits = config.limits
-    app = web.Application(client_max_size=limits.max_checkpoint_bytes + 4096)
+    # bodies are small JSON everywhere but the checkpoint upload, which streams (put_checkpoint)
+    app = web.Application(client_max_size=1 << 20, middlewares=[_origin_middleware])
     app[CONFIG] = config
+    app[OPERATOR_TOKEN] = config.operator_token or secrets.token_urlsafe(24)
+    app[REFUSED] = Counter()
+    app[AUTH] = AuthLimiter(limits.max_auth_failures, limits.auth_window_s)
     rooms = app[ROOMS] = RoomRegistry(config.rooms, limits, seed=config.seed)
     assets: dict[str, RoomAssets] = {}
     for name, room in rooms.rooms.items():
@@ -108,8 +133,6 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
         if room.job.topology == "star":
             rtc.attach(room)
     app[SOCKETS] = weakref.WeakSet()
-    reg = app[METRICS] = CollectorRegistry()
-    reg.register(RoomCollector(rooms))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/rooms", list_rooms)
@@ -197,12 +220,14 @@ def _room(request: web.Request) -> Room:
     return room
 
 
-def _token_ok(room: Room, given: str | None) -> bool:
-    want = room.job.token
-    if want is None:
-        return True
-    import secrets
+def _same(want: str, given: object) -> bool:
     return isinstance(given, str) and secrets.compare_digest(want.encode(), given.encode())
+
+
+def _token_ok(room: Room, given: str | None, operator: str | None = None) -> bool:
+    """The room token (any token for an open room), or the operator token."""
+    want = room.job.token
+    return want is None or _same(want, given) or (operator is not None and _same(operator, given))
 
 
 def _request_token(request: web.Request) -> str | None:
@@ -212,12 +237,61 @@ def _request_token(request: web.Request) -> str | None:
     return request.query.get("token")
 
 
+def _is_operator(request: web.Request) -> bool:
+    return _same(request.app[OPERATOR_TOKEN], _request_token(request))
+
+
+def _refuse_auth(request: web.Request, what: str) -> web.HTTPException:
+    """Count a failed token check against the client's address; the error to raise."""
+    request.app[AUTH].fail(request.remote, time.monotonic())
+    request.app[REFUSED]["auth_failed"] += 1
+    return web.HTTPForbidden(text=json.dumps({"error": f"bad or missing {what}"}),
+                             content_type="application/json")
+
+
+def _check_auth_rate(request: web.Request) -> None:
+    """429 while the client's address is over its failed-auth budget (README "Limits")."""
+    lim, now = request.app[AUTH], time.monotonic()
+    if lim.blocked(request.remote, now):
+        request.app[REFUSED]["auth_rate_limited"] += 1
+        raise web.HTTPTooManyRequests(
+            text=json.dumps({"error": "too many failed token checks from this address"}),
+            content_type="application/json",
+            headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s(request.remote, now))))})
+
+
 def _authorized_room(request: web.Request) -> Room:
     room = _room(request)
-    if not _token_ok(room, _request_token(request)):
-        raise web.HTTPForbidden(text=json.dumps({"error": "bad or missing room token"}),
-                                content_type="application/json")
+    if room.job.token is None:
+        return room
+    _check_auth_rate(request)
+    if not _token_ok(room, _request_token(request), request.app[OPERATOR_TOKEN]):
+        raise _refuse_auth(request, "room token")
     return room
+
+
+def _operator_room(request: web.Request) -> Room:
+    room = _room(request)
+    _check_auth_rate(request)
+    if not _is_operator(request):
+        raise _refuse_auth(request, "operator token (printed by tabcohort serve at start)")
+    return room
+
+
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+@web.middleware
+async def _origin_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse (403) a browser's state-changing request or WebSocket upgrade from a foreign
+    origin (no CORS is offered, so foreign pages cannot read anything either)."""
+    changes = request.method not in _SAFE_METHODS or request.headers.get("Upgrade", "").lower() == "websocket"
+    if changes and not origin_allowed(request.headers.get("Origin"), request.host,
+                                      request.app[CONFIG].allowed_origins):
+        request.app[REFUSED]["origin"] += 1
+        raise web.HTTPForbidden(text=json.dumps({"error": "origin not allowed (see --allow-origin)"}),
+                                content_type="application/json")
+    return await handler(request)
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -246,19 +320,28 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS])
+    """Prometheus text: server-wide series, and each room's series when the room is open or
+    the request carries its token or the operator token."""
+    given = _request_token(request)
+    op = request.app[OPERATOR_TOKEN]
+    rooms = request.app[ROOMS]
+    visible = {n for n, r in rooms.rooms.items() if _token_ok(r, given, op)}
+    reg = CollectorRegistry()
+    reg.register(RoomCollector(rooms, visible=visible, refused=request.app[REFUSED]))
+    body = generate_latest(reg)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def list_rooms(request: web.Request) -> web.Response:
     rooms = request.app[ROOMS].rooms
-    return _json({"rooms": [{"room": r.name, "n_connected": len(r.connected), "stopped": r.stopped,
-                             "token": r.job.token is not None} for r in rooms.values()]})
+    return _json({"rooms": [{"room": r.name, "stopped": r.stopped, "token": r.job.token is not None,
+                             **({"n_connected": len(r.connected)} if r.job.token is None else {})}
+                            for r in rooms.values()]})
 
 
 async def room_state(request: web.Request) -> web.Response:
     room = _authorized_room(request)
-    return _json(_clean(room.summary(time.monotonic())))
+    return _json(_clean(room.summary(time.monotonic(), operator=_is_operator(request))))
 
 
 async def room_job(request: web.Request) -> web.Response:
@@ -268,14 +351,17 @@ async def room_job(request: web.Request) -> web.Response:
 
 async def room_dataset(request: web.Request) -> web.Response:
     room = _authorized_room(request)
-    resp = web.Response(body=request.app[ASSETS][room.name].dataset_json, content_type="application/json")
-    resp.enable_compression()
-    return resp
+    a: RoomAssets = request.app[ASSETS][room.name]
+    headers = {"Vary": "Accept-Encoding", "Cache-Control": "no-cache"}
+    if "gzip" in request.headers.get("Accept-Encoding", "").lower():
+        headers["Content-Encoding"] = "gzip"
+        return web.Response(body=a.dataset_gzip, content_type="application/json", headers=headers)
+    return web.Response(body=a.dataset_json, content_type="application/json", headers=headers)
 
 
 async def stop_room(request: web.Request) -> web.Response:
-    room = _authorized_room(request)
-    room.stop("stopped by request")
+    room = _operator_room(request)
+    room.stop("stopped by the operator")
     return _json({"stopped": True})
 
 
@@ -301,14 +387,32 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     except ValueError:
         raise web.HTTPBadRequest(text="X-Tabcohort-Rank and X-Tabcohort-Step must be integers")
     peer = room.peers.get(rank)
-    import secrets
-    if peer is None or not secrets.compare_digest(peer.secret.encode(),
-                                                  h.get("X-Tabcohort-Secret", "").encode()):
-        raise web.HTTPForbidden(text="only a registered rank may upload a checkpoint")
-    data = await request.read()
-    if len(data) != 4 * a.bucket_len:
-        raise web.HTTPBadRequest(text=f"expected {4 * a.bucket_len} bytes (bucket_len float32), got {len(data)}")
-    digest = hashlib.sha256(data).hexdigest()
+    if peer is None or not _same(peer.secret, h.get("X-Tabcohort-Secret", "")):
+        raise _refuse_auth(request, "rank id and secret (only a registered rank may upload)")
+    want = 4 * a.bucket_len
+    limit = min(want, request.app[CONFIG].limits.max_checkpoint_bytes)
+    if request.content_length is not None and request.content_length != want:
+        # checked before one byte of the body is read
+        text = f"expected {want} bytes (bucket_len float32), Content-Length is {request.content_length}"
+        if request.content_length > want:
+            raise web.HTTPRequestEntityTooLarge(limit, request.content_length, text=text)
+        raise web.HTTPBadRequest(text=text)
+    if a.upload_lock.locked():
+        raise web.HTTPConflict(text="another checkpoint upload of this room is in progress")
+    async with a.upload_lock:
+        buf = bytearray()
+        sha = hashlib.sha256()
+        async for part in request.content.iter_chunked(1 << 16):   # streamed, capped at the size
+            if len(buf) + len(part) > limit:
+                raise web.HTTPRequestEntityTooLarge(limit, len(buf) + len(part),
+                                                    text=f"expected {want} bytes (bucket_len float32)")
+            buf += part
+            sha.update(part)
+        data = bytes(buf)
+        del buf
+    if len(data) != want:
+        raise web.HTTPBadRequest(text=f"expected {want} bytes (bucket_len float32), got {len(data)}")
+    digest = sha.hexdigest()
     if digest != h.get("X-Tabcohort-Digest"):
         raise web.HTTPBadRequest(text=f"digest mismatch: content is {digest}")
     if room.checkpoint is not None and step < room.checkpoint["step"] and not h.get("X-Tabcohort-Final"):
@@ -336,6 +440,11 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=limits.heartbeat_s, max_msg_size=limits.max_ws_message_bytes)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
+    auth = request.app[AUTH]
+    if room.job.token is not None and auth.blocked(request.remote, time.monotonic()):
+        request.app[REFUSED]["auth_rate_limited"] += 1
+        await ws.close(code=CLOSE_RATE_LIMITED, message=b"too many failed token checks from this address")
+        return ws
     try:
         first = await asyncio.wait_for(ws.receive(), limits.register_timeout_s)
     except asyncio.TimeoutError:
@@ -343,19 +452,20 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     reg = None
     if first.type == WSMsgType.TEXT and len(first.data) <= limits.max_control_bytes:
-        with contextlib.suppress(ValueError):
-            reg = json.loads(first.data)
+        reg, _why = parse_json(first.data)   # (a bad register is counted below)
     if not isinstance(reg, dict) or reg.get("type") != "register":
         room.drop("bad_register")
         await ws.close(code=CLOSE_BAD_REGISTER, message=b"first message must be a register")
         return ws
     if not _token_ok(room, reg.get("token") or request.query.get("token")):
         room.drop("bad_token")
+        auth.fail(request.remote, time.monotonic())
+        request.app[REFUSED]["auth_failed"] += 1
         await ws.close(code=CLOSE_BAD_TOKEN, message=b"bad or missing room token")
         return ws
     resume = reg.get("resume")
     now = time.monotonic()
-    if not request.app[ROOMS].admission.take(now):  # the admission rate limit (token bucket)
+    if not request.app[ROOMS].admission.take(1, now):  # the admission rate limit (token bucket)
         room.drop("register_deferred")
         await ws.close(code=CLOSE_RETRY_LATER, message=b"too many registrations; retry later")
         return ws
@@ -364,9 +474,10 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
             rid = resume.get("id")
             if isinstance(rid, bool) or not isinstance(rid, int):
                 raise RoomError(CLOSE_BAD_REGISTER, "resume.id must be an integer")
-            peer = room.register(now=now, resume_id=rid, resume_secret=resume.get("secret"))
+            peer = room.register(now=now, resume_id=rid, resume_secret=resume.get("secret"),
+                                 address=request.remote)
         else:
-            peer = room.register(now=now)
+            peer = room.register(now=now, address=request.remote)
     except RoomError as e:
         room.drop("register_refused")
         await ws.close(code=e.code, message=e.reason.encode()[:120])
@@ -395,6 +506,7 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
             wake.clear()
             while peer.queue and peer.connected:
                 item = peer.pop()
+                room.writing(peer, time.monotonic())   # the write-stall clock (slow consumer)
                 if isinstance(item, bytes):
                     link = peer.rtc
                     # re-cut for the rank's channel (on either path: one frame, one cut)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,6 +13,34 @@ from tabcohort.wire.chunk import DATA_CHANNEL_MAX_MESSAGE_BYTES
 
 TOPOLOGIES = ("star", "mesh")
 LINKS = ("ws",)
+#: Room names: 1..64 ASCII characters of ``[A-Za-z0-9._-]``, not ``.`` or ``..`` (they are
+#: path segments of every room URL).
+ROOM_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z", re.ASCII)
+#: Shortest room or operator token accepted (a guessable token is no protection).
+MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 256
+
+
+def check_token(name: str, value: object) -> None:
+    """Raises:
+        ConfigError: ``value`` is not a string of MIN_TOKEN_CHARS..MAX_TOKEN_CHARS printable
+            ASCII characters (naming ``name``, the option or field).
+    """
+    if (not isinstance(value, str) or not MIN_TOKEN_CHARS <= len(value) <= MAX_TOKEN_CHARS
+            or not all(33 <= ord(c) < 127 for c in value)):
+        shown = value if not isinstance(value, str) else f"<{len(value)} characters>"
+        raise ConfigError(name, shown, f"must be {MIN_TOKEN_CHARS}..{MAX_TOKEN_CHARS} printable ASCII "
+                                       f"characters without spaces (e.g. python -c 'import secrets; "
+                                       f"print(secrets.token_urlsafe(24))')")
+
+
+def check_room_name(name: object) -> None:
+    """Raises:
+        ConfigError: ``name`` is not 1..64 of ``[A-Za-z0-9._-]``, or is ``.`` / ``..``.
+    """
+    if not isinstance(name, str) or not ROOM_NAME.match(name) or name in (".", ".."):
+        raise ConfigError("room", name, "room names are 1..64 characters of [A-Za-z0-9._-] (ASCII), "
+                                        "not '.' or '..'")
 
 
 @dataclass
@@ -36,7 +65,8 @@ class JobConfig:
         eval_every: the leader evaluates every this many steps.
         checkpoint_interval_s: the leader uploads parameters this often (and at stop).
         report_interval_s: ranks send their state report this often.
-        token: optional room token; ranks must present it.
+        token: optional room token (16..256 printable ASCII characters); ranks, tabs and
+            readers of the room's data must present it. It lets one join, never operate (stop).
         collect_rule: how a leader ends a round's collection: ``quorum`` (PROTOCOL.md, the
             default) or ``grace`` (docs/PROTOCOL-NOTES.md note 7: a short window after the
             quorum keeps equally fast ranks' buckets); every rank of the room uses it.
@@ -89,8 +119,8 @@ class JobConfig:
             raise bad("collect_rule", "expected quorum or grace")
         from tabcohort.wire.codecs import get_codec
         get_codec(self.precision)
-        if self.token is not None and (not isinstance(self.token, str) or not 1 <= len(self.token) <= 256):
-            raise bad("token", "must be a string of 1..256 characters")
+        if self.token is not None:
+            check_token(f"{room}.token", self.token)
 
     def public(self) -> dict[str, Any]:
         """The job without its token, as JSON-ready data."""
@@ -120,7 +150,21 @@ class ServerLimits:
         register_timeout_s: a socket must register within this.
         heartbeat_s: WebSocket ping period (aiohttp ``heartbeat``).
         close_timeout_s: bound on a close handshake before the transport is aborted.
-        max_checkpoint_bytes: largest checkpoint upload.
+        max_checkpoint_bytes: largest checkpoint upload (it must also be exactly the room's
+            parameter count x 4 bytes, checked against Content-Length before reading).
+        max_ranks_per_address: seats (connected plus reserved) per client address per room.
+        max_connections_per_address: open TCP connections per client address (any endpoint).
+        header_timeout_s: a connection must send a complete request head within this (slowloris).
+        sender_max_msgs_per_s: messages (chunks and controls) one link may send per second
+            (burst: twice that); more are dropped (``rate_limited``).
+        sender_max_bytes_per_s: bytes one link may send per second (burst: one second's worth).
+        rate_limit_close_s: a link that goes on sending over its rate for about this long's
+            worth of excess messages is closed (4029).
+        write_stall_s: a rank whose socket has not accepted one write for this long is a slow
+            consumer (closed 4008).
+        max_auth_failures: failed token checks one address may make per ``auth_window_s``;
+            beyond that its requests get 429 until the window passes.
+        auth_window_s: the failed-auth window, seconds.
         register_rate_per_s, register_burst: the admission rate limit (a token bucket over all
             rooms) for WebSocket registrations, resumes included; one beyond it is closed with
             4029 and the client retries after a full-jitter backoff.
@@ -140,6 +184,15 @@ class ServerLimits:
     max_checkpoint_bytes: int = 256 << 20
     register_rate_per_s: float = 50.0
     register_burst: int = 100
+    max_ranks_per_address: int = 64
+    max_connections_per_address: int = 256
+    header_timeout_s: float = 10.0
+    sender_max_msgs_per_s: float = 5000.0
+    sender_max_bytes_per_s: float = 128 << 20
+    rate_limit_close_s: float = 2.0
+    write_stall_s: float = 10.0
+    max_auth_failures: int = 20
+    auth_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -164,6 +217,12 @@ class ServerConfig:
     #: ``["127.0.0.1"]`` on a loopback-only host).
     rtc_ice_servers: tuple[str, ...] = ()
     rtc_host_addresses: list[str] | None = None
+    #: the operator's token: stop a room, see the ranks' pids, every room's data in /metrics
+    #: (``None``: generated at start; ``tabcohort serve`` prints it)
+    operator_token: str | None = None
+    #: Origins (``scheme://host[:port]``) besides the server's own that may open a WebSocket or
+    #: send a state-changing request; ``*`` allows any (not recommended)
+    allowed_origins: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.rooms:
@@ -171,7 +230,10 @@ class ServerConfig:
         if len(self.rooms) > self.limits.max_rooms:
             raise ConfigError("rooms", len(self.rooms), f"more than max_rooms={self.limits.max_rooms}")
         for name, job in self.rooms.items():
-            if not isinstance(name, str) or not name or len(name) > 64 or not all(
-                    c.isalnum() or c in "-_." for c in name):
-                raise ConfigError("room", name, "room names are 1..64 characters of [A-Za-z0-9._-]")
+            check_room_name(name)
             job.validate(name)
+        if self.operator_token is not None:
+            check_token("operator_token", self.operator_token)
+        for o in self.allowed_origins:
+            if o != "*" and not re.match(r"https?://[^/\s]+\Z", o):
+                raise ConfigError("allowed_origins", o, "expected an origin like https://example.org[:port], or *")

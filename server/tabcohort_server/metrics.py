@@ -1,9 +1,15 @@
-"""Prometheus metrics read from the room bookkeeping at scrape time (no double counting)."""
+"""Prometheus metrics read from the room bookkeeping at scrape time (no double counting).
+
+A room's series are given only for the rooms in ``visible`` (the app passes the open rooms and
+those whose token, or the operator token, the scrape carried): a token room's step, loss,
+accuracy and ranks stay behind its token.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections import Counter
+from typing import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -12,11 +18,14 @@ from .rooms import RoomRegistry
 
 
 class RoomCollector(Collector):
-    def __init__(self, rooms: RoomRegistry) -> None:
+    def __init__(self, rooms: RoomRegistry, visible: Iterable[str] | None = None,
+                 refused: Counter | None = None) -> None:
         self.rooms = rooms
+        self.visible = None if visible is None else set(visible)
+        self.refused = refused if refused is not None else Counter()
 
     def collect(self) -> Iterator:
-        rooms = self.rooms.rooms.values()
+        rooms = [r for r in self.rooms.rooms.values() if self.visible is None or r.name in self.visible]
         yield GaugeMetricFamily("tabcohort_rooms", "Rooms on this server", value=len(self.rooms.rooms))
         ranks = GaugeMetricFamily("tabcohort_ranks", "Connected ranks", labels=["room"])
         reserved = GaugeMetricFamily("tabcohort_ranks_reserved", "Disconnected ranks whose id is reserved",
@@ -30,6 +39,12 @@ class RoomCollector(Collector):
                                      labels=["room"])
         fin = CounterMetricFamily("tabcohort_frames_received", "Chunks received from ranks", labels=["room"])
         drops = CounterMetricFamily("tabcohort_drops", "Relay drops by reason", labels=["room", "reason"])
+        rdrops = GaugeMetricFamily("tabcohort_rank_drops", "Drops the connected ranks report (validated), "
+                                   "summed by layer and reason", labels=["room", "layer", "reason"])
+        refused = CounterMetricFamily("tabcohort_server_refused", "Requests and connections refused "
+                                      "server-wide, by reason", labels=["reason"])
+        for reason, n in sorted(self.refused.items()):
+            refused.add_metric([reason], n)
         for r in rooms:
             ranks.add_metric([r.name], len(r.connected))
             reserved.add_metric([r.name], len(r.peers) - len(r.connected))
@@ -45,4 +60,7 @@ class RoomCollector(Collector):
             fin.add_metric([r.name], r.frames_in)
             for reason, n in sorted(r.drops.items()):
                 drops.add_metric([r.name, reason], n)
-        yield from (ranks, reserved, step, loss, acc, pres, frames, nbytes, fin, drops)
+            for layer, by in r.rank_drops().items():
+                for reason, n in sorted(by.items()):
+                    rdrops.add_metric([r.name, layer, reason], n)
+        yield from (ranks, reserved, step, loss, acc, pres, frames, nbytes, fin, drops, rdrops, refused)

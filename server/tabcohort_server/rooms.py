@@ -3,10 +3,21 @@ state reports, stop conditions and counters. The aiohttp layer (app.py) owns the
 calls in here; this module tells it whom to wake (``Peer.wake``) and whom to drop
 (``Peer.kick``).
 
-Relay rules (issue 4, "Relay (star)"): each chunk is routed by its routing header
-(:func:`tabcohort.wire.parse_route`) without decoding the payload; a chunk whose ``from``
-disagrees with the link's bound id is dropped (``spoofed``); a peer whose queue exceeds its
-bounds is dropped (``slow_consumer``) instead of blocking the others.
+Relay rules (README "Server, native ranks and tabs" and "Limits"): each chunk is routed by its
+routing header (:func:`tabcohort.wire.parse_route`) without decoding the payload; a chunk whose
+``from`` disagrees with the link's bound id is dropped (``spoofed``). Each link may send at most
+``sender_max_msgs_per_s`` messages and ``sender_max_bytes_per_s`` bytes per second (token
+buckets); beyond that its messages are dropped (``rate_limited``) and a link that keeps on is
+closed (4029). Each receiver's queue holds one FIFO per sender, served round-robin with the
+server's controls first (:class:`~.fairness.FairQueue`); when a receiver's queue is full the
+sender holding the most of it loses its newest items there (``fair_share``: the rest of that frame
+is dropped for that receiver too), so one sender's flood never closes another rank. A receiver is
+a slow consumer (closed 4008) only when one write to it has not completed for ``write_stall_s``
+or its queue is full of the server's own controls: what it reads, not what others send.
+
+Control messages (text) are validated by :mod:`.schema` before a field is read; invalid ones are
+dropped and counted by reason. The room's step and stop conditions trust the report of the rank
+most connected ranks name as their leader (:meth:`Room.leader_report`), never the highest claim.
 """
 
 from __future__ import annotations
@@ -18,14 +29,17 @@ import hashlib
 import heapq
 import hmac
 import secrets
+import struct
 import time
-from collections import deque
+from collections import Counter
 from typing import Any, Callable
 
 from tabcohort.errors import RemoteProtocolError
 from tabcohort.wire import WireLimits, parse_route
 
 from .config import JobConfig, ServerLimits
+from .fairness import SERVER, FairQueue, TokenBucket
+from .schema import parse_control
 
 #: WebSocket close codes (application range 4000-4999) with their reasons.
 CLOSE_BAD_REGISTER = 4000
@@ -34,16 +48,27 @@ CLOSE_UNKNOWN_ID = 4004
 CLOSE_SLOW_CONSUMER = 4008
 CLOSE_ROOM_FULL = 4009
 CLOSE_REPLACED = 4010
-#: registrations over the server's admission rate (``ServerLimits.register_rate_per_s``): the
-#: client backs off (full jitter) and tries again; as HTTP's 429 Too Many Requests (RFC 6585)
+#: registrations over the server's admission rate (``ServerLimits.register_rate_per_s``) or a
+#: link over its send rate: the client backs off (full jitter) and tries again; as HTTP's 429
+#: Too Many Requests (RFC 6585)
 CLOSE_RETRY_LATER = 4029
+CLOSE_RATE_LIMITED = CLOSE_RETRY_LATER
+CLOSE_ADDRESS_FULL = 4011
 
 #: Report fields kept from a rank's state report (anything else is ignored).
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
-                 "counters", "gaps", "rejoins")
+                 "counters", "gaps", "drops", "transport", "rejoins",
+                 "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
+                 "shares", "speeds", "flaps", "probation")
+#: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
+OPERATOR_FIELDS = ("pid",)
+#: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
+#: u32 sender, u32 recipient, u32 frame_id, ...).
+_FRAME_ID = struct.Struct("<I")
+_FRAME_ID_AT = 10
 
 
 class RoomError(Exception):
@@ -58,13 +83,25 @@ class RoomError(Exception):
 class Peer:
     """One rank's seat in a room: its id, resume secret, relay queue and last report."""
 
-    def __init__(self, rank_id: int, secret: str) -> None:
+    def __init__(self, rank_id: int, secret: str, address: str | None = None) -> None:
         self.id = rank_id
         self.secret = secret
+        self.address = address     # the client's network address (per-address seat bound)
         self.connected = False
         self.disconnected_at: float | None = None
-        self.queue: deque[bytes | str] = deque()
-        self.queued_bytes = 0
+        self.queue = FairQueue()
+        #: ingress token buckets (messages, bytes) and the strike bucket that closes a link
+        #: that keeps sending over its rate (set at each connect)
+        self.msg_bucket: TokenBucket | None = None
+        self.byte_bucket: TokenBucket | None = None
+        self.strikes: TokenBucket | None = None
+        #: per sender: the frame id whose remaining chunks are dropped for this receiver
+        #: (a chunk of it was shed: the rest cannot complete)
+        self.skip: dict[int, int] = {}
+        #: when the socket layer began the write in progress (``None`` = idle); seconds
+        self.write_since: float | None = None
+        #: what this rank's own traffic cost it: drops charged to it as a sender, by reason
+        self.charged: dict[str, int] = {}
         #: bytes this rank took off its link but has not consumed (``backlog`` control: a tab,
         #: whose page cannot pause reading a socket, reports what its stalled worker holds);
         #: counted with the relay queue in the room's pressure, as unread socket bytes would be
@@ -84,10 +121,15 @@ class Peer:
         self.wake: Callable[[], None] | None = None
         self.kick: Callable[[int, str], None] | None = None
 
+    @property
+    def queued_bytes(self) -> int:
+        return self.queue.n_bytes
+
     def pop(self) -> bytes | str:
-        item = self.queue.popleft()
-        self.queued_bytes -= len(item)
-        return item
+        return self.queue.pop()
+
+    def charge(self, reason: str, n: int = 1) -> None:
+        self.charged[reason] = self.charged.get(reason, 0) + n
 
 
 class Room:
@@ -129,20 +171,41 @@ class Room:
         #: max-heap of (-(queued + backlog), version, id), stale entries dropped lazily: the max
         #: load in O(log n) per relayed frame instead of a scan of every rank (200-rank profile)
         self._loads: list[tuple[int, int, int]] = []
+        #: the trusted leader's last step (``step()``); never the highest claim
+        self._trusted_step = 0
 
     # ------------------------------------------------------------------ membership
-    def register(self, *, now: float, resume_id: int | None = None, resume_secret: str | None = None) -> Peer:
+    def seats_of(self, address: str | None) -> int:
+        """Seats (connected and reserved) held from ``address``."""
+        return 0 if address is None else sum(1 for q in self.peers.values() if q.address == address)
+
+    def _check_address(self, address: str | None, now: float) -> None:
+        cap = self.limits.max_ranks_per_address
+        if address is not None and self.seats_of(address) >= cap:
+            self.expire(now)
+            if self.seats_of(address) >= cap:
+                raise RoomError(CLOSE_ADDRESS_FULL, f"too many ranks from one address ({cap}; "
+                                                    f"the operator can raise --max-ranks-per-address)")
+
+    def register(self, *, now: float, resume_id: int | None = None, resume_secret: str | None = None,
+                 address: str | None = None) -> Peer:
         """Seat a rank: a fresh random uint32 id, or its old id when resuming within grace.
 
+        Args:
+            address: the client's network address; at most ``limits.max_ranks_per_address``
+                seats (connected or reserved) per address (``None``: not bounded).
+
         Raises:
-            RoomError: room full, or a resume with an unknown id or wrong secret.
+            RoomError: room full, too many seats from the address, or a resume with an unknown
+                id or wrong secret.
         """
         if resume_id is not None:
             p = self.peers.get(resume_id)
             if p is None and self._adoptable(resume_id, resume_secret):
                 if len(self.peers) >= self.limits.max_ranks_per_room:
                     raise RoomError(CLOSE_ROOM_FULL, f"room full ({self.limits.max_ranks_per_room} ranks)")
-                p = self.peers[resume_id] = Peer(resume_id, self._secret(resume_id))
+                self._check_address(address, now)
+                p = self.peers[resume_id] = Peer(resume_id, self._secret(resume_id), address)
             if p is None or not isinstance(resume_secret, str) or not secrets.compare_digest(
                     p.secret, resume_secret):
                 raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired, or the server "
@@ -154,13 +217,24 @@ class Room:
                 self.expire(now)
                 if len(self.peers) >= self.limits.max_ranks_per_room:
                     raise RoomError(CLOSE_ROOM_FULL, f"room full ({self.limits.max_ranks_per_room} ranks)")
+            self._check_address(address, now)
             while True:
                 k = self.rng.getrandbits(32)
                 if k not in self.peers and k != 0:
                     break
-            p = self.peers[k] = Peer(k, self._secret(k))
+            p = self.peers[k] = Peer(k, self._secret(k), address)
         p.connected = True
         p.disconnected_at = None
+        lim = self.limits
+        p.msg_bucket = TokenBucket(lim.sender_max_msgs_per_s, 2 * lim.sender_max_msgs_per_s, now)
+        p.byte_bucket = TokenBucket(lim.sender_max_bytes_per_s, lim.sender_max_bytes_per_s, now)
+        # excess messages a link may send before it is closed: rate_limit_close_s seconds' worth
+        # of its rate, refilled at a quarter of its rate (a sender persistently over 1.25x its
+        # rate is closed; one that bursts over now and then only loses the excess)
+        p.strikes = TokenBucket(lim.sender_max_msgs_per_s / 4,
+                                lim.sender_max_msgs_per_s * lim.rate_limit_close_s, now)
+        p.skip.clear()
+        p.write_since = None
         self.connected[p.id] = p
         if self.started_at is None:
             self.started_at = now
@@ -199,7 +273,8 @@ class Room:
         self.connected.pop(p.id, None)
         p.relay_peers = set()
         p.queue.clear()
-        p.queued_bytes = 0
+        p.skip.clear()
+        p.write_since = None
         p.rx_backlog = 0
         p.load_version += 1
         kick, p.kick, p.wake = p.kick, None, None
@@ -222,11 +297,32 @@ class Room:
     def drop(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
 
+    def admit(self, sender: Peer, n_bytes: int, now: float | None = None) -> bool:
+        """Charge one message of ``n_bytes`` from ``sender``'s link to its rate limits.
+
+        Returns False (the message is dropped, ``rate_limited``) when the link is over its rate;
+        a link that keeps sending over its rate (its strike bucket, ``rate_limit_close_s``
+        seconds' worth of excess messages, runs dry) is closed with 4029.
+        """
+        if sender.msg_bucket is None or not sender.connected:
+            return sender.connected
+        now = self.clock() if now is None else now
+        if sender.msg_bucket.take(1, now) and sender.byte_bucket.take(min(n_bytes, sender.byte_bucket.burst), now):
+            return True
+        self.drop("rate_limited")
+        sender.charge("rate_limited")
+        if not sender.strikes.take(1, now):
+            self.drop("rate_limit_close")
+            self._disconnect(sender, now, reason=(CLOSE_RATE_LIMITED, "sending over the rate limit"))
+        return False
+
     def relay(self, sender: Peer, chunk: bytes) -> None:
         """Route one chunk from ``sender``'s link by its header; never decodes the payload."""
         sender.n_in += 1
         self.frames_in += 1
         self.bytes_in += len(chunk)
+        if not self.admit(sender, len(chunk)):
+            return
         try:
             r = parse_route(chunk, self.wire_limits)
         except RemoteProtocolError as e:
@@ -240,26 +336,59 @@ class Room:
             if p is None or p is sender:
                 self.drop("no_route")
                 return
-            self._enqueue(p, chunk)
+            self._enqueue(p, chunk, sender, r.frame_id)
         else:
             mesh = self.job.topology == "mesh"
             for p in list(self.connected.values()):
                 if p is not sender and (not mesh or p.id in sender.relay_peers):
-                    self._enqueue(p, chunk)
+                    self._enqueue(p, chunk, sender, r.frame_id)
         self._update_pressure()
 
-    def _enqueue(self, p: Peer, item: bytes | str) -> None:
+    def _shed(self, p: Peer, src: Peer | None, frame_id: int | None) -> None:
+        """Count one item dropped for ``p`` because its sender held the most of ``p``'s queue."""
+        self.drop("fair_share")
+        if src is not None:
+            src.charge("fair_share")
+            if frame_id is not None:
+                p.skip[src.id] = frame_id
+
+    def _enqueue(self, p: Peer, item: bytes | str, src: Peer | None = None, frame_id: int | None = None) -> None:
+        """Queue ``item`` for ``p``: from ``src`` (a rank; ``None`` = the server's control).
+
+        When ``p``'s queue is full, the sender holding the most of it (bytes or items, whichever
+        bound is hit; never the server) loses its newest items there until ``item`` fits, or
+        ``item`` itself when that sender is ``src`` (``fair_share``). A queue full of the
+        server's controls alone is a slow consumer (4008).
+        """
         if not p.connected:
             return
-        n = len(item)
-        if (p.queued_bytes + n > self.limits.queue_max_bytes
-                or len(p.queue) >= self.limits.queue_max_items):
-            self.drop("slow_consumer")
-            self._disconnect(p, self.clock(),
-                             reason=(CLOSE_SLOW_CONSUMER, "slow consumer: relay queue over its bound"))
+        key = SERVER if src is None else src.id
+        if src is not None and frame_id is not None and p.skip.get(key) == frame_id:
+            self.drop("fair_share")     # the rest of a frame already shed for p
+            src.charge("fair_share")
             return
-        p.queue.append(item)
-        p.queued_bytes += n
+        n = len(item)
+        lim = self.limits
+        q = p.queue
+        while q.n_bytes + n > lim.queue_max_bytes or q.n_items + 1 > lim.queue_max_items:
+            by_items = q.n_items + 1 > lim.queue_max_items
+            held, inc = (q.items_of, 1) if by_items else (q.bytes_of, n)
+            heavy = max((s for s in q.senders() if s != SERVER), key=held, default=None)
+            if src is not None and (heavy is None or held(key) + inc > held(heavy)):
+                heavy = key     # with this item the sender would hold the most: it is the one shed
+            if heavy is None:   # only the server's controls: p does not read
+                self.drop("slow_consumer")
+                self._disconnect(p, self.clock(),
+                                 reason=(CLOSE_SLOW_CONSUMER, "slow consumer: relay queue over its bound"))
+                return
+            if heavy == key:
+                self._shed(p, src, frame_id)
+                return
+            old = q.evict_tail(heavy)
+            hp = self.peers.get(heavy)
+            self._shed(p, hp, _FRAME_ID.unpack_from(old, _FRAME_ID_AT)[0]
+                       if isinstance(old, bytes) and len(old) >= _FRAME_ID_AT + 4 else None)
+        q.push(key, item)
         self._load_changed(p)
         if isinstance(item, bytes):
             self.frames_relayed += 1
@@ -267,9 +396,25 @@ class Room:
         if p.wake is not None:
             p.wake()
 
+    def writing(self, p: Peer, now: float) -> None:
+        """The socket layer begins writing an item to ``p`` (the write-stall clock starts)."""
+        p.write_since = now
+
+    def check_stalls(self, now: float) -> list[int]:
+        """Close (4008) every rank whose write in progress began over ``write_stall_s`` ago:
+        it does not read (a slow consumer), whatever the others send."""
+        gone = [p for p in self.connected.values()
+                if p.write_since is not None and now - p.write_since > self.limits.write_stall_s]
+        for p in gone:
+            self.drop("slow_consumer")
+            self._disconnect(p, now, reason=(CLOSE_SLOW_CONSUMER,
+                                             f"slow consumer: no write completed in {self.limits.write_stall_s:g} s"))
+        return [p.id for p in gone]
+
     def sent(self, p: Peer, item: bytes | str) -> None:
         """The socket layer wrote ``item`` (popped from ``p.queue``, or one piece of it re-cut for
         the rank's data channel) to the socket."""
+        p.write_since = None
         p.n_out += 1
         p.bytes_out += len(item)
         self._load_changed(p)
@@ -322,43 +467,37 @@ class Room:
             if p.id != exclude:
                 self._enqueue(p, text)
 
-    def send_control(self, p: Peer, obj: dict) -> None:
-        self._enqueue(p, json.dumps(obj, separators=(",", ":")))
+    def send_control(self, p: Peer, obj: dict, src: Peer | None = None) -> None:
+        """Queue a control for ``p``: the server's own (``src=None``, served first) or one a
+        rank sent (a forwarded ``signal``: queued as that rank's traffic, fairly)."""
+        self._enqueue(p, json.dumps(obj, separators=(",", ":")), src)
 
     # ------------------------------------------------------------------ control messages
     def control(self, p: Peer, text: str, *, now: float) -> None:
         """Handle a text message from a registered rank; bad input is counted, never raised."""
         p.n_in += 1
+        if not self.admit(p, len(text), now):
+            return
         if len(text) > self.limits.max_control_bytes:
             self.drop("control_too_big")
+            p.charge("control_too_big")
             return
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            self.drop("bad_control")
+        obj, why = parse_control(text)
+        if obj is None:
+            self.drop(why)
+            p.charge(why)
             return
-        t = obj.get("type") if isinstance(obj, dict) else None
+        t = obj["type"]
         if t == "signal":
             self.signal(p, obj)
             return
         if t == "backlog":
-            n = obj.get("bytes")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                self.drop("bad_control")
-                return
-            p.rx_backlog = min(n, self.limits.queue_max_bytes)
+            p.rx_backlog = min(obj["bytes"], self.limits.queue_max_bytes)
             self._load_changed(p)
             self._update_pressure()
             return
         if t == "relay_peers":
-            ids = obj.get("ids")
-            if not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in ids):
-                self.drop("bad_control")
-                return
-            p.relay_peers = set(ids)
-            return
-        if t != "report" or not isinstance(obj.get("state"), dict):
-            self.drop("bad_control")
+            p.relay_peers = set(obj["ids"])
             return
         st = obj["state"]
         rep = {k: st[k] for k in REPORT_FIELDS if k in st}
@@ -382,7 +521,7 @@ class Room:
         """
         to, kind = obj.get("to"), obj.get("kind")
         if isinstance(to, bool) or not isinstance(to, int) or kind not in self.SIGNAL_KINDS:
-            self.drop("bad_signal")
+            self.drop("bad_signal")      # (parse_control checked this already; kept for callers)
             return
         fwd = {k: obj[k] for k in ("kind", "sdp", "candidate", "bytes") if k in obj}
         fwd.update(type="signal", to=to, **{"from": p.id})
@@ -396,19 +535,36 @@ class Room:
         if q is None or q is p:
             self.drop("no_route")
             return
-        self.send_control(q, fwd)
+        self.send_control(q, fwd, src=p)
 
     # ------------------------------------------------------------------ state and stop
     def leader_report(self) -> dict | None:
-        """The freshest report of a connected rank that says it leads (or the highest step)."""
-        reps = [p.report for p in self.connected.values() if p.report]
-        if not reps:
+        """The report the room trusts: that of the rank most connected ranks name as their
+        leader (the ``leader`` field of their reports); on a tie, the tied leader with the lower
+        step. ``None`` when no connected rank names a connected, reporting leader.
+
+        A rank cannot make the room stop (``--steps``, ``--target-accuracy``) or show another
+        step by claiming one: only a majority's leader's own report counts (PROTOCOL.md,
+        "Leader": every rank of a cohort names the same leader).
+        """
+        votes = Counter(p.report["leader"] for p in self.connected.values()
+                        if p.report and isinstance(p.report.get("leader"), int))
+        if not votes:
             return None
-        leaders = [r for r in reps if r.get("is_leader")]
-        return max(leaders or reps, key=lambda r: _num(r.get("step")))
+        top = max(votes.values())
+        tied = [self.connected[k].report for k, n in votes.items()
+                if n == top and k in self.connected and self.connected[k].report]
+        if not tied:
+            return None
+        return min(tied, key=lambda r: r.get("step", 0))
 
     def step(self) -> int:
-        return max((int(_num(p.report.get("step"))) for p in self.peers.values() if p.report), default=0)
+        """The trusted leader's step (:meth:`leader_report`); while no connected rank names a
+        leader, the last such step (never the highest any rank claimed)."""
+        lead = self.leader_report()
+        if lead is not None:
+            self._trusted_step = int(lead.get("step", 0))
+        return self._trusted_step
 
     def check_stop(self, now: float) -> bool:
         """Stop the room when its stop condition is met: tell every rank (``stop`` control)."""
@@ -434,16 +590,33 @@ class Room:
         self.stop_reason = reason
         self.broadcast_control({"type": "stop", "reason": reason})
 
-    def summary(self, now: float) -> dict[str, Any]:
-        """The room as JSON-ready data (``GET /api/rooms/{room}``)."""
+    def rank_drops(self) -> dict[str, dict[str, int]]:
+        """Drops the connected ranks report (validated reports), summed by reason:
+        ``{"protocol": {...}, "wire": {...}}`` (e.g. ``pretender``, ``stale_round``,
+        ``grad_non_finite``; ``reassembly_timeout``)."""
+        out: dict[str, dict[str, int]] = {"protocol": {}, "wire": {}}
+        for p in self.connected.values():
+            if not p.report:
+                continue
+            for kind, key in (("protocol", "drops"), ("wire", "wire_drops")):
+                for reason, n in (p.report.get(key) or {}).items():
+                    out[kind][reason] = out[kind].get(reason, 0) + n
+        return out
+
+    def summary(self, now: float, *, operator: bool = False) -> dict[str, Any]:
+        """The room as JSON-ready data (``GET /api/rooms/{room}``); ``operator`` adds the
+        fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids)."""
         lead = self.leader_report()
         ranks = []
         for p in sorted(self.peers.values(), key=lambda p: p.id):
+            rep = p.report
+            if rep is not None and not operator:
+                rep = {k: v for k, v in rep.items() if k not in OPERATOR_FIELDS}
             ranks.append({"id": p.id, "id_hex": f"{p.id:08x}", "connected": p.connected,
                           "link": "rtc" if p.rtc is not None and p.rtc.up else "ws",
-                          "queued_bytes": p.queued_bytes,
+                          "queued_bytes": p.queued_bytes, "charged": dict(p.charged),
                           "report_age_s": None if p.report_at is None else round(now - p.report_at, 3),
-                          "report": p.report})
+                          "report": rep})
         return {"room": self.name, "topology": self.job.topology,
                 "link": "rtc" if self.job.topology == "mesh" else "ws",
                 "n_connected": len(self.connected), "n_reserved": len(self.peers) - len(self.connected),
@@ -454,7 +627,7 @@ class Room:
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
                              "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},
-                "drops": dict(self.drops), "ranks": ranks}
+                "drops": dict(self.drops), "rank_drops": self.rank_drops(), "ranks": ranks}
 
 
 def _num(v: Any) -> float:
@@ -468,31 +641,6 @@ def _json_num(v: Any) -> float | None:
     return None if x == -math.inf else x
 
 
-class TokenBucket:
-    """A token bucket: ``burst`` tokens, refilled at ``rate_per_s``; each admission takes one.
-
-    Args:
-        rate_per_s: sustained admissions per second.
-        burst: the most admitted at once (the bucket's size; it starts full).
-    """
-
-    def __init__(self, rate_per_s: float, burst: int) -> None:
-        self.rate_per_s = float(rate_per_s)
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self._at: float | None = None
-
-    def take(self, now: float) -> bool:
-        """Admit one (True) if a token is left at time ``now`` (seconds, monotonic)."""
-        if self._at is not None:
-            self.tokens = min(self.burst, self.tokens + (now - self._at) * self.rate_per_s)
-        self._at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
-
-
 class RoomRegistry:
     """All rooms of one server, and its admission rate limit for registrations (every room's
     registrations and resumes draw on one bucket: ``ServerLimits.register_rate_per_s`` and
@@ -502,7 +650,7 @@ class RoomRegistry:
                  clock: Callable[[], float] = time.monotonic) -> None:
         rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self.rooms = {name: Room(name, job, limits, rng, clock) for name, job in jobs.items()}
-        self.admission = TokenBucket(limits.register_rate_per_s, limits.register_burst)
+        self.admission = TokenBucket(limits.register_rate_per_s, limits.register_burst, time.monotonic())
 
     def get(self, name: str) -> Room | None:
         return self.rooms.get(name)
@@ -511,4 +659,5 @@ class RoomRegistry:
         """Periodic work: release expired ids, check duration stop conditions."""
         for room in self.rooms.values():
             room.expire(now)
+            room.check_stalls(now)
             room.check_stop(now)

@@ -12,6 +12,11 @@ path each takes. The socket writer in ``app.py`` sends chunks on the channel whi
 wait in the peer's relay queue, so relay pressure and the slow-consumer bound work unchanged),
 and controls on the WebSocket. When the channel closes the link falls back to the WebSocket.
 
+Offers are untrusted too: one negotiation at a time per rank, at most ``OFFERS_PER_S`` offers
+per second per rank (burst ``OFFER_BURST``; more are dropped, ``rtc_offer_busy`` /
+``rtc_offer_rate``), and a failed negotiation is counted (``rtc_failed``) and logged at most once
+per ``LOG_INTERVAL_S`` with the number of failures since (300 bad offers make one line, not 300).
+
 aiortc is imported lazily: a server without WebRTC star ranks never needs it.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Sequence
 
 from tabcohort.bus.rtc_util import add_candidate, configuration, set_host_addresses
@@ -26,6 +32,7 @@ from tabcohort.errors import ConfigError, RemoteProtocolError
 from tabcohort.wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, negotiate_max_message_bytes, rechunk
 from tabcohort.wire.chunk import MIN_MESSAGE_BYTES
 
+from .fairness import TokenBucket
 from .rooms import Peer, Room
 
 log = logging.getLogger("tabcohort.server.rtc")
@@ -33,6 +40,38 @@ log = logging.getLogger("tabcohort.server.rtc")
 #: Outbound flow control on the server's channel to one rank.
 HIGH_WATER_BYTES = 1 << 20
 LOW_WATER_BYTES = 256 << 10
+#: Offers one rank may make (a renegotiation after a failed link is normal; 300 is not).
+OFFERS_PER_S = 1.0
+OFFER_BURST = 5
+#: At most one warning per this many seconds for failed negotiations (the rest are counted).
+LOG_INTERVAL_S = 60.0
+
+
+class RateLimitedLog:
+    """Log a warning at most once per ``interval_s``; the next one says how many were held back.
+
+    Args:
+        logger: where to log.
+        interval_s: seconds between two warnings.
+        clock: seconds (``time.monotonic``).
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, clock: Any = time.monotonic) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: float | None = None
+        self.n_held = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            self.n_held += 1
+            return
+        if self.n_held:
+            msg += f" (and {self.n_held} more like it in the last {self.interval_s:g} s)"
+        self.logger.warning(msg, *args)
+        self._last, self.n_held = now, 0
 
 
 class RtcLink:
@@ -52,6 +91,7 @@ class RtcLink:
         self.up = False
         self.bytes_in = 0
         self.bytes_out = 0
+        self.answering = False      # a negotiation for this link is in progress
         self._low = asyncio.Event()
         self._low.set()
 
@@ -125,6 +165,8 @@ class RtcTerminator:
         if host_addresses is not None:
             set_host_addresses(host_addresses)
         self.tasks: set[asyncio.Task] = set()
+        self.failures = RateLimitedLog(log)
+        self._offers: dict[int, TokenBucket] = {}     # per rank id (bounded by the seated ranks)
 
     def attach(self, room: Room) -> None:
         room.on_server_signal = lambda p, sig: self.on_signal(room, p, sig)
@@ -135,10 +177,23 @@ class RtcTerminator:
             room.drop("no_route")
             return
         if kind == "offer" and isinstance(sig.get("sdp"), str):
-            self._spawn(self._answer(room, p, sig["sdp"]))
+            now = time.monotonic()
+            bucket = self._offers.get(p.id)
+            if bucket is None or p.id not in room.peers:
+                for k in [k for k in self._offers if k not in room.peers]:
+                    del self._offers[k]
+                bucket = self._offers[p.id] = TokenBucket(OFFERS_PER_S, OFFER_BURST, now)
+            if p.rtc is not None and p.rtc.answering:
+                room.drop("rtc_offer_busy")
+                p.charge("rtc_offer_busy")
+            elif not bucket.take(1, now):
+                room.drop("rtc_offer_rate")
+                p.charge("rtc_offer_rate")
+            else:
+                self._spawn(self._answer(room, p, sig["sdp"]), room)
         elif kind == "candidate" and isinstance(sig.get("candidate"), dict) and p.rtc is not None \
                 and p.rtc.pc is not None:
-            self._spawn(add_candidate(p.rtc.pc, sig["candidate"]))
+            self._spawn(add_candidate(p.rtc.pc, sig["candidate"]), room)
         elif kind == "bye":
             self.detach(p)
         else:
@@ -152,22 +207,36 @@ class RtcTerminator:
             if c is not None:
                 self._spawn(c)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any, room: Room | None = None) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(t)
-        t.add_done_callback(self._done)
+        t.add_done_callback(lambda t: self._done(t, room))
 
-    def _done(self, t: asyncio.Task) -> None:
+    def _done(self, t: asyncio.Task, room: Room | None) -> None:
         self.tasks.discard(t)
         if not t.cancelled() and t.exception() is not None:
-            log.warning("rtc link task failed: %r", t.exception())
+            if room is not None:
+                room.drop("rtc_failed")
+            self.failures.warning("rtc link task failed: %r", t.exception())
 
     async def _answer(self, room: Room, p: Peer, sdp: str) -> None:
-        from aiortc import RTCPeerConnection, RTCSessionDescription
-
         self.detach(p)
         link = p.rtc = RtcLink(p, on_drop=room.drop)
         link.max_message_bytes = _offered_max_message_bytes(sdp)
+        link.answering = True
+        try:
+            await self._negotiate(room, p, link, sdp)
+        except Exception:
+            if p.rtc is not link:      # superseded (a newer offer, or the rank left): not a failure
+                return
+            self.detach(p)
+            raise
+        finally:
+            link.answering = False
+
+    async def _negotiate(self, room: Room, p: Peer, link: RtcLink, sdp: str) -> None:
+        from aiortc import RTCPeerConnection, RTCSessionDescription
+
         pc = link.pc = RTCPeerConnection(configuration(self.ice_servers))
 
         @pc.on("datachannel")

@@ -9,19 +9,42 @@ from typing import Callable
 from .config import ServerConfig
 
 
+async def start_site(app, host: str, port: int):
+    """Run ``app`` on ``host:port`` with the server's connection bounds: aiohttp's
+    ``keepalive_timeout`` set to ``limits.header_timeout_s`` (a connection that has not sent a
+    complete request head by then is closed: slowloris), and at most
+    ``limits.max_connections_per_address`` open connections per client address
+    (:class:`~.guard.ConnectionGuard`).
+
+    Returns:
+        ``(runner, site, port)``, the port actually bound.
+    """
+    from aiohttp import web
+
+    from .app import CONFIG, REFUSED
+    from .guard import ConnectionGuard
+
+    limits = app[CONFIG].limits
+    runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=limits.header_timeout_s)
+    await runner.setup()
+    ConnectionGuard(limits.max_connections_per_address, app[REFUSED]).install(runner.server)
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    actual = port
+    for addr in runner.addresses:
+        if isinstance(addr, (tuple, list)) and len(addr) >= 2:
+            actual = addr[1]
+            break
+    return runner, site, actual
+
+
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
                       advertise_interfaces: list[str] | None = None) -> None:
-    from aiohttp import web
-
-    from .app import ROOMS, create_app
+    from .app import OPERATOR_TOKEN, ROOMS, create_app
 
     app = create_app(config)  # ConfigError before listening
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    actual = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
+    runner, site, actual = await start_site(app, host, port)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{actual}"
     for name, job in config.rooms.items():
@@ -32,6 +55,10 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
+        progress(f"  operate: {url}/operator?room={name}#operator=" + app[OPERATOR_TOKEN])
+    if config.operator_token is None:
+        progress("operator token (generated; set --operator-token or TABCOHORT_OPERATOR_TOKEN to keep one): "
+                 + app[OPERATOR_TOKEN])
     adv = None
     if advertise:
         from tabcohort import __version__

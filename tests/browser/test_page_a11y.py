@@ -37,8 +37,8 @@ def check_both_sizes(tab, name: str) -> None:
 def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
     if not AXE.is_file():
         pytest.fail("node_modules/axe-core is missing: run npm ci")
-    url = cluster.serve("--token", "s3cret", "--checkpoint-interval", "1")
-    t = tabs(url, "?room=digits&token=s3cret", viewport=MOBILE)
+    url = cluster.serve("--token", "room-token-s3cret-0123", "--checkpoint-interval", "1")
+    t = tabs(url, "?room=digits&token=room-token-s3cret-0123", viewport=MOBILE)
     wait_for(lambda: t.tc("tc.phase") in ("loading", "training"), 20, "the loading phase")
     if t.tc("tc.phase") == "loading":
         t.shot("loading-375x667")
@@ -47,15 +47,18 @@ def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
     wait_tab(t, lambda s: s["ready"] and s["step"] >= 20, 60, "training (20 steps)")
     check_both_sizes(t, "training")
     assert t.page.is_visible("#leader-controls")  # a lone tab leads: lr and precision are offered
+    # the tab's controls (state reports, backlog) pass the server's schemas; its report counts
+    wait_for(lambda: cluster.state()["step"] >= 20, 20, "the tab's report to be trusted")
+    assert not [k for k in cluster.state()["drops"] if k.startswith("bad_")], cluster.state()["drops"]
 
-    op = tabs(url, "operator?room=digits&token=s3cret", viewport=DESKTOP)
+    op = tabs(url, "operator?room=digits&token=room-token-s3cret-0123", viewport=DESKTOP)
     wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.last && tcOperator.last.ranks.length"),
              20, "the operator view's first poll")
     wait_for(lambda: op.page.evaluate("tcOperator.last.checkpoint"), 20, "a checkpoint in the operator view")
     wait_for(lambda: op.page.is_visible("#ckpt-link"), 5, "the checkpoint download link")
     check_both_sizes(op, "operator")
 
-    cluster.post(f"/api/rooms/{cluster.room}/stop?token=s3cret")
+    cluster.post(f"/api/rooms/{cluster.room}/stop?token=room-token-s3cret-0123")
     wait_for(lambda: t.tc("tc.phase") == "stopped", 20, "the tab to stop")
     check_both_sizes(t, "stopped")
 

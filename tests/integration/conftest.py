@@ -28,6 +28,7 @@ def _env() -> dict[str, str]:
                                          env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     for k in ("TABCOHORT_SERVER", "TABCOHORT_ROOM", "TABCOHORT_TOKEN", "TABCOHORT_BATCH", "TABCOHORT_LINK",
+              "TABCOHORT_OPERATOR_TOKEN",
               "TABCOHORT_DISCOVER", "TABCOHORT_DISCOVER_HOST", "TABCOHORT_DISCOVER_TIMEOUT",
               "TABCOHORT_DISCOVER_INTERFACES"):
         env.pop(k, None)
@@ -81,9 +82,12 @@ class Cluster:
         self.server: Proc | None = None
         self.url = ""
         self.room = "digits"
+        #: the operator token every serve gets here (state() and post() present it)
+        self.operator_token = "operator-token-for-tests-0123"
 
     def serve(self, *args: str) -> str:
-        self.server = Proc(["serve", "--port", "0", "--room", self.room, *args], self.tmp / "serve.log")
+        op = () if "--operator-token" in args else ("--operator-token", self.operator_token)
+        self.server = Proc(["serve", "--port", "0", "--room", self.room, *op, *args], self.tmp / "serve.log")
         self.procs.append(self.server)
 
         def url() -> str | None:
@@ -102,8 +106,13 @@ class Cluster:
         self.procs.append(p)
         return p
 
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.operator_token}"}
+
     def state(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/api/rooms/{self.room}", timeout=5) as r:
+        """The room as the operator sees it (``GET /api/rooms/ROOM`` with the operator token)."""
+        req = urllib.request.Request(f"{self.url}/api/rooms/{self.room}", headers=self._auth())
+        with urllib.request.urlopen(req, timeout=5) as r:
             return json.load(r)
 
     def reports(self, connected_only: bool = True) -> list[dict]:
@@ -111,7 +120,7 @@ class Cluster:
                 if r["report"] and (r["connected"] or not connected_only)]
 
     def post(self, path: str) -> dict:
-        req = urllib.request.Request(f"{self.url}{path}", data=b"", method="POST")
+        req = urllib.request.Request(f"{self.url}{path}", data=b"", method="POST", headers=self._auth())
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.load(r)
 

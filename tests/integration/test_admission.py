@@ -36,11 +36,11 @@ async def register(client) -> tuple[aiohttp.ClientWebSocketResponse, dict | None
 
 
 def test_token_bucket_admits_a_burst_then_the_rate():
-    b = TokenBucket(2.0, 3)
-    assert [b.take(10.0) for _ in range(4)] == [True, True, True, False]
-    assert not b.take(10.4)            # 0.8 token
-    assert b.take(10.5) and not b.take(10.5)
-    assert [b.take(100.0) for _ in range(4)] == [True, True, True, False]   # refilled to the burst only
+    b = TokenBucket(2.0, 3, 10.0)
+    assert [b.take(1, 10.0) for _ in range(4)] == [True, True, True, False]
+    assert not b.take(1, 10.4)            # 0.8 token
+    assert b.take(1, 10.5) and not b.take(1, 10.5)
+    assert [b.take(1, 100.0) for _ in range(4)] == [True, True, True, False]   # refilled to the burst only
 
 
 async def test_registrations_beyond_the_rate_are_told_to_retry_later(client):

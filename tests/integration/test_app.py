@@ -18,14 +18,19 @@ from tabcohort_server.app import ROOMS
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
+TOKEN = "room-token-0123456789"
+
+
 def beat() -> dict:
     return {"t": "beat", "batch": 4, "ready": True, "running": True, "term": 1, "step": 1, "backend": "py"}
 
 
 @pytest_asyncio.fixture
 async def client(aiohttp_client):
-    cfg = ServerConfig(rooms={"r": JobConfig(dataset="synthetic"), "t": JobConfig(dataset="synthetic", token="s3")},
-                       limits=ServerLimits(queue_high_water_bytes=64 << 10, queue_max_bytes=256 << 10))
+    cfg = ServerConfig(rooms={"r": JobConfig(dataset="synthetic"), "t": JobConfig(dataset="synthetic", token=TOKEN)},
+                       limits=ServerLimits(queue_high_water_bytes=64 << 10, queue_max_bytes=256 << 10,
+                                           write_stall_s=3.0,   # (a test sender may send at loopback speed)
+                                           sender_max_msgs_per_s=50_000, sender_max_bytes_per_s=1 << 30))
     return await aiohttp_client(create_app(cfg))
 
 
@@ -84,7 +89,7 @@ async def test_malformed_oversize_and_invalid_utf8_are_survived(client):
     await a.send_bytes(ok)
     assert await next_binary(b) == ok
     room = client.app[ROOMS].get("r")
-    assert room.drops["bad_version"] == 1 and room.drops["bad_control"] == 1
+    assert room.drops["bad_version"] == 1 and room.drops["bad_json"] == 1
     big, _ = await join(client)
     await big.send_bytes(b"\x01" * (client.app[ROOMS].get("r").limits.max_ws_message_bytes + 10))
     assert (await big.receive(5)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
@@ -134,8 +139,8 @@ async def test_black_holed_consumer_is_dropped_without_blocking_the_others(clien
 async def test_wrong_token_is_refused_with_a_clear_reason(client):
     ws, welcome = await join(client, "t", token="nope")
     assert welcome is None and ws.close_code == 4001
-    ws2, welcome2 = await join(client, "t", token="s3")
+    ws2, welcome2 = await join(client, "t", token=TOKEN)
     assert welcome2["type"] == "welcome"
     assert (await client.get("/api/rooms/t/job")).status == 403
-    assert (await client.get("/api/rooms/t/job?token=s3")).status == 200
+    assert (await client.get(f"/api/rooms/t/job?token={TOKEN}")).status == 200
     await ws2.close()

@@ -30,6 +30,8 @@ def test_three_ranks_train_survive_leader_kill_sync_joiner_end_bit_identical(clu
     st = wait_for(lambda: (s := cluster.state())["accuracy"] is not None and s["accuracy"] >= 0.95 and s,
                   60, "3 ranks to reach 95 % held-out accuracy")
     print(f"\n95 % accuracy at step {st['step']} (acc {st['accuracy']:.4f})")
+    # real ranks' controls (reports, backlog, relay_peers) all pass the server's schemas
+    assert not [k for k in st["drops"] if k.startswith("bad_")], st["drops"]
 
     # kill the leader's process: the new leader's first round must come within the bound
     lead = wait_for(lambda: _leader(cluster.reports()), 10, "exactly one leader")

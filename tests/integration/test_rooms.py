@@ -64,15 +64,19 @@ def test_broadcast_to_others_addressed_to_one_spoofed_dropped():
     assert r.drops["truncated"] == 1
 
 
-def test_a_consumer_over_its_queue_bound_is_dropped_not_waited_for():
-    r = room(queue_high_water_bytes=1000, queue_max_bytes=5000)
+def test_a_consumer_that_does_not_read_is_dropped_not_waited_for():
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=5000, write_stall_s=5.0)
     a, b, c = (r.register(now=0) for _ in range(3))
     kicked = []
     b.kick = lambda code, reason: kicked.append(code)
     chunk = FrameWriter(a.id).write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 120})[0]
+    r.writing(b, now=0.0)       # the socket layer began a write to b that never completes
     for _ in range(12):
         r.relay(a, chunk)
         drain(c)  # c keeps up, b never reads
+    assert b.connected and b.queued_bytes <= 5000 and r.drops["fair_share"] > 0   # bounded, shed
+    assert r.check_stalls(4.9) == [] and kicked == []
+    assert r.check_stalls(5.1) == [b.id]
     assert kicked == [CLOSE_SLOW_CONSUMER] and not b.connected and r.drops["slow_consumer"] == 1
     assert r.pressure() < 1.0
     texts = [json.loads(x) for x in drain(a) if isinstance(x, str)]
@@ -97,7 +101,7 @@ def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
     for bad in (-1, "x", True, None):
         r.control(b, json.dumps({"type": "backlog", "bytes": bad}), now=0)
     drain(a), drain(b)
-    assert r.drops["bad_control"] == 4 and r.pressure() == 0
+    assert r.drops["bad_backlog"] == 4 and r.pressure() == 0
     r.control(b, json.dumps({"type": "backlog", "bytes": 10**12}), now=0)
     assert r.pressure() >= 50.0   # bounded by the queue bound
     drain(b)
@@ -138,11 +142,12 @@ def test_reports_drive_the_stop_condition():
     r = room()
     a = r.register(now=0)
     drain(a)
-    r.control(a, json.dumps({"type": "report", "state": {"step": 5, "is_leader": True, "junk": 1}}), now=1)
+    r.control(a, json.dumps({"type": "report", "state": {"step": 5, "is_leader": True, "leader": a.id,
+                                                         "junk": 1}}), now=1)
     assert not r.stopped and "junk" not in a.report
     r.control(a, "not json", now=1)
-    r.control(a, json.dumps({"type": "report", "state": {"step": 10, "is_leader": True}}), now=2)
-    assert r.stopped and r.drops["bad_control"] == 1
+    r.control(a, json.dumps({"type": "report", "state": {"step": 10, "is_leader": True, "leader": a.id}}), now=2)
+    assert r.stopped and r.drops["bad_json"] == 1
     assert json.loads(drain(a)[-1]) == {"type": "stop", "reason": "steps 10 reached"}
 
 

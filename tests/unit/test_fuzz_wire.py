@@ -149,3 +149,44 @@ def test_absurd_declarations_allocate_nothing_big():
         tracemalloc.stop()
     assert peak < 4 * 2**20, f"peak {peak} bytes"
     assert r.drops.get("reassembly_overflow", 0) > 0 and r.drops.get("absurd_size", 0) > 0
+
+
+def _never_completed(sender: int, frame_id: int, chunk_bytes: int, count: int = 4) -> bytes:
+    """Chunk 0 of a ``count``-chunk frame whose other chunks never come (a hostile peer)."""
+    head = CHUNK_HEADER.pack(1, 0, sender, 0, frame_id, 0, count, chunk_bytes * count)
+    return head + bytes(chunk_bytes)
+
+
+def test_one_senders_never_completed_frames_cost_only_its_own_budget():
+    """A hostile sender streams first chunks of frames that never complete: the reader holds at
+    most that sender's budget for it, and an honest sender's multi-chunk frame, interleaved,
+    still completes (the hostile sender's frames are the ones evicted)."""
+    lim = WireLimits(max_frame_bytes=64 << 10, max_incomplete_frames_per_sender=4,
+                     max_incomplete_bytes=1 << 20, max_incomplete_bytes_per_sender=40 << 10)
+    r = FrameReader(lim)
+    honest = FrameWriter(7, max_message_bytes=1024).write(
+        {"t": "grad", "step": 3, "loss": 0.5, "samples": 8, "g": [0.25] * 2000})
+    assert len(honest) > 4
+    got = []
+    rng = random.Random(5)
+    for i, ch in enumerate(honest):
+        for k in range(rng.randint(1, 6)):      # a flood between every honest chunk
+            r.feed(_never_completed(9, i * 10 + k, rng.choice((1000, 8000, 16000))), now_ms=i)
+            assert r.held_bytes(9) <= lim.sender_budget_bytes
+            assert r.held_bytes() <= lim.max_incomplete_bytes
+        got += r.feed(ch, now_ms=i)
+    assert len(got) == 1 and got[0]["from"] == 7 and len(got[0]["g"]) == 2000
+    assert r.drops["reassembly_overflow"] > 0
+
+
+def test_the_total_budget_evicts_the_heaviest_sender_first():
+    lim = WireLimits(max_frame_bytes=64 << 10, max_incomplete_frames_per_sender=8,
+                     max_incomplete_bytes=48 << 10, max_incomplete_bytes_per_sender=64 << 10)
+    r = FrameReader(lim)
+    r.feed(_never_completed(1, 1, 4000), now_ms=0)           # the honest sender's partial frame, oldest
+    for k in range(20):                                       # a heavy sender fills the rest
+        r.feed(_never_completed(2, k, 8000), now_ms=1)
+    assert r.held_bytes(1) == 4000                            # never evicted for the heavy one
+    assert r.held_bytes() <= lim.max_incomplete_bytes
+    # the default per-sender budget is one largest frame
+    assert WireLimits().sender_budget_bytes == WireLimits().max_frame_bytes

@@ -1,8 +1,8 @@
 """Reader bounds and drop reasons (issue 2, "Chunking" and "Robustness").
 
 Every bound is checked against header-declared sizes *before* anything is allocated, so a
-hostile peer can make a reader hold at most ``max_incomplete_bytes`` of partial frames plus one
-frame of ``max_frame_bytes`` being decoded.
+hostile peer can make a reader hold at most ``max_incomplete_bytes_per_sender`` of partial frames
+(all peers together ``max_incomplete_bytes``) plus one frame of ``max_frame_bytes`` being decoded.
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ class WireLimits:
         max_frame_bytes: largest reassembled frame, bytes (default 64 MiB).
         max_incomplete_frames_per_sender: partial frames held per sender; a new one evicts the
             oldest (counted ``reassembly_overflow``).
-        max_incomplete_bytes: partial-frame bytes held over all senders (default 256 MiB).
+        max_incomplete_bytes: partial-frame bytes held over all senders (default 256 MiB); when
+            it is reached, the sender holding the most loses its oldest partial frame.
+        max_incomplete_bytes_per_sender: partial-frame bytes held for one sender (``None``, the
+            default: ``max_frame_bytes``, one largest frame); a sender's chunk beyond it evicts
+            that sender's oldest partial frame (``reassembly_overflow``), never another's.
         reassembly_timeout_ms: a partial frame older than this is dropped, milliseconds.
         max_vector_len: largest ``params``/``g`` element count (default 16 Mi elements).
         max_assign: largest number of entries in a ``round``'s assignment.
@@ -61,6 +65,13 @@ class WireLimits:
     max_vector_len: int = 16 * 2**20
     max_assign: int = 65_536
     max_int8_block: int = 2**20
+    max_incomplete_bytes_per_sender: int | None = None
+
+    @property
+    def sender_budget_bytes(self) -> int:
+        """Partial-frame bytes one sender may make a reader hold."""
+        v = self.max_incomplete_bytes_per_sender
+        return self.max_frame_bytes if v is None else v
 
     def __post_init__(self) -> None:
         for name in ("max_frame_bytes", "max_incomplete_frames_per_sender", "max_incomplete_bytes",
@@ -68,5 +79,8 @@ class WireLimits:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, v, "must be a positive integer")
+        v = self.max_incomplete_bytes_per_sender
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError("max_incomplete_bytes_per_sender", v, "must be a positive integer or None")
         if not self.reassembly_timeout_ms > 0:
             raise ConfigError("reassembly_timeout_ms", self.reassembly_timeout_ms, "must be > 0")

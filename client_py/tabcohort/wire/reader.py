@@ -1,9 +1,12 @@
 """FrameReader: chunks in, messages out; untrusted bytes never raise (issue 2, "Robustness").
 
-Reassembly is bounded: at most ``limits.max_incomplete_frames_per_sender`` partial frames per
-sender and ``limits.max_incomplete_bytes`` over all senders (the oldest partial frame is evicted,
-counted ``reassembly_overflow``), each for at most ``limits.reassembly_timeout_ms`` (counted
-``reassembly_timeout``). A frame's declared size is checked against ``limits.max_frame_bytes``
+Reassembly is bounded per sender and in total: at most
+``limits.max_incomplete_frames_per_sender`` partial frames and ``limits.sender_budget_bytes``
+bytes per sender (that sender's oldest partial frame is evicted, counted
+``reassembly_overflow``), ``limits.max_incomplete_bytes`` over all senders (the sender holding
+the most loses its oldest), each for at most ``limits.reassembly_timeout_ms`` (counted
+``reassembly_timeout``). So one peer's never-completed frames cost a reader at most its own
+budget, and never evict another peer's frames while that peer holds less. A frame's declared size is checked against ``limits.max_frame_bytes``
 before its first byte is stored.
 """
 
@@ -49,6 +52,7 @@ class FrameReader:
         self.n_frames = 0
         self._partial: OrderedDict[tuple[int, int], _Partial] = OrderedDict()
         self._per_sender: dict[int, int] = {}
+        self._sender_bytes: dict[int, int] = {}
         self._held_bytes = 0
 
     def _drop(self, reason: str, n: int = 1) -> None:
@@ -57,12 +61,39 @@ class FrameReader:
     def _remove(self, key: tuple[int, int]) -> _Partial:
         p = self._partial.pop(key)
         self._held_bytes -= p.n_bytes
-        left = self._per_sender[key[0]] - 1
+        s = key[0]
+        left = self._per_sender[s] - 1
         if left:
-            self._per_sender[key[0]] = left
+            self._per_sender[s] = left
+            self._sender_bytes[s] -= p.n_bytes
         else:
-            del self._per_sender[key[0]]
+            del self._per_sender[s]
+            del self._sender_bytes[s]
         return p
+
+    def held_bytes(self, sender: int | None = None) -> int:
+        """Partial-frame bytes held (for ``sender``, or in total)."""
+        return self._held_bytes if sender is None else self._sender_bytes.get(sender, 0)
+
+    def _make_room(self, sender: int, key: tuple[int, int], n: int) -> bool:
+        """Evict partial frames so ``n`` more bytes of ``sender``'s frame ``key`` fit the
+        per-sender and total budgets; False when ``key`` itself had to go."""
+        lim = self.limits
+        budget = lim.sender_budget_bytes
+        while self._sender_bytes.get(sender, 0) and self._sender_bytes[sender] + n > budget:
+            oldest = next(k for k in self._partial if k[0] == sender)
+            self._remove(oldest)
+            self._drop(L.REASSEMBLY_OVERFLOW)
+            if oldest == key:
+                return False
+        while self._partial and self._held_bytes + n > lim.max_incomplete_bytes:
+            heavy = max(self._sender_bytes, key=self._sender_bytes.__getitem__)
+            oldest = next(k for k in self._partial if k[0] == heavy)
+            self._remove(oldest)
+            self._drop(L.REASSEMBLY_OVERFLOW)
+            if oldest == key:
+                return False
+        return True
 
     @property
     def n_incomplete(self) -> int:
@@ -123,11 +154,10 @@ class FrameReader:
                 oldest = next(k for k in self._partial if k[0] == r.sender)
                 self._remove(oldest)
                 self._drop(L.REASSEMBLY_OVERFLOW)
-            while self._partial and self._held_bytes + len(payload) > lim.max_incomplete_bytes:
-                self._remove(next(iter(self._partial)))
-                self._drop(L.REASSEMBLY_OVERFLOW)
+            self._make_room(r.sender, key, len(payload))
             p = self._partial[key] = _Partial(r, now_ms)
             self._per_sender[r.sender] = self._per_sender.get(r.sender, 0) + 1
+            self._sender_bytes.setdefault(r.sender, 0)
         else:
             q = p.route
             if (q.count, q.frame_len, q.recipient) != (r.count, r.frame_len, r.recipient):
@@ -137,9 +167,7 @@ class FrameReader:
             if r.index in p.parts:
                 self._drop(L.DUPLICATE_CHUNK)
                 return None
-            if self._held_bytes + len(payload) > lim.max_incomplete_bytes:
-                self._remove(key)
-                self._drop(L.REASSEMBLY_OVERFLOW)
+            if not self._make_room(r.sender, key, len(payload)):
                 return None
         if p.n_bytes + len(payload) > r.frame_len:
             self._remove(key)
@@ -148,6 +176,7 @@ class FrameReader:
         p.parts[r.index] = payload
         p.n_bytes += len(payload)
         self._held_bytes += len(payload)
+        self._sender_bytes[r.sender] += len(payload)
         if len(p.parts) < r.count:
             return None
         self._remove(key)

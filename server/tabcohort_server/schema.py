@@ -1,0 +1,175 @@
+"""Validation of every JSON control a rank sends the server (docs/PROTOCOL.md, "State report";
+``tabcohort.bus.ws`` for the control messages), at the boundary, before the room reads a field.
+
+A control is untrusted input exactly like a frame: :func:`parse_control` returns either the
+validated object or a drop reason (a short stable string the room counts in ``Room.drops``, shown
+in ``/api/rooms/ROOM`` and ``/metrics``); it never raises. The schemas are JSON Schema (draft
+2020-12) checked with the ``jsonschema`` library; what JSON Schema cannot say (no NaN or Infinity
+anywhere, a bounded nesting depth) is checked by the parser here.
+
+Bounds (all checked): ints are JSON integers in their wire range (a step is ``0 <= step < 2**63``,
+ids are uint32), floats are finite, strings are at most 256 characters (an SDP 16 KiB), maps at
+most 64 entries of short keys, lists at most 1024 items.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+#: Nesting depth a control may have (a report is at most 3 deep); anything deeper is dropped
+#: (``too_deep``) before the JSON parser recurses.
+MAX_DEPTH = 8
+
+U32 = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
+U63 = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
+NUM = {"type": "number"}          # finite: the parser refuses NaN and Infinity literals
+NUM_OR_NULL = {"type": ["number", "null"]}
+STR = {"type": "string", "maxLength": 256}
+STR_OR_NULL = {"type": ["string", "null"], "maxLength": 256}
+BOOL = {"type": "boolean"}
+KEY = {"maxLength": 64}
+#: keys of counters by reason (they become metric labels): short identifiers
+REASON = {"pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+
+
+def _map(values: dict, keys: dict = KEY) -> dict:
+    return {"type": "object", "maxProperties": 64, "propertyNames": keys, "additionalProperties": values}
+
+
+#: a rank id as 8 lowercase hex digits (how reports key per-rank maps)
+RANK_HEX = {"type": "string", "pattern": "^[0-9a-f]{8}$"}
+
+
+def _ranks_map(values: dict) -> dict:
+    """A per-rank map (one entry per cohort member: as many as a room's seats)."""
+    return {"type": "object", "maxProperties": 4096, "propertyNames": RANK_HEX, "additionalProperties": values}
+
+
+#: The state report a rank sends about once a second (``{"type": "report", "state": {...}}``).
+#: Only these fields are kept; unknown fields are ignored (a newer client may send more).
+REPORT_STATE = {
+    "type": "object",
+    "maxProperties": 128,
+    "propertyNames": KEY,
+    "properties": {
+        "id": U32, "leader": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**32 - 1},
+        "is_leader": BOOL, "ready": BOOL, "running": BOOL, "joining": BOOL, "final": BOOL,
+        "step": U63, "start_step": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
+        "cohort": U32, "bucket_len": U32, "batch": U32,
+        "loss": NUM_OR_NULL, "first_loss": NUM_OR_NULL, "lr": NUM_OR_NULL,
+        "accuracy": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "steps_per_s": NUM_OR_NULL, "samples_per_s": NUM_OR_NULL, "wire_bytes_per_s": NUM_OR_NULL,
+        "model": STR_OR_NULL, "backend": STR_OR_NULL, "precision": STR_OR_NULL, "fault": STR_OR_NULL,
+        "digest": STR_OR_NULL, "transport": STR_OR_NULL,
+        "pid": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
+        # the leaders a rank has followed: [leader id, wall time of its first round, step]
+        "leaders": {"type": "array", "maxItems": 64,
+                    "items": {"type": "array", "maxItems": 4, "items": {"type": "number", "minimum": 0}}},
+        "policy": {"type": "object", "maxProperties": 16, "propertyNames": KEY,
+                   "additionalProperties": {"type": ["number", "string", "boolean", "null"], "maxLength": 64}},
+        # drop and event counters by reason: non-negative integers
+        "drops": _map(U63, REASON), "wire_drops": _map(U63, REASON), "counters": _map(U63, REASON),
+        "gaps": _map(NUM), "links": _map(STR), "link_bytes": _map(U63),
+        # lineage, majority and shares (docs/PROTOCOL.md, "Lineage and terms", "Shares")
+        "term": U63, "members": U32, "majority": BOOL, "diverged": U63, "rejoins": U63,
+        "global_batch": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**32 - 1},
+        "samples_assigned": U63, "epoch": NUM_OR_NULL,
+        "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "flaps": _ranks_map(U63),
+        "probation": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
+    },
+}
+
+CONTROL_SCHEMAS: dict[str, dict] = {
+    "report": {"type": "object", "required": ["state"], "properties": {"state": REPORT_STATE}},
+    "backlog": {"type": "object", "required": ["bytes"], "properties": {"bytes": U63}},
+    "relay_peers": {"type": "object", "required": ["ids"],
+                    "properties": {"ids": {"type": "array", "maxItems": 4096, "items": U32}}},
+    "signal": {"type": "object", "required": ["to", "kind"], "properties": {
+        "to": U32, "kind": {"enum": ["offer", "answer", "candidate", "bye", "backlog"]},
+        "sdp": {"type": "string", "maxLength": 16384}, "bytes": U63,
+        "candidate": {"type": "object", "maxProperties": 8, "propertyNames": KEY,
+                      "additionalProperties": {"type": ["string", "integer", "null"], "maxLength": 1024}}}},
+}
+
+_VALIDATORS = {t: Draft202012Validator(s) for t, s in CONTROL_SCHEMAS.items()}
+for _v in _VALIDATORS.values():
+    Draft202012Validator.check_schema(_v.schema)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _depth_ok(text: str, limit: int) -> bool:
+    """True when ``text`` nests brackets at most ``limit`` deep (strings skipped)."""
+    depth = 0
+    in_str = esc = False
+    for c in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif c in "]}":
+            depth -= 1
+    return True
+
+
+def parse_json(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[Any, str | None]:
+    """Parse untrusted JSON: ``(obj, None)`` or ``(None, reason)``; never raises.
+
+    Reasons: ``too_deep`` (nesting beyond ``max_depth``), ``bad_json`` (not JSON, or NaN /
+    Infinity, or an integer of more than 4300 digits).
+    """
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "bad_json"
+    # cheap pre-check: a deep document is refused before the (recursive) parser sees it
+    if text.count("[") + text.count("{") > max_depth and not _depth_ok(text, max_depth):
+        return None, "too_deep"
+    try:
+        return json.loads(text, parse_constant=_reject_constant), None
+    except (ValueError, RecursionError):
+        return None, "bad_json"
+
+
+def check_control(obj: Any) -> str | None:
+    """The drop reason for a parsed control message, or ``None`` when it is valid.
+
+    Reasons: ``bad_control`` (not an object, or an unknown ``type``), ``bad_<type>`` or
+    ``bad_report.<field>`` (a field of the wrong type, out of range or too long).
+    """
+    if not isinstance(obj, dict):
+        return "bad_control"
+    t = obj.get("type")
+    v = _VALIDATORS.get(t) if isinstance(t, str) else None
+    if v is None:
+        return "bad_control"
+    err = next(iter(v.iter_errors(obj)), None)
+    if err is None:
+        return None
+    path = [p for p in err.absolute_path if isinstance(p, str)]
+    if t == "report" and len(path) >= 2:
+        return f"bad_report.{path[1]}"
+    return f"bad_{t}"
+
+
+def parse_control(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[dict | None, str | None]:
+    """:func:`parse_json` then :func:`check_control`: ``(obj, None)`` or ``(None, reason)``."""
+    obj, why = parse_json(text, max_depth=max_depth)
+    if why is None:
+        why = check_control(obj)
+    return (obj, None) if why is None else (None, why)

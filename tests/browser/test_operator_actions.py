@@ -1,0 +1,38 @@
+"""The operator view's actions carry the operator token: from the link `tabcohort serve` prints
+(``#operator=...``, taken off the address bar) or asked for; the room token alone cannot stop a
+room, and the page says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.browser
+
+ROOM_TOKEN = "room-token-operator-view-01"
+
+
+def test_the_operator_link_stops_the_room_and_the_room_token_does_not(cluster, tabs):
+    url = cluster.serve("--token", ROOM_TOKEN)
+    serve_log = cluster.server.text()
+    link = next(line.split("operate: ", 1)[1] for line in serve_log.splitlines() if "operate: " in line)
+    assert link.endswith(f"#operator={cluster.operator_token}")
+
+    # the room token only: polling works, Stop asks for the operator token; a wrong one is refused
+    op = tabs(url, f"operator?room={cluster.room}&token={ROOM_TOKEN}")
+    wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
+    op.page.once("dialog", lambda d: d.accept("wrong-operator-token-000"))
+    op.page.click("#stop-room")
+    wait_for(lambda: "wrong" in op.page.inner_text("#stop-result"), 10, "the refusal")
+    assert not cluster.state()["stopped"]
+
+    # the printed link: no room token in the URL, the fragment leaves the address bar, Stop works
+    op2 = tabs(url, link[len(url) + 1:])
+    wait_for(lambda: op2.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
+    assert "operator=" not in op2.page.url
+    op2.page.click("#stop-room")
+    wait_for(lambda: cluster.state()["stopped"], 10, "the room to stop")
+    assert cluster.state()["stop_reason"] == "stopped by the operator"
+    wait_for(lambda: "Stopped" in op2.page.inner_text("#status"), 10, "the page to show it")
+    assert not op2.console_errors, op2.console_errors

@@ -1,0 +1,317 @@
+"""The app under attack through real sockets (``aiohttp_client`` and a real listening site): roles
+(operator token vs room token), Origin checks, failed-auth limits, per-room data behind tokens,
+malformed reports, deep JSON, checkpoint uploads checked before reading, the dataset compressed
+once, seats and connections per address, slowloris."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import time
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tabcohort.wire import FrameWriter
+from tabcohort_server import JobConfig, ServerConfig, ServerLimits, create_app
+from tabcohort_server.app import ASSETS, REFUSED, ROOMS
+from tabcohort_server.serve import start_site
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+OP = "operator-token-0123456789"
+TOKEN = "room-token-0123456789"
+
+
+def config(**lim) -> ServerConfig:
+    return ServerConfig(rooms={"r": JobConfig(dataset="synthetic", steps=40),
+                               "t": JobConfig(dataset="synthetic", token=TOKEN)},
+                        operator_token=OP, allowed_origins=("https://lab.example.org",),
+                        limits=ServerLimits(**lim))
+
+
+@pytest_asyncio.fixture
+async def client(aiohttp_client):
+    return await aiohttp_client(create_app(config(max_auth_failures=5, max_ranks_per_address=4)))
+
+
+def bearer(tok: str) -> dict:
+    return {"Authorization": f"Bearer {tok}"}
+
+
+async def join(client, room="r", headers=None, **reg):
+    ws = await client.ws_connect(f"/api/rooms/{room}/ws", headers=headers or {})
+    await ws.send_str(json.dumps({"type": "register", **reg}))
+    msg = await ws.receive(5)
+    return ws, (json.loads(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None)
+
+
+async def test_only_the_operator_token_stops_a_room(client):
+    assert (await client.post("/api/rooms/r/stop")).status == 403           # open room, no token
+    assert (await client.post("/api/rooms/t/stop", headers=bearer(TOKEN))).status == 403  # the join token
+    assert (await client.post(f"/api/rooms/t/stop?token={TOKEN}")).status == 403
+    assert not client.app[ROOMS].get("t").stopped
+    r = await client.post("/api/rooms/t/stop", headers=bearer(OP))
+    assert r.status == 200 and client.app[ROOMS].get("t").stopped
+    assert client.app[REFUSED]["auth_failed"] == 3
+
+
+@pytest.mark.parametrize("origin,ok", [(None, True), ("https://evil.example", False), ("null", False),
+                                       ("https://lab.example.org", True), ("SAME", True)])
+async def test_state_changes_and_websockets_need_an_allowed_origin(client, origin, ok):
+    host = f"{client.server.host}:{client.server.port}"
+    hdr = {} if origin is None else {"Origin": f"http://{host}" if origin == "SAME" else origin}
+    r = await client.post("/api/rooms/r/stop", headers={**hdr, **bearer(OP)})
+    assert (r.status == 200) == ok and client.app[ROOMS].get("r").stopped == ok
+    if ok:
+        ws, welcome = await join(client, headers=hdr)
+        assert welcome["type"] == "welcome"
+        await ws.close()
+    else:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+            await client.ws_connect("/api/rooms/r/ws", headers=hdr)
+        assert e.value.status == 403
+        assert client.app[REFUSED]["origin"] == 2
+
+
+async def test_failed_token_checks_are_limited_per_address(client):
+    for _ in range(5):
+        assert (await client.get("/api/rooms/t?token=wrong-guess-000000")).status == 403
+    r = await client.get(f"/api/rooms/t?token={TOKEN}")                  # even the right one, for a while
+    assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+    ws = await client.ws_connect("/api/rooms/t/ws")
+    msg = await ws.receive(5)
+    assert msg.type == aiohttp.WSMsgType.CLOSE and ws.close_code == 4029
+    assert (await client.get("/api/rooms/r")).status == 200              # an open room is not gated
+    assert client.app[REFUSED]["auth_rate_limited"] == 2
+
+
+async def test_a_token_rooms_data_stays_behind_its_token(client):
+    ws, w = await join(client, "t", token=TOKEN)
+    await ws.send_str(json.dumps({"type": "report", "state": {"step": 7, "leader": w["id"], "is_leader": True,
+                                                              "loss": 0.25, "pid": 999}}))
+    room = client.app[ROOMS].get("t")
+    end = time.monotonic() + 5
+    while room.step() != 7:
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+    anon = await (await client.get("/metrics")).text()
+    assert 'room="r"' in anon and 'room="t"' not in anon
+    for tok in (TOKEN, OP):
+        text = await (await client.get("/metrics", headers=bearer(tok))).text()
+        assert 'tabcohort_step{room="t"} 7.0' in text
+    listed = {x["room"]: x for x in (await (await client.get("/api/rooms")).json())["rooms"]}
+    assert "n_connected" not in listed["t"] and "n_connected" in listed["r"]
+    assert (await client.get("/api/rooms/t")).status == 403
+    as_rank = await (await client.get("/api/rooms/t", headers=bearer(TOKEN))).json()
+    assert as_rank["step"] == 7 and "pid" not in as_rank["ranks"][0]["report"]
+    as_op = await (await client.get("/api/rooms/t", headers=bearer(OP))).json()
+    assert as_op["ranks"][0]["report"]["pid"] == 999
+    await ws.close()
+
+
+async def test_malformed_reports_never_break_the_room_for_the_others(client, caplog):
+    caplog.set_level(logging.WARNING)
+    (good, wg), (bad, wb) = await join(client), await join(client)
+    room = client.app[ROOMS].get("r")
+    await good.send_str(json.dumps({"type": "report", "state": {"step": 5, "leader": wg["id"], "is_leader": True}}))
+    end = time.monotonic() + 5
+    while room.step() < 5:
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+    for attack in ({"type": "report", "state": {}}, {"type": "report", "state": {"step": None}},
+                   {"type": "report", "state": {"step": 10**15, "leader": wb["id"], "is_leader": True}},
+                   {"type": "report", "state": {"step": "x", "loss": "y"}}):
+        await bad.send_str(json.dumps(attack))
+    await bad.send_str('{"type": "report", "state": {"step": NaN}}')
+    await bad.send_str("[" * 30000 + "]" * 30000)
+    await good.send_str(json.dumps({"type": "register", "nested": "[" * 30000}))
+    for step in (10, 20):
+        await good.send_str(json.dumps({"type": "report", "state": {"step": step, "leader": wg["id"],
+                                                                    "is_leader": True, "loss": 0.5}}))
+    end = time.monotonic() + 5
+    while room.step() < 20:
+        assert time.monotonic() < end, room.drops
+        await asyncio.sleep(0.01)
+    for path in ("/api/rooms/r", "/metrics"):
+        assert (await client.get(path)).status == 200
+    st = await (await client.get("/api/rooms/r")).json()
+    assert st["step"] == 20 and not st["stopped"]                        # the forged 10**15 did not count
+    for reason in ("bad_report.step", "bad_json", "too_deep"):
+        assert st["drops"].get(reason), st["drops"]
+    await good.send_str(json.dumps({"type": "report", "state": {"step": 40, "leader": wg["id"], "is_leader": True}}))
+    msg = None
+    while True:
+        msg = json.loads((await good.receive(5)).data)
+        if msg["type"] == "stop":
+            break
+    assert msg["reason"] == "steps 40 reached"
+    assert "RecursionError" not in caplog.text and "Traceback" not in caplog.text
+    ws = await client.ws_connect("/api/rooms/r/ws")                    # a deep register: refused, counted
+    await ws.send_str("[" * 30000 + "]" * 30000)
+    assert (await ws.receive(5)).type == aiohttp.WSMsgType.CLOSE and ws.close_code == 4000
+    assert room.drops.get("bad_register") == 1
+    for ws_ in (good, bad, ws):
+        await ws_.close()
+
+
+async def test_seats_per_address_are_bounded(client):
+    socks = [await join(client) for _ in range(4)]
+    assert all(w["type"] == "welcome" for _, w in socks)
+    ws, w = await join(client)
+    assert w is None and ws.close_code == 4011
+    for s, _ in socks:
+        await s.close()
+
+
+async def test_dataset_is_compressed_once_and_served_with_its_length(client):
+    a = client.app[ASSETS]["r"]
+    for _ in range(3):
+        r = await client.get("/api/rooms/r/dataset", headers={"Accept-Encoding": "gzip"}, auto_decompress=False)
+        raw = await r.read()
+        assert r.headers["Content-Encoding"] == "gzip" and int(r.headers["Content-Length"]) == len(raw)
+        assert raw == a.dataset_gzip and gzip.decompress(raw) == a.dataset_json
+    plain = await client.get("/api/rooms/r/dataset", headers={"Accept-Encoding": "identity"})
+    assert "Content-Encoding" not in plain.headers and await plain.read() == a.dataset_json
+
+
+async def test_checkpoint_upload_is_checked_before_its_body_is_read(client):
+    _, w = await join(client)
+    a = client.app[ASSETS]["r"]
+    host, port = client.server.host, client.server.port
+    # a 250 MiB Content-Length from a registered rank: refused at once, without sending a byte of body
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write((f"PUT /api/rooms/r/checkpoint HTTP/1.1\r\nHost: {host}\r\nContent-Length: {250 << 20}\r\n"
+                  f"X-Tabcohort-Rank: {w['id']}\r\nX-Tabcohort-Step: 1\r\nX-Tabcohort-Secret: {w['secret']}\r\n"
+                  f"X-Tabcohort-Digest: x\r\n\r\n").encode())
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 5)
+    assert status.startswith(b"HTTP/1.1 413"), status
+    writer.close()
+    # chunked (no Content-Length): read at most the parameters' size, then refused
+    async def body():
+        for _ in range(64):
+            yield b"\0" * (4 * a.bucket_len)
+    r = await client.put("/api/rooms/r/checkpoint", data=body(), headers={
+        "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": w["secret"],
+        "X-Tabcohort-Digest": "x"})
+    assert r.status == 413
+    # a stranger's upload is refused before reading, and counted as a failed auth
+    r = await client.put("/api/rooms/r/checkpoint", data=b"\0" * 8, headers={
+        "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": "nope"})
+    assert r.status == 403
+
+
+async def test_slowloris_connections_are_bounded_per_address_and_timed_out():
+    app = create_app(config(header_timeout_s=1.0, max_connections_per_address=5))
+    runner, site, port = await start_site(app, "127.0.0.1", 0)
+    try:
+        conns = []
+        for _ in range(5):                                   # partial request heads, never finished
+            rd, wr = await asyncio.open_connection("127.0.0.1", port)
+            wr.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            conns.append((rd, wr))
+        await asyncio.sleep(0)
+        rd, wr = await asyncio.open_connection("127.0.0.1", port)   # the sixth: aborted at once
+        assert await asyncio.wait_for(rd.read(), 2) == b""
+        assert app[REFUSED]["connections_per_address"] >= 1
+        t0 = time.monotonic()
+        for rd, wr in conns:                                 # the header timeout closes the others
+            await asyncio.wait_for(rd.read(), 5)
+        assert time.monotonic() - t0 < 4
+        async with aiohttp.ClientSession() as s:             # and the server answers again
+            async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
+                assert r.status == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic():
+    app = create_app(config(sender_max_msgs_per_s=2000, rate_limit_close_s=1.0))
+    runner, site, port = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def connect():
+                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
+                await ws.send_str(json.dumps({"type": "register"}))
+                return ws, json.loads((await ws.receive(5)).data)
+            (a, wa), (b, wb), (f, wf) = await connect(), await connect(), await connect()
+            got = {"a": 0, "b": 0}
+
+            async def read(ws, key, other):
+                async for m in ws:
+                    if m.type == aiohttp.WSMsgType.BINARY and m.data[2:6] == other.to_bytes(4, "little"):
+                        got[key] += 1
+            readers = [asyncio.create_task(read(a, "a", wb["id"])), asyncio.create_task(read(b, "b", wa["id"]))]
+            fw = FrameWriter(wf["id"])
+            beat = {"t": "beat", "batch": 1, "ready": True, "running": True, "step": 1, "backend": "x"}
+            chunk = fw.write(beat)[0]
+
+            async def flood():
+                try:
+                    while True:
+                        for _ in range(500):
+                            await f.send_bytes(chunk)
+                        await asyncio.sleep(0)
+                except (ConnectionError, aiohttp.ClientError):
+                    pass
+            ft = asyncio.create_task(flood())
+            t_flood = time.monotonic()
+            w_a, w_b = FrameWriter(wa["id"]), FrameWriter(wb["id"])
+            n = 0
+            t_end = time.monotonic() + 4
+            while time.monotonic() < t_end:                  # the honest pair: 200 frames/s each way
+                await a.send_bytes(w_a.write(beat)[0])
+                await b.send_bytes(w_b.write(beat)[0])
+                n += 1
+                await asyncio.sleep(0.005)
+            end = time.monotonic() + 5
+            while min(got.values()) < n:
+                assert time.monotonic() < end, (got, n)
+                await asyncio.sleep(0.01)
+            room = app[ROOMS].get("r")
+            while (m := await f.receive(5)).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                pass
+            assert m.data == 4029 or f.close_code == 4029, (m, f.close_code, room.drops)
+            assert set(room.connected) == {wa["id"], wb["id"]} and "slow_consumer" not in room.drops
+            assert room.drops["rate_limited"] > 0 and room.drops["rate_limit_close"] == 1
+            ft.cancel()
+            for t in readers:
+                t.cancel()
+            await asyncio.gather(ft, *readers, return_exceptions=True)
+            print(f"\nflooder sent {room.frames_in - 2 * n} frames in {time.monotonic() - t_flood:.1f} s, closed 4029 "
+                  f"after {room.drops['rate_limited']} rate-limited frames; "
+                  f"honest pair relayed {n}/{n} each way")
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("sdp", ["garbage", "real"])
+async def test_300_webrtc_offers_make_at_most_one_warning(client, caplog, sdp):
+    from aiortc import RTCPeerConnection
+
+    caplog.set_level(logging.WARNING, logger="tabcohort.server.rtc")
+    text = "v=0 garbage"
+    pc = None
+    if sdp == "real":
+        pc = RTCPeerConnection()
+        pc.createDataChannel("x")
+        await pc.setLocalDescription(await pc.createOffer())
+        text = pc.localDescription.sdp
+    ws, w = await join(client)
+    for _ in range(300):
+        await ws.send_str(json.dumps({"type": "signal", "to": 0, "kind": "offer", "sdp": text}))
+    room = client.app[ROOMS].get("r")
+    end = time.monotonic() + 10
+    while sum(room.drops.get(k, 0) for k in ("rtc_offer_busy", "rtc_offer_rate", "rtc_failed")) < 290:
+        assert time.monotonic() < end, room.drops
+        await asyncio.sleep(0.05)
+    warnings = [r for r in caplog.records if r.name == "tabcohort.server.rtc" and r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+    await ws.close()
+    if pc is not None:
+        await pc.close()
