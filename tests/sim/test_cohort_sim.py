@@ -360,3 +360,94 @@ def test_a_rank_awake_one_second_a_minute_does_not_stall_the_cohort():
     assert rate > 0.8 * base_rate, (rate, base_rate)
     stop_all_and_settle(sim)
     assert len(set(digests(sim).values())) == 1
+
+
+# ---------------------------------------------------------------- shares (PROTOCOL.md, "Shares")
+def hetero(speeds, *, global_batch=64, seconds=20.0, seed=5, overhead_ms=0.5, rule="grace"):
+    """A cohort whose rank k computes a share of s samples in ``overhead + s / speed`` virtual
+    ms (``speed`` in samples per ms); returns (applied samples/s after warm-up, sim)."""
+    sim = SimCohort(seed=seed)
+    sim.network.set_default_link(delay_ms=0.2, jitter_ms=0.1)
+    for i, v in enumerate(speeds, 1):
+        sim.add(i, ToyWorker(bucket_len=N_PARAMS, batch=global_batch), compute_ms=overhead_ms,
+                ms_per_sample=1.0 / v, ready=(i == 1), collect_rule=rule, global_batch=global_batch)
+    sim.run_until(4000)
+    lead = sim.ranks[1].machine
+    a0 = lead._applied_samples
+    sim.run_until(4000 + seconds * 1000)
+    return (lead._applied_samples - a0) / seconds, sim
+
+
+def efficiency(speeds, **kw):
+    together, sim = hetero(speeds, **kw)
+    solo = sum(hetero([v], **kw)[0] for v in speeds)
+    return together / solo, sim
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 1.0, 0.02), (1.0, 0.5, 0.25, 0.1)], ids=["tab-like", "spread4"])
+def test_heterogeneous_cohorts_apply_nearly_the_sum_of_their_ranks_solo_throughput(speeds):
+    eff, sim = efficiency(speeds)
+    assert eff >= 0.9, eff
+    shares = sim.ranks[1].machine.shares
+    fast = [k for k, v in enumerate(speeds, 1) if v == max(speeds)]
+    assert all(shares.get(k, 0) >= max(shares.values()) - 1 for k in fast)
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_sixteen_ranks_with_speeds_spread_twentyfold_keep_their_efficiency():
+    speeds = [1.0 - 0.95 * i / 15 for i in range(16)]
+    eff, _ = efficiency(speeds, global_batch=256, seconds=10.0)
+    assert eff >= 0.9, eff
+
+
+def test_a_tab_like_rank_never_slows_the_cohort():
+    fast, _ = hetero([1.0, 1.0])
+    mixed, sim = hetero([1.0, 1.0, 0.02])
+    assert mixed >= 0.98 * fast, (mixed, fast)
+    st = sim.ranks[1].machine.state(sim.now_ms())
+    assert set(st["speeds"]) == {f"{k:08x}" for k in (1, 2, 3)}
+
+
+def check_round_windows(sim):
+    """Every round's shares cover consecutive sample indices from its cursor, once each."""
+    n = 0
+    for _, _, _, m in entries(sim, "round"):
+        if not m["assign"]:
+            continue
+        spans = sorted((m["assign"][k], m["shares"][k]) for k in m["assign"])
+        pos = m["cursor"] % 2**32
+        for off, sh in spans:
+            assert off == pos, m
+            pos = (pos + sh) % 2**32
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_heterogeneous_cohort_with_joins_leaves_kills_and_a_20x_speed_change_keeps_invariants(seed):
+    rng = random.Random(seed)
+    sim = SimCohort(seed=seed)
+    sim.network.set_default_link(delay_ms=1.0, jitter_ms=0.5)
+    speeds = {1: 1.0, 2: 0.5, 3: 0.1, 4: 0.05}
+    for k, v in speeds.items():
+        sim.add(k, ToyWorker(bucket_len=N_PARAMS, batch=24), compute_ms=1.0, ms_per_sample=1.0 / v,
+                collect_rule=rng.choice(["grace", "quorum"]), global_batch=48, lr=0.05)
+    sim.run_until(3000)
+    sim.ranks[2].ms_per_sample = 20.0 / speeds[2]                 # 20x slower mid-run
+    sim.run_until(6000)
+    sim.add(9, ToyWorker(bucket_len=N_PARAMS, batch=24), compute_ms=1.0, ms_per_sample=0.5,
+            global_batch=48, lr=0.05)                               # a join
+    sim.run_until(8000)
+    sim.ranks[4].stop()                                            # a leave
+    leader = next(r for r in sim.alive() if r.machine.looping)
+    sim.at(9000, leader.kill)                                      # a leader kill
+    sim.run_until(16_000)
+    sim.ranks[2].ms_per_sample = 1.0 / speeds[2]                   # and 20x faster again
+    sim.run_until(20_000)
+    assert check_round_windows(sim) > 50
+    assert check_updates_use_only_buckets_of_their_step(sim) > 20
+    steps = [r.machine.step for r in sim.alive()]
+    assert min(steps) > 50
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
