@@ -56,7 +56,7 @@ class HostileRank:
                   "model": payload("rm"), "backend": payload("rb"),
                   "precision": payload("precision"), "fault": payload("fault"), "transport": payload("t")}
         while not self.stop.is_set():
-            bus.post({"t": "beat", "batch": 8, "ready": False, "running": False, "step": 0,
+            bus.post({"t": "beat", "term": 1, "batch": 8, "ready": False, "running": False, "step": 0,
                       "backend": payload("backend")})
             bus.send_control({"type": "report", "state": report})
             try:

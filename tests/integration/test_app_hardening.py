@@ -248,7 +248,7 @@ async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic
                         got[key] += 1
             readers = [asyncio.create_task(read(a, "a", wb["id"])), asyncio.create_task(read(b, "b", wa["id"]))]
             fw = FrameWriter(wf["id"])
-            beat = {"t": "beat", "batch": 1, "ready": True, "running": True, "step": 1, "backend": "x"}
+            beat = {"t": "beat", "term": 1, "batch": 1, "ready": True, "running": True, "step": 1, "backend": "x"}
             chunk = fw.write(beat)[0]
 
             async def flood():

@@ -179,7 +179,7 @@ _WRITERS: dict[int, FrameWriter] = {}
 
 def _tiny(sender: int, i: int, to: int | None = None) -> bytes:
     """A one-chunk beat frame (a fresh frame id each call)."""
-    m = {"t": "beat", "batch": 1, "ready": True, "running": True, "step": i, "backend": "x"}
+    m = {"t": "beat", "term": 1, "batch": 1, "ready": True, "running": True, "step": i, "backend": "x"}
     if to is not None:
         m["to"] = to
     w = _WRITERS.setdefault(sender, FrameWriter(sender))
@@ -199,7 +199,7 @@ def test_a_flooding_sender_is_rate_limited_then_closed_and_honest_ranks_are_not_
         if flood.connected:
             for _ in range(200):                   # 200,000 frames/s
                 r.relay(flood, _tiny(flood.id, ms))
-        r.relay(honest_a, w_a.write({"t": "beat", "batch": 1, "ready": True, "running": True, "step": ms,
+        r.relay(honest_a, w_a.write({"t": "beat", "term": 1, "batch": 1, "ready": True, "running": True, "step": ms,
                                      "backend": "x"})[0])       # 1,000 frames/s: at its rate, never over
         got_b += sum(1 for x in drain(honest_b) if isinstance(x, bytes) and x[2:6] == honest_a.id.to_bytes(4, "little"))
         drain(honest_a)
@@ -223,7 +223,7 @@ def test_a_full_queue_sheds_the_heaviest_senders_frames_not_the_receiver():
     for i in range(5000):                            # the flooder's frames to recv pile up
         r.relay(flood, _tiny(flood.id, i, to=recv.id))
     assert recv.queue.items_of(flood.id) <= 100 and kicked == []
-    round_chunks = lw.write({"t": "grad", "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 1000, "to": recv.id})
+    round_chunks = lw.write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1, "g": [0.5] * 1000, "to": recv.id})
     for ch in round_chunks:
         r.relay(leader, ch)
     r.send_control(recv, {"type": "pressure", "p": 0.5})

@@ -165,7 +165,7 @@ def test_one_senders_never_completed_frames_cost_only_its_own_budget():
                      max_incomplete_bytes=1 << 20, max_incomplete_bytes_per_sender=40 << 10)
     r = FrameReader(lim)
     honest = FrameWriter(7, max_message_bytes=1024).write(
-        {"t": "grad", "step": 3, "loss": 0.5, "samples": 8, "g": [0.25] * 2000})
+        {"t": "grad", "term": 1, "step": 3, "loss": 0.5, "samples": 8, "g": [0.25] * 2000})
     assert len(honest) > 4
     got = []
     rng = random.Random(5)

@@ -20,8 +20,9 @@ SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
 
 
 def _round(n: int) -> dict:
-    return {"t": "round", "from": 7, "step": 3, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
-            "assign": {7: 0, 9: 32}, "params": [float(i % 97) / 7 for i in range(n)]}
+    return {"t": "round", "term": 1, "from": 7, "step": 3, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
+            "assign": {7: 0, 9: 32}, "shares": {7: 32, 9: 32}, "cursor": 0,
+            "params": [float(i % 97) / 7 for i in range(n)]}
 
 
 @SETTINGS
