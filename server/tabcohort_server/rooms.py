@@ -40,7 +40,8 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
-                 "counters", "gaps")
+                 "counters", "gaps", "term", "diverged", "majority",
+                 "round_gaps")
 
 
 class RoomError(Exception):

@@ -236,6 +236,53 @@ class RankConfig:
         return f"{scheme}://{u.netloc}"
 
 
+class RoundGaps:
+    """Inter-arrival times of the rounds this rank receives (ms, monotonic clock): a count, the
+    largest gaps with their wall times, and a log-spaced histogram (bins 2**(k/8) ms, about 9 %
+    wide) for the median. Bounded memory, so it can live in every state report."""
+
+    _BINS_PER_OCTAVE = 8
+    _KEEP = 8
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._last_s: float | None = None
+        self._hist: dict[int, int] = {}
+        self.largest: list[tuple[float, float]] = []     # (gap_ms, wall time at its end), largest first
+
+    def reset(self) -> None:
+        """Forget the previous round (e.g. after this rank's own lead): the next one starts a gap."""
+        self._last_s = None
+
+    def record(self, now_s: float, wall_s: float) -> None:
+        if self._last_s is not None:
+            gap_ms = max(0.0, (now_s - self._last_s) * 1000.0)
+            self.n += 1
+            k = -1000 if gap_ms <= 0 else math.floor(math.log2(gap_ms) * self._BINS_PER_OCTAVE)
+            self._hist[k] = self._hist.get(k, 0) + 1
+            if len(self.largest) < self._KEEP or gap_ms > self.largest[-1][0]:
+                self.largest.append((gap_ms, wall_s))
+                self.largest.sort(key=lambda g: -g[0])
+                del self.largest[self._KEEP:]
+        self._last_s = now_s
+
+    def median_ms(self) -> float | None:
+        """The median gap, to the upper edge of its histogram bin (within about 9 %)."""
+        if not self.n:
+            return None
+        seen = 0
+        for k in sorted(self._hist):
+            seen += self._hist[k]
+            if 2 * seen >= self.n:
+                return 0.0 if k == -1000 else 2.0 ** ((k + 1) / self._BINS_PER_OCTAVE)
+        return None  # pragma: no cover
+
+    def report(self) -> dict:
+        med = self.median_ms()
+        return {"n": self.n, "p50_ms": None if med is None else round(med, 3),
+                "largest": [[round(g, 1), round(t, 3)] for g, t in self.largest]}
+
+
 class RankRun:
     """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
 
@@ -250,6 +297,7 @@ class RankRun:
         self.publish_seen = False
         self.start_step = 0
         self.driver: Any = None
+        self.round_gaps = RoundGaps()     # between rounds received from the rank this rank follows
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
@@ -348,6 +396,8 @@ class RankRun:
             def tap(msg: dict) -> None:
                 if msg.get("t") == "round":
                     k = msg["from"]
+                    if msg.get("assign"):
+                        self.round_gaps.record(time.monotonic(), time.time())
                     if not self.leaders or self.leaders[-1][0] != k:
                         self.leaders.append([k, time.time(), int(msg["step"])])
                         del self.leaders[:-20]
@@ -447,6 +497,7 @@ class RankRun:
         st["leaders"] = self.leaders
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step
+        st["round_gaps"] = self.round_gaps.report()
         bus = driver.bus
         if hasattr(bus, "links"):
             st["links"] = {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.links().items()}
