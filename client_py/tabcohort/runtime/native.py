@@ -478,7 +478,10 @@ class RankRun:
             if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
                 self.driver.peer_left(k)
         elif t == "stop":
-            self._request_stop(f"server: {obj.get('reason')}")
+            reason = str(obj.get("reason"))
+            if reason.startswith("diverged"):   # the room ended because training diverged
+                self.failed = reason
+            self._request_stop(f"server: {reason}")
         elif t == "failed":
             self.failed = str(obj.get("reason"))
             self._request_stop(f"link failed: {self.failed}")
@@ -511,10 +514,18 @@ class RankRun:
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
-                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s")
+                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s"
+                      + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
+        from ..vec import all_finite
+
         p = worker.params()
+        if not all_finite(p):
+            # never store a diverged model (the server refuses it too: HTTP 422)
+            self.progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
+                          "(training diverged)")
+            return
         data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
         h = dict(self._headers())
         h.update({"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
