@@ -81,7 +81,7 @@ def _thaw(p: Proc) -> None:
     os.kill(p.p.pid, signal.SIGCONT)
 
 
-def _run_freeze(cluster: Cluster, *, freeze_leader: bool) -> None:
+def _run_freeze(cluster: Cluster, *, freeze_leader: bool, freeze_s: float = FREEZE_S) -> None:
     cluster.serve("--report-interval", "0.25")
     ranks = [cluster.rank() for _ in range(3)]
     log = StepLog(cluster)
@@ -93,7 +93,6 @@ def _run_freeze(cluster: Cluster, *, freeze_leader: bool) -> None:
         victim = next(p for p in ranks if p.p.pid == lead["pid"])
     else:
         victim = next(p for p in ranks if p.p.pid != lead["pid"])
-    others = [p for p in ranks if p is not victim]
     _freeze(victim)
     try:
         t_frozen = time.monotonic()
@@ -102,29 +101,32 @@ def _run_freeze(cluster: Cluster, *, freeze_leader: bool) -> None:
             reps = [r for r in log.sample() if r["pid"] != victim.p.pid]
             leads = [r for r in reps if r.get("is_leader") and r["pid"] != victim.p.pid]
             return leads[0] if len(leads) == 1 and leads[0]["step"] > lead["step"] + 50 else None
-        maj = wait_for(majority_moves, FREEZE_S, "the majority to train on while one link is frozen")
+        maj = wait_for(majority_moves, freeze_s, "the majority to train on while one link is frozen")
+        t_maj = time.monotonic()
         if freeze_leader:
             assert maj["term"] > lead["term"], (maj, lead)
-        # hold the freeze for FREEZE_S in all (polling the majority's progress meanwhile)
-        wait_for(lambda: (log.sample() and False) or time.monotonic() - t_frozen >= FREEZE_S, FREEZE_S + 5,
+        # hold the freeze for freeze_s in all (sampling the steps meanwhile)
+        wait_for(lambda: (log.sample() and False) or time.monotonic() - t_frozen >= freeze_s, freeze_s + 5,
                  "the end of the freeze", interval_s=0.2)
         maj_step = max(r["step"] for r in log.sample() if r["pid"] != victim.p.pid)
-        during = (maj_step - maj["step"]) / (time.monotonic() - t_frozen)
-        st = cluster.state()
-        print(f"\nduring the freeze: {during:.0f} rounds/s, pressure {st['pressure']}, drops {st['drops']}")
+        during = (maj_step - maj["step"]) / max(1e-3, time.monotonic() - t_maj)
+        pressure = cluster.state()["pressure"]
     finally:
         _thaw(victim)
     t_heal = time.monotonic()
-    healed = wait_for(lambda: (s := log.sample()) and (ld := _one_leader(s, 3)) and ld["step"] > maj_step and ld,
-                      30, "all 3 ranks under one leader again after the heal")
+    wait_for(lambda: (s := log.sample()) and (ld := _one_leader(s, 3)) and ld["step"] > maj_step, 30,
+             "all 3 ranks under one leader again after the heal")
     settle_s = time.monotonic() - t_heal
     after = log.rate(RATE_WINDOW_S)
     final_lead = wait_for(lambda: _one_leader(log.sample(), 3), 10, "one leader after the rate window")
-    print(f"\n{'leader' if freeze_leader else 'follower'} frozen {FREEZE_S:.0f} s: {before:.0f} rounds/s before, "
-          f"{after:.0f} rounds/s after the heal (settled in {settle_s:.1f} s); majority step at the heal "
-          f"{maj_step}; leader {lead['id']:08x} term {lead['term']} -> {final_lead['id']:08x} "
-          f"term {final_lead['term']}")
-    assert after >= max(before / 4, 5.0), (before, after)
+    st = cluster.state()
+    print(f"\n{'leader' if freeze_leader else 'follower'} frozen {freeze_s:.0f} s: {before:.0f} rounds/s before, "
+          f"{during:.0f} while frozen (relay pressure {pressure}), {after:.0f} after the heal (settled in "
+          f"{settle_s:.1f} s); majority step at the heal {maj_step}; leader {lead['id']:08x} term "
+          f"{lead['term']} -> {final_lead['id']:08x} term {final_lead['term']}; relay drops {st['drops']}")
+    # the rate after the heal, within a factor of the rate before (the bug this guards against
+    # left a healed cohort at 0.4 rounds/s, each round waiting out the collect window)
+    assert after >= max(before / 5, 20.0), (before, after)
     if freeze_leader:
         assert final_lead["pid"] != victim.p.pid and final_lead["term"] > lead["term"]
     else:
@@ -137,7 +139,6 @@ def _run_freeze(cluster: Cluster, *, freeze_leader: bool) -> None:
     assert min(r["step"] for r in finals) >= maj_step
     for p in ranks:
         assert p.p.wait(20) == 0, p.text()[-3000:]
-    del others, healed
 
 
 def test_frozen_follower_heals_at_full_rate_under_the_same_leader(cluster):
@@ -146,3 +147,11 @@ def test_frozen_follower_heals_at_full_rate_under_the_same_leader(cluster):
 
 def test_frozen_leader_is_replaced_by_the_majority_and_adopts_its_lineage(cluster):
     _run_freeze(cluster, freeze_leader=True)
+
+
+# 25 s: past the server's WebSocket heartbeat (10 s) and the relay queue bound, so the server
+# closes the frozen link (the witness reports the rank left) and the rank resumes its id
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze_leader", [False, True], ids=["follower", "leader"])
+def test_a_link_frozen_25_s_heals_the_same_way(cluster, freeze_leader):
+    _run_freeze(cluster, freeze_leader=freeze_leader, freeze_s=25.0)
