@@ -152,16 +152,18 @@ def test_a_diverging_cohort_stores_only_finite_checkpoints_and_ends_diverged(clu
     cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "0.5", "--report-interval", "0.25",
                   "--steps", "300", "--lr", "20", "--dataset", "synthetic", "--hidden", "16", "--batch", "16")
     ranks = [cluster.rank() for _ in range(2)]
-    st = wait_for(lambda: (s := cluster.state())["stopped"] and s, 90, "the room to stop")
+    # while it diverges (5 s before the room stops), the room's JSON and /metrics say so
+    running = wait_for(lambda: (s := cluster.state())["diverged"] and s, 60, "the room to show divergence")
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as r:
         metrics = r.read().decode()
+    st = wait_for(lambda: (s := cluster.state())["stopped"] and s, 60, "the room to stop")
     codes = [p.p.wait(30) for p in ranks]
     lead = max((r for r in cluster.reports(connected_only=False) if r.get("final")),
                key=lambda r: r.get("diverged") or 0)
     print(f"\nstop reason: {st['stop_reason']!r}; leader's final report: step {lead['step']}, diverged "
           f"{lead['diverged']}, fault {lead['fault']!r}; exit codes {codes}")
     assert st["stopped"] and st["stop_reason"].startswith("diverged at step"), st["stop_reason"]
-    assert st["step"] < 300 and st["diverged"] > 0
+    assert st["step"] < 300 and running["diverged"] > 0 and running["term"] >= 1 and not running["stopped"]
     assert lead["diverged"] > 0 and lead["fault"].startswith("diverged")
     assert codes == [1, 1], [p.text()[-2000:] for p in ranks]
     for p in ranks:
