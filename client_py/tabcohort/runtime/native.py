@@ -250,10 +250,6 @@ class RoundGaps:
         self._hist: dict[int, int] = {}
         self.largest: list[tuple[float, float]] = []     # (gap_ms, wall time at its end), largest first
 
-    def reset(self) -> None:
-        """Forget the previous round (e.g. after this rank's own lead): the next one starts a gap."""
-        self._last_s = None
-
     def record(self, now_s: float, wall_s: float) -> None:
         if self._last_s is not None:
             gap_ms = max(0.0, (now_s - self._last_s) * 1000.0)
