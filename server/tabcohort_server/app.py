@@ -412,6 +412,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
         del buf
     if len(data) != want:
         raise web.HTTPBadRequest(text=f"expected {want} bytes (bucket_len float32), got {len(data)}")
+    n_bad, first_bad = ckpt.non_finite_f32(data)
+    if n_bad:  # a diverged model is never stored or served (README, "Checkpoints")
+        room.drop("checkpoint_non_finite")
+        raise web.HTTPUnprocessableEntity(text=f"refused: {n_bad} of {a.bucket_len} parameters are not finite "
+                                          f"(NaN or inf, first at index {first_bad}); training diverged; "
+                                          "nothing was stored")
     digest = sha.hexdigest()
     if digest != h.get("X-Tabcohort-Digest"):
         raise web.HTTPBadRequest(text=f"digest mismatch: content is {digest}")

@@ -11,8 +11,47 @@ import json
 import os
 import struct
 import tempfile
+from array import array
+
+from tabcohort._compat import np
 
 MAGIC = b"TCCK1\n"
+_EXP_MASK = 0x7F800000   # IEEE 754 binary32: all exponent bits set = +-inf or NaN
+
+
+def non_finite_f32(data: bytes) -> tuple[int, int | None]:
+    """Count the float32 little-endian values in ``data`` that are NaN or +-inf.
+
+    Reads bit patterns only (exponent bits all ones, IEEE 754-2019 section 3.4); the parameters
+    are never decoded as numbers, so the server stays out of the model's business.
+
+    Args:
+        data: float32 LE bytes; its length must be a multiple of 4.
+
+    Returns:
+        ``(count, first_index)``; ``(0, None)`` when every value is finite.
+
+    Raises:
+        ValueError: the length is not a multiple of 4.
+    """
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes is not a whole number of float32 values")
+    if np is not None:
+        bad = np.flatnonzero((np.frombuffer(data, dtype="<u4") & _EXP_MASK) == _EXP_MASK)
+        return int(bad.size), (int(bad[0]) if bad.size else None)
+    words = array("I")
+    if words.itemsize != 4:  # pragma: no cover - every CPython platform we run on has 4
+        words = array("L")
+    words.frombytes(data)
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+        words.byteswap()
+    count, first = 0, None
+    for i, w in enumerate(words):
+        if w & _EXP_MASK == _EXP_MASK:
+            count += 1
+            if first is None:
+                first = i
+    return count, first
 
 
 def path_for(directory: str, room: str) -> str:

@@ -33,6 +33,9 @@ class RoomCollector(Collector):
         step = GaugeMetricFamily("tabcohort_step", "Highest step reported", labels=["room"])
         loss = GaugeMetricFamily("tabcohort_loss", "Leader's last reduced loss", labels=["room"])
         acc = GaugeMetricFamily("tabcohort_accuracy", "Leader's held-out accuracy", labels=["room"])
+        term = GaugeMetricFamily("tabcohort_term", "Leader's lineage term", labels=["room"])
+        div = GaugeMetricFamily("tabcohort_diverged_rounds", "Leader's rounds whose update overflowed "
+                                "(refused; parameters kept finite)", labels=["room"])
         pres = GaugeMetricFamily("tabcohort_relay_pressure", "Max relay queue / high-water mark", labels=["room"])
         frames = CounterMetricFamily("tabcohort_frames_relayed", "Chunks written to relay queues", labels=["room"])
         nbytes = CounterMetricFamily("tabcohort_bytes_relayed", "Chunk bytes written to relay queues",
@@ -50,7 +53,7 @@ class RoomCollector(Collector):
             reserved.add_metric([r.name], len(r.peers) - len(r.connected))
             step.add_metric([r.name], r.step())
             lead = r.leader_report() or {}
-            for fam, key in ((loss, "loss"), (acc, "accuracy")):
+            for fam, key in ((loss, "loss"), (acc, "accuracy"), (term, "term"), (div, "diverged")):
                 v = lead.get(key)
                 fam.add_metric([r.name], float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
                                and math.isfinite(v) else math.nan)
@@ -63,4 +66,4 @@ class RoomCollector(Collector):
             for layer, by in r.rank_drops().items():
                 for reason, n in sorted(by.items()):
                     rdrops.add_metric([r.name, layer, reason], n)
-        yield from (ranks, reserved, step, loss, acc, pres, frames, nbytes, fin, drops, rdrops, refused)
+        yield from (ranks, reserved, step, loss, acc, term, div, pres, frames, nbytes, fin, drops, rdrops, refused)

@@ -55,6 +55,10 @@ CLOSE_RETRY_LATER = 4029
 CLOSE_RATE_LIMITED = CLOSE_RETRY_LATER
 CLOSE_ADDRESS_FULL = 4011
 
+#: A room whose leader keeps refusing overflowing updates this long without a step is stopped
+#: as diverged (the parameters stay the last finite ones; retrying the same update never helps).
+DIVERGED_AFTER_S = 5.0
+
 #: Report fields kept from a rank's state report (anything else is ignored).
 REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "step", "cohort", "loss",
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
@@ -62,7 +66,7 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
                  "counters", "gaps", "drops", "transport", "rejoins",
                  "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
-                 "shares", "speeds", "flaps", "probation")
+                 "shares", "speeds", "flaps", "probation", "round_gaps")
 #: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
 OPERATOR_FIELDS = ("pid",)
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
@@ -166,6 +170,7 @@ class Room:
         #: id and secret although it never issued that id; ids released here are never re-seated.
         self.secret_key: bytes | None = None
         self._released: set[int] = set()
+        self._diverging: tuple[float, float, float] | None = None   # (since, step, diverged count)
         self._pressure_sent = 0.0
         self._in_pressure = False
         #: max-heap of (-(queued + backlog), version, id), stale entries dropped lazily: the max
@@ -579,9 +584,23 @@ class Room:
             why = f"target accuracy {job.target_accuracy} reached"
         elif job.duration_s and self.started_at is not None and now - self.started_at >= job.duration_s:
             why = f"duration {job.duration_s} s reached"
+        elif lead is not None:
+            why = self._diverged(lead, now)
         if why is not None:
             self.stop(why)
         return self.stopped
+
+    def _diverged(self, lead: dict, now: float) -> str | None:
+        """``diverged ...`` once the leader has refused updates that overflowed (its ``diverged``
+        count rising) for ``DIVERGED_AFTER_S`` without its step advancing; else None."""
+        step, n = _num(lead.get("step")), _num(lead.get("diverged"))
+        since = self._diverging
+        if n <= 0 or since is None or since[1] != step or since[2] > n:
+            self._diverging = (now, step, n)
+            return None
+        if n > since[2] and now - since[0] >= DIVERGED_AFTER_S:
+            return f"diverged at step {int(step)}: {str(lead.get('fault'))[:200]}"
+        return None
 
     def stop(self, reason: str) -> None:
         if self.stopped:
@@ -623,6 +642,8 @@ class Room:
                 "step": self.step(), "leader": None if lead is None else lead.get("leader"),
                 "loss": None if lead is None else _json_num(lead.get("loss")),
                 "accuracy": None if lead is None else _json_num(lead.get("accuracy")),
+                "term": None if lead is None else _json_int(lead.get("term")),
+                "diverged": None if lead is None else _json_int(lead.get("diverged")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
@@ -639,6 +660,11 @@ def _num(v: Any) -> float:
 def _json_num(v: Any) -> float | None:
     x = _num(v)
     return None if x == -math.inf else x
+
+
+def _json_int(v: Any) -> int | None:
+    x = _num(v)
+    return None if x == -math.inf else int(x)
 
 
 class RoomRegistry:

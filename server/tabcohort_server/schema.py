@@ -79,6 +79,11 @@ REPORT_STATE = {
         "samples_assigned": U63, "epoch": NUM_OR_NULL,
         "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "flaps": _ranks_map(U63),
         "probation": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
+        # gaps between rounds a rank received: count, median, the largest [gap ms, wall time]
+        "round_gaps": {"type": "object", "maxProperties": 4, "properties": {
+            "n": U63, "p50_ms": NUM_OR_NULL,
+            "largest": {"type": "array", "maxItems": 16,
+                        "items": {"type": "array", "maxItems": 2, "items": {"type": "number", "minimum": 0}}}}},
     },
 }
 

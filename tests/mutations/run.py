@@ -260,6 +260,10 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
     ("dispose stops message handling", M,
      'if self.disposed:\n            return True', 'if False:\n            return True',
      [f"{U}::test_dispose_stops_everything"]),
+    ("a round in flight stops waiting for a rank that left (the witness)", M,
+     'if col is not None and rank_id in col.wanted and rank_id not in col.received:',
+     'if False:',
+     [f"{U}::test_a_round_in_flight_stops_waiting_for_a_rank_that_left"]),
 ]
 
 

@@ -990,3 +990,23 @@ def test_a_bucket_of_another_term_is_dropped():
     r.drain()
     r.m.handle(grad(2, 1, 0, term=7), now_ms=1)
     assert r.m.drops["grad_wrong_term"] == 1 and 2 not in r.m._collection.received
+
+
+def test_a_round_in_flight_stops_waiting_for_a_rank_that_left():
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    r.m.handle(grad(2, 1, 0, term=r.m.term), now_ms=2)          # quorum 3: 3's bucket awaited
+    assert r.m.step == 0 and r.m._phase == "collect"
+    r.m.peer_left(3, now_ms=3)                                   # the server saw 3's link close
+    assert r.m.step == 1 and r.m.counters["released_left"] == 1  # not after the collect window
+    r2 = leader_rig([2, 3])                                      # a rank that already delivered
+    r2.m.start(now_ms=0)
+    own = r2.computes(r2.drain())[0]
+    r2.m.handle(grad(3, 1, 0, term=r2.m.term), now_ms=1)
+    r2.m.peer_left(3, now_ms=2)
+    r2.m.bucket_ready(own.token, *r2.w.grads_sync(own.offset), now_ms=3)
+    assert r2.m.step == 0 and r2.m.counters["released_left"] == 0   # its bucket still counts; 2 awaited
+    r2.m.handle(grad(2, 1, 0, term=r2.m.term), now_ms=4)
+    assert r2.m.step == 1 and r2.m.counters["buckets_reduced"] == 3

@@ -376,8 +376,9 @@ class RankMachine:
     def peer_left(self, rank_id: int, *, now_ms: float) -> None:
         """The room's witness (the server, which sees every rank's link) says ``rank_id``'s link
         closed: it has left, not become unreachable. It leaves the membership and the roster at
-        once; if it was the leader, the takeover need not wait out ``policy.takeover``
-        (PROTOCOL.md, "Membership and majority")."""
+        once; if it was the leader, the takeover need not wait out ``policy.takeover``; if a
+        round in flight awaits its bucket, it is no longer awaited (the quorum shrinks with the
+        awaited set) (PROTOCOL.md, "Membership and majority")."""
         if self._input(now_ms):
             return
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or rank_id == self.id:
@@ -388,6 +389,16 @@ class RankMachine:
         self._probation.pop(rank_id, None)
         if self.following == rank_id and not self._leading:
             self.last_open_ms = min(self.last_open_ms, now_ms - self.policy.takeover_ms)
+        col = self._collection
+        if col is not None and rank_id in col.wanted and rank_id not in col.received:
+            # a round in flight no longer waits for a rank that left: without this every kill
+            # of a follower costs the cohort the whole collect window
+            col.wanted.discard(rank_id)
+            col.awaited.discard(rank_id)
+            col.quorum = max(1, min(col.quorum, len(col.awaited)))
+            self.counters["released_left"] += 1
+            if self._phase == "collect" and len(col.received) >= col.quorum:
+                self._quorum_reached(col, now_ms)
 
     def handle(self, msg: Any, *, now_ms: float) -> None:
         """Feed one decoded peer message. Never raises for bad peer input."""

@@ -236,6 +236,49 @@ class RankConfig:
         return f"{scheme}://{u.netloc}"
 
 
+class RoundGaps:
+    """Inter-arrival times of the rounds this rank receives (ms, monotonic clock): a count, the
+    largest gaps with their wall times, and a log-spaced histogram (bins 2**(k/8) ms, about 9 %
+    wide) for the median. Bounded memory, so it can live in every state report."""
+
+    _BINS_PER_OCTAVE = 8
+    _KEEP = 8
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._last_s: float | None = None
+        self._hist: dict[int, int] = {}
+        self.largest: list[tuple[float, float]] = []     # (gap_ms, wall time at its end), largest first
+
+    def record(self, now_s: float, wall_s: float) -> None:
+        if self._last_s is not None:
+            gap_ms = max(0.0, (now_s - self._last_s) * 1000.0)
+            self.n += 1
+            k = -1000 if gap_ms <= 0 else math.floor(math.log2(gap_ms) * self._BINS_PER_OCTAVE)
+            self._hist[k] = self._hist.get(k, 0) + 1
+            if len(self.largest) < self._KEEP or gap_ms > self.largest[-1][0]:
+                self.largest.append((gap_ms, wall_s))
+                self.largest.sort(key=lambda g: -g[0])
+                del self.largest[self._KEEP:]
+        self._last_s = now_s
+
+    def median_ms(self) -> float | None:
+        """The median gap, to the upper edge of its histogram bin (within about 9 %)."""
+        if not self.n:
+            return None
+        seen = 0
+        for k in sorted(self._hist):
+            seen += self._hist[k]
+            if 2 * seen >= self.n:
+                return 0.0 if k == -1000 else 2.0 ** ((k + 1) / self._BINS_PER_OCTAVE)
+        return None  # pragma: no cover
+
+    def report(self) -> dict:
+        med = self.median_ms()
+        return {"n": self.n, "p50_ms": None if med is None else round(med, 3),
+                "largest": [[round(g, 1), round(t, 3)] for g, t in self.largest]}
+
+
 class RankRun:
     """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
 
@@ -252,6 +295,7 @@ class RankRun:
         self.driver: Any = None
         self.rejoin = False
         self.n_rejoins = 0
+        self.round_gaps = RoundGaps()     # between rounds received from the rank this rank follows
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
@@ -351,6 +395,8 @@ class RankRun:
                 def tap(msg: dict) -> None:
                     if msg.get("t") == "round":
                         k = msg["from"]
+                        if msg.get("assign"):
+                            self.round_gaps.record(time.monotonic(), time.time())
                         if not self.leaders or self.leaders[-1][0] != k:
                             self.leaders.append([k, time.time(), int(msg["step"])])
                             del self.leaders[:-20]
@@ -445,7 +491,10 @@ class RankRun:
             if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
                 self.driver.peer_left(k)
         elif t == "stop":
-            self._request_stop(f"server: {obj.get('reason')}")
+            reason = str(obj.get("reason"))
+            if reason.startswith("diverged"):   # the room ended because training diverged
+                self.failed = reason
+            self._request_stop(f"server: {reason}")
         elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
             self.rejoin = True              # the resume was refused: run() joins again
             if self.stop_event is not None:
@@ -469,6 +518,7 @@ class RankRun:
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step
         st["rejoins"] = self.n_rejoins
+        st["round_gaps"] = self.round_gaps.report()
         bus = driver.bus
         if hasattr(bus, "links"):
             st["links"] = {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.links().items()}
@@ -482,10 +532,18 @@ class RankRun:
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
-                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s")
+                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s"
+                      + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
+        from ..vec import all_finite
+
         p = worker.params()
+        if not all_finite(p):
+            # never store a diverged model (the server refuses it too: HTTP 422)
+            self.progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
+                          "(training diverged)")
+            return
         data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
         h = dict(self._headers())
         h.update({"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",

@@ -293,7 +293,10 @@ class TabRun:
             if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
                 self.driver.peer_left(k)
         elif t == "stop":
-            self._request_stop(f"server: {obj.get('reason')}")
+            reason = str(obj.get("reason"))
+            if reason.startswith("diverged"):   # the room ended because training diverged
+                self.failed = reason
+            self._request_stop(f"server: {reason}")
         elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
             self.rejoin = True              # the resume was refused: _run() joins again
             self.stop_event.set()
@@ -339,10 +342,15 @@ class TabRun:
         import js
         from pyodide.ffi import to_js
 
-        from ..vec import digest
+        from ..vec import all_finite, digest
 
         m, w, bus = self.driver.machine, self.driver.worker, self.bus
         p = w.params()
+        if not all_finite(p):
+            # never store a diverged model (the server refuses it too: HTTP 422)
+            self.progress(f"checkpoint upload skipped: the parameters at step {m.step} are not finite "
+                          "(training diverged)")
+            return
         data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
         h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
              "X-Tabcohort-Step": str(m.step), "X-Tabcohort-Digest": digest(p),
