@@ -23,6 +23,7 @@ M = "tabcohort/protocol/machine.py"
 U = "tests/unit/test_protocol_rules.py"
 S = "tests/sim/test_cohort_sim.py"
 D = "tests/runtime/test_driver.py"
+SH = "tests/unit/test_shares.py"
 
 # (rule, file, old text, new text, [tests that must catch it])
 MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
@@ -257,6 +258,36 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      '            col.grace_until_ms = now_ms + max(0.0, grace)\n            if grace <= 0:\n'
      '                return self._finish_round(now_ms)\n',
      [f"{U}::test_grace_zero_window_still_takes_buckets_that_arrive_at_the_same_instant"]),
+    ("shares: equal finish times (a_k + b_k s_k = T)", "tabcohort/protocol/shares.py",
+     'share = {k: (T - models[k][0]) / models[k][1] for k in active}',
+     'share = {k: left / len(active) for k in active}',
+     [f"{SH}::test_shares_follow_speed_and_equalise_finish_times",
+      f"{S}::test_heterogeneous_cohorts_apply_nearly_the_sum_of_their_ranks_solo_throughput"]),
+    ("shares: no share for a rank whose one sample would arrive last by far", "tabcohort/protocol/shares.py",
+     'if late and len(active) + len(fixed) > 1:', 'if False:',
+     [f"{SH}::test_shares_cover_the_global_batch_within_caps_once",
+      f"{SH}::test_a_rank_whose_one_sample_would_arrive_last_by_far_gets_no_share_and_is_probed",
+      f"{S}::test_a_tab_like_rank_never_slows_the_cohort"]),
+    ("shares: within each rank's cap", "tabcohort/protocol/shares.py",
+     'over = [k for k in active if share[k] > caps[k]]', 'over = []',
+     [f"{SH}::test_a_capped_rank_takes_its_cap_and_the_others_split_the_rest_by_speed"]),
+    ("shares: consecutive windows from the cursor", "tabcohort/protocol/assign.py",
+     'offset += int(shares[k])', 'offset += 1',
+     [f"{SH}::test_shares_cover_the_global_batch_within_caps_once",
+      f"{S}::test_heterogeneous_cohort_with_joins_leaves_kills_and_a_20x_speed_change_keeps_invariants"]),
+    ("shares: the cursor continues across rounds and leaders", M,
+     'self.cursor = int(msg["cursor"]) + sum(shares.values())', 'self.cursor = int(msg["cursor"])',
+     [f"{SH}::test_a_follower_computes_exactly_its_share_and_continues_the_cursor"]),
+    ("bucket: samples must equal the sender's share", M,
+     'if msg["samples"] != col.shares[sender]:', 'if msg["samples"] <= 0:',
+     [f"{SH}::test_a_bucket_that_does_not_cover_exactly_its_share_is_dropped"]),
+    ("shares: a follower computes exactly its share", M,
+     "int(shares.get(self.id, self.worker.batch)))", "self.worker.batch)",
+     [f"{SH}::test_a_follower_computes_exactly_its_share_and_continues_the_cursor"]),
+    ("shares: turnaround feeds the speed table", M,
+     '        self.speeds.observe(rank, samples, now_ms - sent[0])\n', '',
+     [f"{SH}::test_buckets_turnaround_feeds_the_speeds_and_the_shares_follow",
+      f"{S}::test_a_tab_like_rank_never_slows_the_cohort"]),
     ("dispose stops message handling", M,
      'if self.disposed:\n            return True', 'if False:\n            return True',
      [f"{U}::test_dispose_stops_everything"]),
@@ -277,6 +308,8 @@ SIM_ONLY = [
      f"{S}::test_a_healed_partition_keeps_the_majority_lineage_and_one_model"),
     ("random partition patterns and heal times: one leader, one model, no rewind of a strict majority",
      f"{S}::test_random_partitions_end_with_one_leader_one_model_and_no_majority_rewind"),
+    ("heterogeneous cohorts: 16 ranks with speeds spread 20x keep >= 90 % of their solo throughput (virtual time)",
+     f"{S}::test_sixteen_ranks_with_speeds_spread_twentyfold_keep_their_efficiency"),
     ("a rank awake 1 s a minute does not stall the cohort (probation)",
      f"{S}::test_a_rank_awake_one_second_a_minute_does_not_stall_the_cohort"),
     ("a suspended leader that resumes does not rewind the cohort",
