@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dataset", default="digits",
                    help="digits (needs scikit-learn), synthetic, or a path to an .npz with X and y")
     s.add_argument("--batch", type=int, default=32, help="samples per bucket per rank (default 32)")
+    s.add_argument("--global-batch", type=int, default=0,
+                   help="samples per round, split across the ranks by measured speed "
+                        "(docs/PROTOCOL.md \"Shares\"; default 0 = ranks x batch, fixed from the start)")
     s.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32")
     s.add_argument("--lr", type=float, default=0.5, help="learning rate (default 0.5)")
     s.add_argument("--steps", type=int, default=400, help="stop after this many steps (default 400)")
@@ -109,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--room", default="digits", help="room name (default digits)")
     v.add_argument("--dataset", default="digits", help="digits, synthetic, or an .npz path")
     v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32")
-    v.add_argument("--batch", type=int, default=32, help="default samples per bucket per rank")
+    v.add_argument("--global-batch", type=int, default=64,
+                   help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "
+                        "\"Shares\"); fixed, so a joining tab adds speed, not samples (default 64)")
+    v.add_argument("--batch", type=int, default=0,
+                   help="the most samples one rank computes per round (default 0 = the global batch)")
     v.add_argument("--lr", type=float, default=0.5, help="learning rate")
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
@@ -159,7 +166,8 @@ def _simulate(a: argparse.Namespace) -> int:
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
                        partition_at_step=a.partition_at, heal_after_ms=a.heal_after_ms,
-                       loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule)
+                       loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule,
+                       global_batch=a.global_batch)
     try:
         cfg.validate()
         if a.backend not in ("auto", "numpy", "python"):
@@ -220,7 +228,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
         raise ConfigError("serve", "tabcohort_server", f"the server package is not importable: {exc}")
     from .protocol.policy import Timing
 
-    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, lr=a.lr, seed=a.seed,
+    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, global_batch=a.global_batch, lr=a.lr, seed=a.seed,
                     precision=a.precision, topology=a.topology, steps=a.steps, collect_rule=a.collect_rule,
                     target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,

@@ -60,7 +60,7 @@ class RoomAssets:
 
         job = room.job
         self.dataset = load_dataset(job.dataset, seed=job.seed)
-        self.worker = make_worker(self.dataset, hidden=job.hidden, batch=job.batch, seed=job.seed,
+        self.worker = make_worker(self.dataset, hidden=job.hidden, batch=job.batch or job.global_batch, seed=job.seed,
                                   activation=job.activation)
         self.bucket_len = self.worker.bucket_len
         self.job_hash = job_hash(self.worker.spec(), self.dataset.content_hash(), self.bucket_len)

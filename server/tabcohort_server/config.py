@@ -51,7 +51,11 @@ class JobConfig:
         dataset: dataset name (``digits``, ``synthetic``) or an ``.npz`` path on the server.
         hidden: hidden layer widths.
         activation: ``relu`` or ``tanh``.
-        batch: default samples per bucket per rank (a rank may override its own).
+        global_batch: the samples one round covers, split across the cohort by measured speed
+            (docs/PROTOCOL.md, "Shares"); fixed, so joins and leaves do not change the effective
+            batch.
+        batch: the most samples one rank computes per round (its cap; a rank may set its own);
+            0 = the global batch (any rank may compute a whole round).
         lr: learning rate.
         seed: dataset shuffle seed and init seed.
         precision: wire precision (``f32``, ``f16``, ``bf16``, ``int8``).
@@ -75,7 +79,8 @@ class JobConfig:
     dataset: str = "digits"
     hidden: tuple[int, ...] = (32,)
     activation: str = "relu"
-    batch: int = 32
+    batch: int = 0
+    global_batch: int = 64
     lr: float = 0.5
     seed: int = 0
     precision: str = "f32"
@@ -97,10 +102,10 @@ class JobConfig:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"{room}.{name}", getattr(self, name), why)
 
-        for name in ("batch",):
+        for name, lo in (("batch", 0), ("global_batch", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "must be an integer >= 1")
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 2**24:
+                raise bad(name, f"must be an integer in [{lo}, {2**24}]")
         for name in ("steps", "seed", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -128,6 +133,7 @@ class JobConfig:
         d.pop("token")
         d["hidden"] = list(self.hidden)
         d["timing"] = asdict(self.timing)
+        d["batch"] = self.batch or self.global_batch      # a rank's cap unless it sets its own
         d["link"] = "rtc" if self.topology == "mesh" else "ws"  # star: each rank picks ws or rtc
         d["stop"] = {"steps": self.steps, "target_accuracy": self.target_accuracy,
                      "duration_s": self.duration_s}

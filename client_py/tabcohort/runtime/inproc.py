@@ -58,6 +58,12 @@ class InprocConfig:
     loss: float = 0.0
     delay_ms: float = 0.0
     collect_rule: str = "grace"
+    #: samples per round (PROTOCOL.md, "Shares"); 0: ``ranks x batch``, fixed from the start
+    global_batch: int = 0
+
+    @property
+    def resolved_global_batch(self) -> int:
+        return self.global_batch or self.ranks * self.batch
 
     def validate(self) -> None:
         """Raises:
@@ -72,7 +78,7 @@ class InprocConfig:
             raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process")
         pos_int("batch")
         pos_int("steps")
-        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every"):
+        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch"):
             pos_int(name, 0)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a finite number > 0")
@@ -132,7 +138,9 @@ class InprocCohort:
         from ..model import make_worker
         cfg = self.cfg
         k = self._new_id()
-        w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.batch, seed=cfg.seed, backend=cfg.backend)
+        # a rank's batch is the most it computes per bucket: here any rank may take the whole round
+        w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.resolved_global_batch, seed=cfg.seed,
+                        backend=cfg.backend)
         if self.job is None:
             self.job = job_hash(w.spec(), self.dataset.content_hash(), w.bucket_len)
         for other in self.drivers:
@@ -141,7 +149,7 @@ class InprocCohort:
         bus = self.network.attach(k)
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
                         lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
-                        collect_rule=cfg.collect_rule)
+                        collect_rule=cfg.collect_rule, global_batch=cfg.resolved_global_batch)
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()

@@ -386,7 +386,8 @@ class RankRun:
                 timing = Timing(**job["timing"])
                 machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
                                       lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                                      collect_rule=job.get("collect_rule", "quorum"))
+                                      collect_rule=job.get("collect_rule", "quorum"),
+                                  global_batch=job.get("global_batch"))
                 if self.start_step:
                     machine.step = self.start_step
                 driver = self.driver = RankDriver(machine, worker, bus)
