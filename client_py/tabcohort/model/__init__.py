@@ -4,9 +4,9 @@ A worker computes gradients of one model over one shared dataset:
 
 - ``batch``: samples per bucket; ``bucket_len``: number of float32 parameters;
   ``model``: name such as ``"mlp-64x32x10"``; ``backend``: ``"numpy"`` or ``"python"``.
-- ``await grads(offset) -> (loss, g)``: mean loss and mean gradient (float32, shape
+- ``await grads(offset, samples=None) -> (loss, g)``: mean loss and mean gradient (float32, shape
   ``(bucket_len,)``) over training rows ``(offset + k) % train_len`` for ``k < batch``;
-  yields to the event loop between slices. ``grads_sync(offset)``: the same, not awaited.
+  yields to the event loop between slices. ``grads_sync(offset, samples=None)``: the same, not awaited.
 - ``apply(avg, lr)``: ``params = float32(params - lr * avg)`` (run by the leader only).
 - ``params()`` (a copy), ``set_params(vec)``, ``evaluate()`` (held-out accuracy in [0, 1]),
   ``evaluate_loss()``, ``spec()`` (fields for the job hash).
