@@ -210,6 +210,12 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      '            col.grace_until_ms = now_ms + max(0.0, grace)\n            if grace <= 0:\n'
      '                return self._finish_round(now_ms)\n',
      [f"{U}::test_grace_zero_window_still_takes_buckets_that_arrive_at_the_same_instant"]),
+    ("a leader at the job's step limit drives no further round; it stops and publishes (PROTOCOL-NOTES 11)", M,
+     'if self.at_step_limit and self.is_leader(now_ms):', 'if False:',
+     [f"{U}::test_a_step_limit_ends_the_cohort_at_exactly_that_step"]),
+    ("a follower that adopts a round at the step limit stops and computes nothing (PROTOCOL-NOTES 11)", M,
+     'if self.at_step_limit and self.running:', 'if False:',
+     [f"{U}::test_a_step_limit_ends_the_cohort_at_exactly_that_step"]),
     ("dispose stops message handling", M,
      'if self.disposed:\n            return True', 'if False:\n            return True',
      [f"{U}::test_dispose_stops_everything"]),

@@ -128,6 +128,10 @@ class RankMachine:
             elapsed: time since the round was sent), never past the collect window.
         grace_fraction: bound of the grace window relative to the round's elapsed time.
         grace_margin: the grace window covers at least this many typical spreads.
+        step_limit: the job's exact step limit (docs/PROTOCOL-NOTES.md, note 11), or None. A
+            leader whose step reached it drives no further round: it stops (``running`` false)
+            and publishes, so the cohort ends at exactly this step; a follower that adopts a
+            round at the limit stops too and computes nothing for it.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -136,7 +140,8 @@ class RankMachine:
     def __init__(self, rank_id: int, worker: Worker, link: Link, *, job: str, now_ms: float,
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
-                 grace_fraction: float = 0.1, grace_margin: float = 2.0) -> None:
+                 grace_fraction: float = 0.1, grace_margin: float = 2.0,
+                 step_limit: int | None = None) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -147,6 +152,10 @@ class RankMachine:
             raise LocalProtocolError(f"grace_fraction must be in [0, 1], got {grace_fraction!r}")
         if not 0 <= grace_margin <= 100:
             raise LocalProtocolError(f"grace_margin must be in [0, 100], got {grace_margin!r}")
+        if step_limit is not None and (isinstance(step_limit, bool) or not isinstance(step_limit, int)
+                                       or step_limit < 1):
+            raise LocalProtocolError(f"step_limit must be an integer >= 1 or None, got {step_limit!r}")
+        self.step_limit = step_limit
         self.collect_rule = collect_rule
         self.grace_fraction = float(grace_fraction)
         self.grace_margin = float(grace_margin)
@@ -251,6 +260,11 @@ class RankMachine:
         """Running, ready, leader id is self, and ``now >= deferUntil`` ("Membership")."""
         return (self.running and self.ready and not self.disposed
                 and self.leader_id(now_ms) == self.id and now_ms >= self.defer_until_ms)
+
+    @property
+    def at_step_limit(self) -> bool:
+        """True when the job has a step limit and this rank's step reached it (note 11)."""
+        return self.step_limit is not None and self.step >= self.step_limit
 
     @property
     def looping(self) -> bool:
@@ -586,6 +600,14 @@ class RankMachine:
         self.counters["adopted"] += 1
         if became_ready:
             self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
+        if self.at_step_limit and self.running:
+            # the cohort ends at the job's step limit (note 11): nothing to compute
+            self.counters["step_limit"] += 1
+            self.running = False
+            self._pending = None
+            self._beat(now_ms)
+            self._report(now_ms)
+            return
         offset = msg["assign"].get(self.id)
         if self.running and offset is not None:
             self._pending = (self._adopt_seq, self.step, int(offset), sender)
@@ -627,6 +649,16 @@ class RankMachine:
 
     def _loop_step(self, now_ms: float) -> None:
         """Between rounds: check the loop's condition, pace on pressure, drive a round."""
+        if self.at_step_limit and self.is_leader(now_ms):
+            # the job's step limit (note 11): stop here and publish, as stop() does
+            self.counters["step_limit"] += 1
+            self.running = False
+            self.joining = False
+            self._end_loop()
+            self._publish()
+            self._beat(now_ms)
+            self._report(now_ms)
+            return
         if not self.is_leader(now_ms):
             stopped = not self.running or self._stopping_publish
             self._end_loop()
