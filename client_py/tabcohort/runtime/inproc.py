@@ -141,7 +141,7 @@ class InprocCohort:
         bus = self.network.attach(k)
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
                         lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
-                        collect_rule=cfg.collect_rule)
+                        collect_rule=cfg.collect_rule, step_limit=cfg.steps)
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()

@@ -338,10 +338,14 @@ class RankRun:
             timing = Timing(**job["timing"])
             machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
                                   lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                                  collect_rule=job.get("collect_rule", "quorum"))
+                                  collect_rule=job.get("collect_rule", "quorum"),
+                              step_limit=_step_limit(job))
             if self.start_step:
                 machine.step = self.start_step
-            driver = RankDriver(machine, worker, bus)
+            def at_limit(_state: dict) -> None:  # the machine stopped at the job's step limit
+                if machine.at_step_limit and not machine.running:
+                    self._request_stop(f"step limit {machine.step_limit} reached")
+            driver = RankDriver(machine, worker, bus, on_report=at_limit)
             inner = bus.on_message
 
             def tap(msg: dict) -> None:
@@ -380,14 +384,18 @@ class RankRun:
                     next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                     await self._upload(http, bus, machine, worker, digest, final=False)
             # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
-            was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            # (a leader that stopped at the job's step limit has published: it uploads the final
+            # checkpoint; a follower at the limit holds that publication already)
+            was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
+                machine.at_step_limit and machine.counters.get("published", 0) > 0)
             # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
             # "Controls": a stopping leader publishes); one seen earlier does not count
             self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
             # (a rank that never became ready follows nobody: nothing to wait for)
-            while time.monotonic() < end and (machine.looping if was_leader else machine.ready and not self.publish_seen):
+            while time.monotonic() < end and (machine.looping if was_leader else
+                                                     machine.ready and not self.publish_seen and not machine.at_step_limit):
                 await asyncio.sleep(0.02)
             if was_leader and not bus.failed:
                 await self._upload(http, bus, machine, worker, digest, final=True)
@@ -481,3 +489,9 @@ def cfg_links() -> tuple[str, ...]:
 async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> int:
     """Run one native rank until the room stops, the rank is signalled, or its link fails."""
     return await RankRun(cfg, progress=progress).run()
+
+
+def _step_limit(job: dict) -> int | None:
+    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 11); None = none."""
+    steps = job.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
