@@ -267,11 +267,9 @@ class Advertiser:
             addresses=[socket.inet_aton(a) for a in self.addresses], properties=props)
         # allow_name_change: two servers on one host/port-less instance name do not collide
         try:
-            # the first await returns once probing is done and the records are ours (answered
-            # from then on); the second waits for the announcements, so "advertising" means
-            # every listener has been told
-            announced = await self._azc.async_register_service(self.info, allow_name_change=self.allow_name_change)
-            await announced
+            # returns once probing is done and the records are registered: queries are answered
+            # from then on (the announcements go out in the background)
+            await self._azc.async_register_service(self.info, allow_name_change=self.allow_name_change)
         except BaseException:
             await self._azc.async_close()
             self._azc = None

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Callable
+from typing import Any, Callable
 
 from .config import ServerConfig
 
 
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
-                      advertise_interfaces: list[str] | None = None) -> None:
+                      advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> None:
     from aiohttp import web
 
     from .app import ROOMS, create_app
@@ -47,19 +47,62 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                  f"(addresses {', '.join(addrs)}; rooms {', '.join(config.rooms)})")
     progress(f"URL {url}")
     stop = asyncio.Event()
+    force = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()   # a second signal: stop at once
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     try:
         await stop.wait()
+        await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
     finally:
         progress("tabcohort serve: shutting down")
         if adv is not None:
             await adv.stop()
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
+
+
+async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], None],
+                      force: asyncio.Event | None = None) -> bool:
+    """An ordered stop: tell every room with connected ranks to stop (the ``stop`` control,
+    PROTOCOL.md "Controls": the leader publishes and uploads its final checkpoint), then wait
+    until those ranks have left, at most ``timeout_s`` seconds (or until ``force`` is set).
+
+    Returns:
+        True if every rank left in time (so the final checkpoints are stored), else False.
+    """
+    from .app import ROOMS
+
+    rooms = [r for r in app[ROOMS].rooms.values() if r.connected]
+    if not rooms:
+        return True
+    n = sum(len(r.connected) for r in rooms)
+    progress(f"tabcohort serve: stopping {n} connected rank{'s' if n != 1 else ''}; waiting up to "
+             f"{timeout_s:g} s for the final checkpoint (Ctrl-C again to stop at once)")
+    for r in rooms:
+        if r.stopped:   # already stopping (its stop condition): tell any rank that missed it
+            r.broadcast_control({"type": "stop", "reason": r.stop_reason})
+        else:
+            r.stop("the server is shutting down")
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while any(r.connected for r in rooms):
+        if loop.time() >= end or (force is not None and force.is_set()):
+            left = sum(len(r.connected) for r in rooms)
+            progress(f"tabcohort serve: {left} rank{'s' if left != 1 else ''} still connected; stopping anyway")
+            return False
+        await asyncio.sleep(0.05)
+    for r in rooms:
+        ck = r.checkpoint
+        if ck is not None:
+            progress(f"tabcohort serve: room {r.name}: {'final' if ck.get('final') else 'last'} checkpoint "
+                     f"at step {ck.get('step')}")
+    return True
 
 
 def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:

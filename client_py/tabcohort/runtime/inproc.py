@@ -219,7 +219,8 @@ class InprocCohort:
                 break
         seconds = time.monotonic() - t0
         samples = self._applied_samples()
-        ld = self.leader()
+        # (at the step limit no rank leads any more; every rank holds the last round's loss)
+        ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
         last_loss = ld.machine.loss if ld is not None else None
         spec = ld.worker.spec() if ld is not None else {}
         if spec.get("loss") == "softmax_xent" and spec.get("layers") and last_loss is not None \

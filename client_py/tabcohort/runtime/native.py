@@ -100,8 +100,8 @@ class RankConfig:
         if self._validate_discovery(resolve=resolve):
             return  # the server is found later (discover_server), then validated again
         if not self.server:
-            raise ConfigError("TABCOHORT_SERVER", self.server, "a server URL is needed (--server or "
-                              "TABCOHORT_SERVER), or LAN discovery (--discover / --discover-host)")
+            raise ConfigError("--server", self.server, "a server URL is needed: give --server URL or set "
+                              "TABCOHORT_SERVER, or use LAN discovery (--discover / --discover-host)")
         u = urllib.parse.urlsplit(str(self.server))
         if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
             raise ConfigError(self._name("server"), self.server,
@@ -111,7 +111,10 @@ class RankConfig:
         except ValueError:
             raise ConfigError(self._name("server"), self.server, "the port is not a number in 0..65535") from None
         if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
-            raise ConfigError(self._name("room") if self.room else "TABCOHORT_ROOM", self.room,
+            if not self.room:
+                raise ConfigError("--room", self.room, "a room name is needed: give --room NAME or set "
+                                  "TABCOHORT_ROOM (1..64 characters [A-Za-z0-9._-])")
+            raise ConfigError(self._name("room"), self.room,
                               "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
         if self.batch is not None:
             b = self.batch
@@ -239,9 +242,12 @@ class RankConfig:
 class RankRun:
     """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
 
-    def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None,
+                 print_every_s: float = 0.0) -> None:
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
+        self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
+        self._printed_at = -math.inf
         self.stop_event: asyncio.Event | None = None
         self.stop_reason: str | None = None
         self.failed: str | None = None
@@ -379,7 +385,9 @@ class RankRun:
                     pass
                 st = self._state(driver, digest)
                 bus.send_control({"type": "report", "state": st})
-                self._print(time.monotonic() - t0, st)
+                if time.monotonic() - self._printed_at >= self.print_every_s:
+                    self._printed_at = time.monotonic()
+                    self._print(time.monotonic() - t0, st)
                 if machine.looping and time.monotonic() >= next_ckpt:
                     next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                     await self._upload(http, bus, machine, worker, digest, final=False)
@@ -462,7 +470,7 @@ class RankRun:
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
-                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s")
+                      f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s")
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
         p = worker.params()
@@ -482,13 +490,26 @@ class RankRun:
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
+def _acc_text(acc: float | None, st: dict) -> str:
+    """Held-out accuracy for a progress line; a follower says why it has none (only the leader
+    evaluates held-out accuracy: PROTOCOL.md, "State report")."""
+    if acc is not None:
+        return f"{acc * 100:5.1f}%"
+    return "n/a (evaluated by the leader)" if st.get("ready") and not st.get("is_leader") else "n/a"
+
+
 def cfg_links() -> tuple[str, ...]:
     return LINKS
 
 
-async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> int:
-    """Run one native rank until the room stops, the rank is signalled, or its link fails."""
-    return await RankRun(cfg, progress=progress).run()
+async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None,
+                   print_every_s: float = 0.0) -> int:
+    """Run one native rank until the room stops, the rank is signalled, or its link fails.
+
+    Args:
+        print_every_s: a progress line at most every this many seconds (0: at every report).
+    """
+    return await RankRun(cfg, progress=progress, print_every_s=print_every_s).run()
 
 
 def _step_limit(job: dict) -> int | None:
