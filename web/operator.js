@@ -1,11 +1,12 @@
-// Operator view: polls the server's room JSON (GET /api/rooms/{room}) once a second.
-import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
+// Operator view: loads the room's curves since it started (GET /api/rooms/{room}/history), then
+// polls the server's room JSON (GET /api/rooms/{room}) once a second.
+import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const op = (window.tcOperator = { room: null, polls: 0, last: null, error: null });
-const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
-const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
+const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
+const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 
 function fail(text) { op.error = text; $("error").hidden = false; $("error").textContent = text; $("status").textContent = "Not available."; }
@@ -36,15 +37,23 @@ async function init() {
     render(s, q);
   };
   const loop = async () => { if ((await poll()) !== "stop") setTimeout(loop, 1000); };
+  try {  // the room's curves since it started; then the polls extend them
+    const h = await (await fetch(`/api/rooms/${encodeURIComponent(room)}/history${q}`, { cache: "no-store" })).json();
+    const pts = Array.isArray(h.points) ? h.points : [];
+    lossChart.load(pts.map((p) => [p[1], p[2]]));
+    accChart.load(pts.map((p) => [p[1], p[3]]));
+    op.historyPoints = pts.length;
+  } catch { op.historyPoints = 0; }
   loop();
 }
 
 function render(s, q) {
-  $("status").textContent = s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`;
+  const resumed = Number.isInteger(s.resumed_from_step) ? ` Resuming from the checkpoint at step ${s.resumed_from_step}.` : "";
+  $("status").textContent = (s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`) + resumed;
   $("r-n").textContent = `${s.n_connected} (+${s.n_reserved} reserved)`;
   $("r-leader").textContent = hex(s.leader);
   $("r-step").textContent = s.step;
-  $("r-loss").textContent = num(s.loss, 4);
+  $("r-loss").textContent = sig(s.loss);
   $("r-acc").textContent = s.accuracy === null ? "–" : `${(s.accuracy * 100).toFixed(1)} %`;
   $("r-relayed").textContent = `${fmtBytes(s.counters.bytes_relayed)} in ${s.counters.frames_relayed} chunks`;
   $("r-pressure").textContent = num(s.pressure, 2);
@@ -58,12 +67,13 @@ function render(s, q) {
   if (lead) { lossChart.push(lead.report.step, lead.report.loss); accChart.push(lead.report.step, lead.report.accuracy); }
   $("ranks").querySelector("tbody").innerHTML = s.ranks.map((r) => {
     const p = r.report || {};
-    return `<tr><td>${r.id_hex}</td><td>${r.connected ? "yes" : "no"}</td>` +
+    const kind = p.kind === "tab" ? "tab (browser)" : p.kind === "native" ? "native" : "–";
+    return `<tr><td>${r.id_hex}</td><td>${kind}</td><td>${r.connected ? "yes" : "no"}</td>` +
       `<td>${p.is_leader ? '<span class="leader">leader</span>' : p.ready ? "follower" : p.running ? "joining" : "–"}</td>` +
-      `<td>${p.step ?? "–"}</td><td>${p.cohort ?? "–"}</td><td>${num(p.loss, 4)}</td><td>${esc(p.backend ?? "–")}</td>` +
+      `<td>${p.step ?? "–"}</td><td>${p.cohort ?? "–"}</td><td>${sig(p.loss)}</td><td>${esc(p.backend ?? "–")}</td>` +
       `<td>${num(p.steps_per_s, 1)}</td><td>${fmtBytes(p.wire_bytes_per_s)}/s</td><td>${esc(p.precision ?? "–")}</td>` +
       `<td>${esc(p.fault ?? "none")}</td><td>${r.report_age_s === null ? "–" : r.report_age_s.toFixed(1) + " s"}</td></tr>`;
-  }).join("") || `<tr><td colspan="12">no ranks yet</td></tr>`;
+  }).join("") || `<tr><td colspan="13">no ranks yet</td></tr>`;
 }
 
 init();

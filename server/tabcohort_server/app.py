@@ -6,6 +6,7 @@ Endpoints (room-scoped ones need the room token, if the room has one, as ``?toke
 - ``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /api/rooms``
 - ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON)
 - ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/history``: the room's curves since it started (``history.RoomHistory``)
 - ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable)
 - ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.ws`` for the wire)
 - ``GET /api/rooms/{room}/checkpoint`` (alias ``/model``): float32 LE parameters; 404 if none
@@ -31,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from . import checkpoint as ckpt
 from .config import ServerConfig
+from .history import RoomHistory
 from .metrics import RoomCollector
 from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, Peer, Room, RoomError, RoomRegistry)
 
@@ -58,6 +60,7 @@ class RoomAssets:
         self.job_json = json.dumps(d).encode()
         self.dataset_json = json.dumps(self.dataset.to_portable()).encode()
         self.checkpoint_data: bytes | None = None
+        self.history = RoomHistory()
 
     def evaluate(self, data: bytes) -> float:
         from array import array
@@ -95,6 +98,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
             if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
                 room.checkpoint, a.checkpoint_data = got
                 step = int(room.checkpoint.get("step") or 0)
+                room.resumed_from_step = step
                 if room.job.steps and step >= room.job.steps:  # already done: do not train on
                     room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
     app[ASSETS] = assets
@@ -114,6 +118,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/api/rooms", list_rooms)
     app.router.add_get("/api/rooms/{room}", room_state)
     app.router.add_get("/api/rooms/{room}/job", room_job)
+    app.router.add_get("/api/rooms/{room}/history", room_history)
     app.router.add_get("/api/rooms/{room}/dataset", room_dataset)
     app.router.add_get("/api/rooms/{room}/ws", room_ws)
     app.router.add_get("/api/rooms/{room}/checkpoint", get_checkpoint)
@@ -160,12 +165,18 @@ async def _close_rtc(app: web.Application) -> None:
 
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
-    """Background: release expired ids and check duration stop conditions, once a second."""
+    """Background, once a second: release expired ids, check duration stop conditions, and
+    sample each room's leader report into its history."""
     async def run() -> None:
         while True:
             await asyncio.sleep(1.0)
             try:
-                app[ROOMS].tick(time.monotonic())
+                now = time.monotonic()
+                app[ROOMS].tick(now)
+                for name, room in app[ROOMS].rooms.items():   # the operator view's curves
+                    lead = room.leader_report()
+                    if lead is not None:
+                        app[ASSETS][name].history.add(now, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
             except Exception:  # pragma: no cover - keep ticking, but say so
                 log.exception("room tick failed")
     task = asyncio.create_task(run())
@@ -263,6 +274,11 @@ async def room_state(request: web.Request) -> web.Response:
 async def room_job(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     return web.Response(body=request.app[ASSETS][room.name].job_json, content_type="application/json")
+
+
+async def room_history(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    return _json(request.app[ASSETS][room.name].history.to_json())
 
 
 async def room_dataset(request: web.Request) -> web.Response:

@@ -40,7 +40,7 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
-                 "counters", "gaps")
+                 "counters", "gaps", "kind")
 
 
 class RoomError(Exception):
@@ -116,6 +116,7 @@ class Room:
         self.stopped = False
         self.stop_reason: str | None = None
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
+        self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         #: resume secrets are HMAC(secret_key, room:id) when set (the app sets it; it persists in
         #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
         #: id and secret although it never issued that id; ids released here are never re-seated.
@@ -447,6 +448,7 @@ class Room:
                 "loss": None if lead is None else _json_num(lead.get("loss")),
                 "accuracy": None if lead is None else _json_num(lead.get("accuracy")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
+                "resumed_from_step": self.resumed_from_step,
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
                              "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},

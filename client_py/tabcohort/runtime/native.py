@@ -454,6 +454,7 @@ class RankRun:
         st.pop("peers", None)
         st["digest"] = digest(driver.worker.params())
         st["pid"] = os.getpid()
+        st["kind"] = "native"
         st["leaders"] = self.leaders
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step

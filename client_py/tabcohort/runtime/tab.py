@@ -308,6 +308,7 @@ class TabRun:
         if "paths" in out:  # WebRTC: each link's path, keyed as native ranks key them
             out["links"] = out.pop("paths")
         out["pid"] = None
+        out["kind"] = "tab"
         return out
 
     async def _upload(self, *, final: bool) -> None:
