@@ -3,7 +3,7 @@ state reports, stop conditions and counters. The aiohttp layer (app.py) owns the
 calls in here; this module tells it whom to wake (``Peer.wake``) and whom to drop
 (``Peer.kick``).
 
-Relay rules (issue 4, "Relay (star)"): each chunk is routed by its routing header
+Relay rules (docs/INTERFACES.md, "Bus"; README, "Server, native ranks and tabs"): each chunk is routed by its routing header
 (:func:`tabcohort.wire.parse_route`) without decoding the payload; a chunk whose ``from``
 disagrees with the link's bound id is dropped (``spoofed``); a peer whose queue exceeds its
 bounds is dropped (``slow_consumer``) instead of blocking the others.

@@ -1,4 +1,4 @@
-"""FrameReader: chunks in, messages out; untrusted bytes never raise (issue 2, "Robustness").
+"""FrameReader: chunks in, messages out; untrusted bytes never raise (docs/INTERFACES.md, "Wire").
 
 Reassembly is bounded: at most ``limits.max_incomplete_frames_per_sender`` partial frames per
 sender and ``limits.max_incomplete_bytes`` over all senders (the oldest partial frame is evicted,
