@@ -29,6 +29,9 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}")
         room = app[ROOMS].get(name)
+        if room is not None and room.resumed_from_step is not None and not room.stopped:
+            progress(f"  room {name} resumes from its checkpoint at step {room.resumed_from_step} "
+                     f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
