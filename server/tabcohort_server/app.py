@@ -173,10 +173,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
             try:
                 now = time.monotonic()
                 app[ROOMS].tick(now)
-                for name, room in app[ROOMS].rooms.items():   # the operator view's curves
-                    lead = room.leader_report()
-                    if lead is not None:
-                        app[ASSETS][name].history.add(now, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
+                sample_history(app, now)
             except Exception:  # pragma: no cover - keep ticking, but say so
                 log.exception("room tick failed")
     task = asyncio.create_task(run())
@@ -184,6 +181,15 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def sample_history(app: web.Application, now_s: float) -> None:
+    """Add each room's leader report (step, loss, accuracy) to its history (the operator view's
+    curves since the room started); called once a second by the ticker."""
+    for name, room in app[ROOMS].rooms.items():
+        lead = room.leader_report()
+        if lead is not None:
+            app[ASSETS][name].history.add(now_s, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
 
 
 async def _close_sockets(app: web.Application) -> None:
