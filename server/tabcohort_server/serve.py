@@ -1,4 +1,6 @@
-"""``tabcohort serve``: run the app until SIGINT/SIGTERM, printing the URL it listens on."""
+"""``tabcohort serve``: run the app until SIGINT (an ordered stop of the rooms: see
+:func:`drain_rooms`) or SIGTERM (sockets closed, ranks resume on a restarted server), printing the
+URL it listens on."""
 
 from __future__ import annotations
 
@@ -49,20 +51,30 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"advertising {adv.info.name} on {', '.join(ifaces) if ifaces else 'all interfaces'} "
                  f"(addresses {', '.join(addrs)}; rooms {', '.join(config.rooms)})")
     progress(f"URL {url}")
+    # SIGINT (Ctrl-C: the operator ends the run) stops the rooms in order: the ranks are told to
+    # stop, and the server waits (bounded) for the final checkpoint. SIGTERM (a service manager's
+    # restart or shutdown: docker stop, systemd) only closes the sockets (GOING_AWAY): the ranks
+    # train on and resume their ids when a server on the same --checkpoint-dir is back.
     stop = asyncio.Event()
     force = asyncio.Event()
+    drain = []
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
-        (force if stop.is_set() else stop).set()   # a second signal: stop at once
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            force.set()                              # a second signal: stop at once
+            return
+        drain.append(sig == signal.SIGINT)
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     try:
         await stop.wait()
-        await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
+        if drain and drain[0]:
+            await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
     finally:
         progress("tabcohort serve: shutting down")
         if adv is not None:

@@ -1,6 +1,7 @@
 """How a run ends, as a user sees it: `--steps` is an exact limit, and a stop (Ctrl-C on
-scripts/demo.sh, SIGINT/SIGTERM to `tabcohort serve`) is ordered: the ranks stop, the leader
-uploads the final checkpoint, then the server exits."""
+scripts/demo.sh, SIGINT to `tabcohort serve`) is ordered: the ranks stop, the leader uploads the
+final checkpoint, then the server exits. (SIGTERM, a restart, leaves the ranks training:
+tests/integration/test_robustness.py.)"""
 
 from __future__ import annotations
 
@@ -83,3 +84,19 @@ def test_ctrl_c_on_the_demo_stops_in_order_and_leaves_the_final_checkpoint(tmp_p
     assert len(steps) == 2 and meta["step"] == max(steps), (meta, steps, out[-4000:])
     assert "checkpoint upload failed" not in out, out[-4000:]
     assert f"final checkpoint: step {meta['step']}" in out, out[-2000:]
+
+
+def test_sigint_to_the_server_alone_stops_its_ranks_first_and_keeps_their_final_checkpoint(cluster):
+    ckdir = cluster.tmp / "ckpt"
+    cluster.serve("--checkpoint-dir", str(ckdir))
+    ranks = [cluster.rank(), cluster.rank()]
+    wait_for(lambda: (s := cluster.state())["step"] >= 30 and s["n_connected"] == 2, 60, "2 ranks training")
+    cluster.server.p.send_signal(signal.SIGINT)
+    for p in ranks:
+        assert p.p.wait(30) == 0, p.text()[-3000:]
+        assert "server: the server is shutting down" in p.text()
+    assert cluster.server.p.wait(30) == 0, cluster.server.text()
+    meta = _ckpt(ckdir)
+    assert meta is not None and meta["final"] is True, meta
+    assert meta["step"] == max(_stopped_step(p.text()) for p in ranks), meta
+    assert f"final checkpoint at step {meta['step']}" in cluster.server.text()
