@@ -23,7 +23,11 @@ fi
 if command -v npm >/dev/null; then
   major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
   [ "$major" -ge 20 ] || echo "[install] note: Node $(node --version 2>/dev/null) is older than 20 (the Pyodide test tier needs 20)" >&2
-  if [ ! -f node_modules/pyodide/pyodide.mjs ] || [ ! -f node_modules/uplot/dist/uPlot.iife.min.js ] \
+  if [ -L node_modules ]; then
+    # a shared copy (a git worktree's link to another tree's): npm ci would empty its target
+    [ -f node_modules/pyodide/pyodide.mjs ] \
+      || echo "[install] note: node_modules is a link to an incomplete copy; run npm ci where it points" >&2
+  elif [ ! -f node_modules/pyodide/pyodide.mjs ] || [ ! -f node_modules/uplot/dist/uPlot.iife.min.js ] \
      || [ package-lock.json -nt node_modules/.package-lock.json ]; then
     echo "[install] npm ci (Pyodide, uPlot)" >&2
     npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2
