@@ -100,7 +100,7 @@ def measured_section(name: str, script: str, args: list[str], stdout: str, stamp
             line = "*" + line.lstrip("#").strip() + "*"
         lines.append(line)
     body = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-    cmd = " ".join(["python", f"bench/{script}", *args])
+    cmd = " ".join(["python", f"bench/{script}", *args]).replace(str(HERE.parent) + os.sep, "")
     return _section(name, f"**{title}** (`{cmd}`; {stamp}): {what}\n\n{body}")
 
 
