@@ -1,4 +1,4 @@
-"""Against what a native user would pick instead (issue 7): one synchronous data-parallel step on
+"""Against what a native user would pick instead: one synchronous data-parallel step on
 1M float32 parameters across 2 and 4 local processes, measured side by side in one run:
 
 - ``gloo dp``: ``torch.distributed`` with the gloo backend: broadcast of the parameters from

@@ -1,4 +1,4 @@
-"""Browser tabs against native ranks, side by side in one run (issue 5), on the same job (the
+"""Browser tabs against native ranks, side by side in one run, on the same job (the
 server's default digits room), each cohort on a fresh server:
 
 - join time of a tab: page open -> first contributed bucket (the first round after it became

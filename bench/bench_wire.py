@@ -1,4 +1,4 @@
-"""Wire benchmark (issue 2, "Must show"): encoded size per precision relative to f32, and
+"""Wire benchmark (docs/INTERFACES.md, "Wire"): encoded size per precision relative to f32, and
 encode+decode throughput of the stdlib path relative to the numpy path, side by side in one run.
 
     PYTHONPATH=client_py python bench/bench_wire.py [--n 1000000] [--json bench/results/bench_wire.json]

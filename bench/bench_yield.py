@@ -1,7 +1,7 @@
 """Rounds/s of a 4-rank in-process cohort with a tiny model: the unclamped yield between
 rounds (``call_soon``, what the driver does) against a 4 ms timer yield (what a clamped browser
 ``setTimeout(0)`` gives after nesting). Both measured in the same run, interleaved, so the
-ratio is meaningful on a shared, noisy machine (issue 3, "Must show"; PROTOCOL.md "The leader loop").
+ratio is meaningful on a shared, noisy machine (PROTOCOL.md, "The leader loop").
 
 Usage: python bench/bench_yield.py [--seconds 3] [--repeats 3] [--json PATH]
 """

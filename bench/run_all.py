@@ -1,9 +1,15 @@
-"""Run every benchmark in one go and collect their Markdown tables into one report.
+"""Run every benchmark in one go, collect their Markdown tables, and write README's figures.
 
 Each benchmark prints a Markdown table of ratios measured side by side within its own run and
 writes JSON to ``bench/results/``. This entry point runs them one after the other (never in
-parallel: the machines have 2 cores) and writes ``bench/results/REPORT.md`` with every table and
-``bench/results/summary.json`` with the collected JSON. Benchmarks whose optional dependencies
+parallel: the machines have 2 cores) and writes ``bench/results/REPORT.md`` with every table,
+``bench/results/summary.json`` with the collected JSON, and README.md's Performance figures:
+the block between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``, one section per benchmark
+(``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->``). A benchmark of this run replaces its
+section with what it printed today (with the date, commit and load average), or, if it was
+skipped or failed, with a line saying its figures are missing and why: never an older figure.
+Sections of benchmarks not in this run (``--only``) stay as they were, dated. ``--no-readme``
+leaves README.md alone. Benchmarks whose optional dependencies
 are missing say so: bench_pg's gloo column without torch, in its output; bench_tab without a local
 Pyodide (``npm ci``) or Chromium, and bench_anchors without torch, are skipped with the reason.
 A benchmark still running after 30 minutes is stopped and reported as failed.
@@ -12,7 +18,7 @@ The link benchmarks (``links``, ``overhead``, ``server_scale``) start a real ser
 processes on loopback; together they take about 6-8 minutes on 2 shared cores (``--only
 links,overhead,server_scale``).
 
-Usage: python bench/run_all.py [--quick] [--only NAME,NAME]
+Usage: python bench/run_all.py [--quick] [--only NAME,NAME] [--no-readme]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -43,8 +50,108 @@ BENCHES = {
     "anchors": ("bench_anchors.py", [], ["--steps", "5", "--seconds", "4"]),
 }
 
+#: name -> (README heading, what it measures): the generated block's text around each table
+ABOUT = {
+    "wire": ("Wire", "a `round` frame's encoded size per precision relative to f32, and the stdlib codec's "
+             "throughput relative to numpy's (the tab's pure-Python path vs the native one)."),
+    "yield": ("Yield between rounds", "a 4-rank in-process cohort with a tiny model: rounds/s with the "
+              "driver's `call_soon` yield against the same cohort yielding through a 4 ms timer (what a "
+              "clamped browser `setTimeout(0)` gives), interleaved."),
+    "scaling": ("Scaling and the collection rule", "in-process cohorts with 50 ms of awaited compute per "
+                "bucket: applied efficiency = applied samples/s (N) / (N x applied samples/s (1)) under the "
+                "quorum rule (PROTOCOL.md) and the grace rule (docs/PROTOCOL-NOTES.md note 7), wall clock "
+                "and in virtual time (the discrete-event simulation)."),
+    "transports": ("Transports", "our bus over an aiortc data channel against a raw aiortc channel's "
+                   "goodput, and round time per link kind relative to the WebSocket star."),
+    "links": ("Scaling over real links", "a real `tabcohort serve` on loopback and real rank processes "
+              "per link kind (ws-star, rtc-star, rtc-mesh), both collection rules."),
+    "overhead": ("Protocol overhead", "two ranks, a tiny model, no compute: rounds/s against the raw "
+                 "round trip of a pre-encoded chunk on the same path."),
+    "server_scale": ("Server scale", "simulated ranks added in stages to one room: relayed frames/s, "
+                     "server CPU per relayed frame and an open-loop probe's latency against an idle room."),
+    "pg": ("Process group", "`tabcohort.pg` all_reduce of 1M float32 against torch.distributed with gloo "
+           "in the same run (when torch is installed)."),
+    "tab": ("Tabs", "Chromium headless with Pyodide tabs (pure-Python backend) against native ranks on "
+            "the same job: join time, rounds/s of mixed and tab-only cohorts, main-thread long tasks."),
+    "anchors": ("Against gloo and hivemind", "one synchronous step on 1M float32 parameters: a cohort "
+                "round through a real server against gloo (broadcast + reduce, all_reduce) and hivemind's "
+                "averager (optional: torch and hivemind in a venv, `--anchor-python`)."),
+}
+
 #: a benchmark that runs longer than this is stopped and reported as failed (never a hang)
 TIMEOUT_S = 1800
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _section(name: str, body: str) -> str:
+    return f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
+
+
+def measured_section(name: str, script: str, args: list[str], stdout: str, stamp: str) -> str:
+    """README's section for one benchmark from what it printed: its tables, its notes (a bench's
+    own ``#`` title lines become italic notes), without the JSON path line."""
+    title, what = ABOUT.get(name, (name, ""))
+    lines = []
+    for line in stdout.splitlines():
+        if line.startswith("JSON:") or line.startswith("=== "):
+            continue
+        if line.startswith("#"):
+            line = "*" + line.lstrip("#").strip() + "*"
+        lines.append(line)
+    body = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    cmd = " ".join(["python", f"bench/{script}", *args]).replace(str(HERE.parent) + os.sep, "")
+    return _section(name, f"**{title}** (`{cmd}`; {stamp}): {what}\n\n{body}")
+
+
+def missing_section(name: str, why: str, stamp: str | None) -> str:
+    """README's section for a benchmark with no figures: says which are missing and why."""
+    title, what = ABOUT.get(name, (name, ""))
+    when = f"in the run of {stamp}" if stamp else "yet"
+    return _section(name, f"**{title}**: {what}\n\n**Figures missing**: not measured {when} ({why}).")
+
+
+def write_readme(sections: dict[str, str], readme: pathlib.Path = README) -> None:
+    """Replace the sections of ``sections`` inside README's bench block; keep the others; a
+    benchmark that has no section yet gets a "not measured yet" line."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} block to write")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    old = block_sections(text)
+    out = []
+    for name in BENCHES:
+        if name in sections:
+            out.append(sections[name])
+        elif name in old:
+            out.append(old[name])
+        else:
+            out.append(missing_section(name, f"run `python bench/run_all.py --only {name}`", None))
+    readme.write_text(head + BEGIN + "\n" + "\n\n".join(out) + "\n" + END + tail)
+
+
+def _stamp(quick: bool) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True,
+                             text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        sha = "?"
+    load = "?"
+    try:
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1/5/15 min)"
+    except OSError:
+        pass
+    return (f"{time.strftime('%Y-%m-%d %H:%M')}, commit {sha}, {os.cpu_count()} cores, load {load}"
+            f"{', --quick' if quick else ''}")
+
+
+def block_sections(text: str) -> dict[str, str]:
+    """The sections (name -> text) of the bench block in README-like ``text``."""
+    if BEGIN not in text or END not in text:
+        return {}
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    return {m.group(1): m.group(0) for m in re.finditer(r"<!-- bench:(\w+) -->.*?<!-- /bench:\1 -->", block, re.S)}
 
 
 def missing(name: str, repo: pathlib.Path) -> str | None:
@@ -67,7 +174,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs (noisier ratios)")
     ap.add_argument("--only", default="", help="comma-separated subset of: " + ",".join(BENCHES))
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's bench block")
     a = ap.parse_args()
+    sections: dict[str, str] = {}
     names = [n for n in (a.only.split(",") if a.only else BENCHES) if n]
     RESULTS.mkdir(parents=True, exist_ok=True)
     repo = HERE.parent
@@ -88,6 +197,7 @@ def main() -> int:
         if why is not None:
             print(f"=== {name}: skipped: {why}", flush=True)
             report.append(f"## {name}\n\n(skipped: {why})\n")
+            sections[name] = missing_section(name, f"skipped: {why}", _stamp(a.quick))
             continue
         cmd = [sys.executable, str(path), *(quick if a.quick else args)]
         print(f"=== {name}: {' '.join(cmd)}", flush=True)
@@ -102,6 +212,10 @@ def main() -> int:
         if r.returncode != 0:
             print(r.stderr[-2000:], file=sys.stderr)
             failed.append(name)
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            sections[name] = missing_section(name, f"it failed with exit code {r.returncode}: {last}", _stamp(a.quick))
+        else:
+            sections[name] = measured_section(name, script, quick if a.quick else args, r.stdout, _stamp(a.quick))
         report.append(f"## {name} (`python bench/{script} {' '.join(quick if a.quick else args)}`, {dt:.0f} s)\n\n"
                       + r.stdout + ("\n(failed: see stderr)\n" if r.returncode else "\n"))
     (RESULTS / "REPORT.md").write_text("\n".join(report))
@@ -112,6 +226,9 @@ def main() -> int:
         except ValueError:
             pass
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2))
+    if not a.no_readme and sections:
+        write_readme(sections)
+        print(f"README.md: the Performance figures of {', '.join(sections)} rewritten")
     print(f"\nreport: {RESULTS / 'REPORT.md'}; JSON: {RESULTS / 'summary.json'}")
     return 1 if failed else 0
 

@@ -23,11 +23,23 @@ from tabcohort.pg import PGError, init_process_group_sync
 
 
 def main() -> int:
+    if np is None:
+        print("allreduce: this example needs numpy (pip install numpy)", file=sys.stderr)
+        return 2
+    import os
+    bound = os.environ.get("PG_CONNECT_TIMEOUT_S", "60")
+    print(f"allreduce: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD', '?')}: waiting up to "
+          f"{bound} s (PG_CONNECT_TIMEOUT_S) for the other ranks...", file=sys.stderr, flush=True)
     try:
         pg = init_process_group_sync()
     except ConfigError as e:
         print(f"allreduce: configuration error: {e}", file=sys.stderr)
         return 2
+    except PGError as e:  # GroupSetupError: a peer never came up within the bound
+        print(f"allreduce: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     with pg:
         try:
             x = np.full(1_000_000, pg.rank + 1, dtype=np.float32)

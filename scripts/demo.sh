@@ -1,51 +1,112 @@
 #!/usr/bin/env bash
-# The main job in one command: install what is needed, start the server with a default room
-# (digits, star topology, WebSocket links) and two native ranks, and print the URL a person
-# opens to join from a browser. Ctrl-C stops everything (the leader publishes, a checkpoint stays).
-# Env: PORT (default 8080), HOST (listen address, default 127.0.0.1; 0.0.0.0 to let other
-# machines on the LAN join), RANKS (native ranks, default 2), STEPS (0 = until Ctrl-C).
+# The main job in one command: install what the product needs (quietly; the log goes to
+# .cache/install.log), start the server with a default room (digits, star topology, WebSocket
+# links) and two native ranks, and print the URL a person opens to join from a browser.
+# Ctrl-C stops in order: the ranks stop, the leader uploads the final checkpoint, then the
+# server exits (at most ~10 s; Ctrl-C again stops at once).
+# Settings (environment):
+#   PORT    listen port (default 8080)
+#   HOST    listen address (default 127.0.0.1; 0.0.0.0 lets other machines on the LAN join)
+#   RANKS   native ranks to start (default 2; 0 = tabs only)
+#   STEPS   stop the room at exactly this step (default 0 = until Ctrl-C)
+#   CKPT    checkpoint directory (default .cache/checkpoints; the room's file is digits.ckpt)
+#   FRESH   1 (default): start from scratch, deleting the demo room's old checkpoint;
+#           0: resume from it (the page and the operator view say "resumed from step N")
+#   INSTALL 1 (default): run scripts/install.sh first; 0: skip it
+#   PYTHON  the interpreter (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/install.sh
 PY="${PYTHON:-python3}"
 PORT="${PORT:-8080}"
 HOST="${HOST:-127.0.0.1}"
 RANKS="${RANKS:-2}"
 STEPS="${STEPS:-0}"
 CKPT="${CKPT:-.cache/checkpoints}"
-mkdir -p "$CKPT"
-pids=()
+FRESH="${FRESH:-1}"
+INSTALL="${INSTALL:-1}"
+for v in PORT RANKS STEPS; do
+  if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then echo "[demo] $v='${!v}': expected a whole number" >&2; exit 2; fi
+done
+if [ "$FRESH" != 0 ] && [ "$FRESH" != 1 ]; then echo "[demo] FRESH='$FRESH': expected 1 or 0" >&2; exit 2; fi
+mkdir -p .cache "$CKPT"
+if [ "$INSTALL" = 1 ]; then
+  echo "[demo] installing (pip, npm; log: .cache/install.log)..."
+  if ! bash scripts/install.sh > .cache/install.log 2>&1; then
+    tail -n 20 .cache/install.log >&2
+    echo "[demo] install failed; the full log is .cache/install.log" >&2
+    exit 1
+  fi
+  grep '^\[install\] note' .cache/install.log || true
+fi
+if [ -f "$CKPT/digits.ckpt" ]; then
+  if [ "$FRESH" = 1 ]; then
+    rm -f "$CKPT/digits.ckpt"
+    echo "[demo] fresh start: removed the previous run's checkpoint (FRESH=0 resumes from it)"
+  else
+    echo "[demo] resuming from $CKPT/digits.ckpt (FRESH=1 starts from scratch)"
+  fi
+fi
+pids=() rank_pids=() server_pid=
+alive() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+wait_bounded() {  # wait_bounded SECONDS PID...: until every PID exited, at most SECONDS
+  local end=$(( $(date +%s) + $1 )); shift
+  while alive "$@" && [ "$(date +%s)" -lt "$end" ]; do sleep 0.1; done
+}
+report_checkpoint() {
+  "$PY" - "$CKPT" <<'PY' || true
+import sys
+from tabcohort_server import checkpoint as ck
+got = ck.load(sys.argv[1], "digits")
+if got is None:
+    print(f"[demo] no checkpoint was stored in {sys.argv[1]}")
+else:
+    m = got[0]
+    acc = m.get("accuracy")
+    print(f"[demo] {'final' if m.get('final') else 'periodic'} checkpoint: step {m['step']}, "
+          f"accuracy {'n/a' if acc is None else f'{acc * 100:.1f} %'}, in {ck.path_for(sys.argv[1], 'digits')}")
+PY
+}
 cleanup() {
   trap - INT TERM EXIT
-  echo "[demo] stopping" >&2
-  # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored; the server
-  # and the ranks stop gracefully on either
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait || true
+  echo "[demo] stopping: the ranks finish, the leader uploads the final checkpoint, then the server exits"
+  # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored (a Ctrl-C at the
+  # terminal reaches them anyway: they handle it as a stop); the ranks go first, the server waits
+  # (bounded) for them, then it is told too
+  [ ${#rank_pids[@]} -gt 0 ] && kill -TERM "${rank_pids[@]}" 2>/dev/null || true
+  [ ${#rank_pids[@]} -gt 0 ] && wait_bounded 20 "${rank_pids[@]}"
+  [ -n "$server_pid" ] && kill -TERM "$server_pid" 2>/dev/null || true
+  [ -n "$server_pid" ] && wait_bounded 15 "$server_pid"
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  report_checkpoint
 }
 trap cleanup INT TERM EXIT
+prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 "$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
-  --steps "$STEPS" --checkpoint-dir "$CKPT" &
+  --steps "$STEPS" --checkpoint-dir "$CKPT" > >(prefix server) 2>&1 &
+server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"
 for _ in $(seq 1 100); do   # wait (bounded: 20 s) until the server answers
-  if "$PY" -c "import urllib.request,sys; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then break; fi
+  if "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then break; fi
+  alive "$server_pid" || { echo "[demo] the server did not start (see above)" >&2; exit 1; }
   sleep 0.2
 done
-rank_pids=()
 for i in $(seq 1 "$RANKS"); do
   # (a process substitution, not a pipe, so that $! is the rank itself, not sed)
-  "$PY" -m tabcohort rank --server "$url" --room digits > >(sed -u "s/^/[rank $i] /") 2>&1 &
+  "$PY" -m tabcohort rank --server "$url" --room digits --print-every 5 > >(prefix "rank $i") 2>&1 &
   pids+=($!)
   rank_pids+=($!)
 done
+shown="$url"
+[ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT (this machine: $url)"
 echo
-echo "  Open $url/ in a browser to join the cohort from a tab."
-echo "  Operator view: $url/operator   metrics: $url/metrics"
+echo "  Open $shown/ in a browser to join the cohort from a tab."
+echo "  Operator view: $url/operator   metrics: $url/metrics   Ctrl-C stops."
 echo
-if [ "$STEPS" != 0 ]; then
+if [ "$STEPS" != 0 ] && [ ${#rank_pids[@]} -gt 0 ]; then
   wait "${rank_pids[@]}" || true      # the room stops at STEPS; the ranks exit; then so do we
-  echo "[demo] the room reached its step limit; the final checkpoint is in $CKPT"
+  echo "[demo] the room reached its step limit ($STEPS)"
 else
-  wait
+  wait "$server_pid" || true
 fi

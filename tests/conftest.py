@@ -5,14 +5,20 @@
   or ``TABCOHORT_NO_NUMPY=1``.
 - ``needs_loop``: skipped under Pyodide (``sys.platform == "emscripten"``): its WebLoop cannot
   run an asyncio loop to completion from synchronous code (``asyncio.run`` and friends).
+- Under ``CI=true`` (``.ci/run``, a fresh machine with everything installed) a skipped test is a
+  **failure** unless its reason is in :data:`ALLOWED_SKIPS`: a test that silently skips on the
+  machine CI uses is a test that does not exist (install what it needs instead).
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import sys
 
 import pytest
+from typing import Any
 
 try:  # an installed tabcohort (pip install -e .) wins; else the work tree's source
     import tabcohort
@@ -42,3 +48,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_numpy)
         if emscripten and item.get_closest_marker("needs_loop") is not None:
             item.add_marker(no_loop)
+
+
+def _no_numpy() -> bool:
+    from tabcohort._compat import np
+    return np is None
+
+
+#: Skips that are legitimate on a CI machine: (reason pattern, when it holds, why). A skip whose
+#: reason matches none of these (with its condition true) fails the test under CI=true.
+ALLOWED_SKIPS: list[tuple[str, Any, str]] = [
+    (r"^needs numpy", _no_numpy, "the no-numpy and Pyodide tiers run without numpy on purpose"),
+    (r"^could not import '(numpy|sklearn)'", _no_numpy, "numpy, and scikit-learn on it, are absent by design there"),
+    (r"^could not import '(aiortc|zeroconf|playwright)'", lambda: sys.platform == "emscripten",
+     "native-only packages do not exist in Pyodide"),
+    (r"^import-linter is a test extra", lambda: sys.platform == "emscripten",
+     "the architecture check runs natively (Pyodide has no subprocesses)"),
+    (r"^needs a runnable asyncio loop", lambda: sys.platform == "emscripten", "Pyodide cannot run a loop to completion"),
+    (r"^numpy is importable in this tier$", lambda: not _no_numpy(), "the check of the no-numpy tiers' setup"),
+    (r"^numpy disabled by TABCOHORT_NO_NUMPY only$", lambda: True, "the check of the block itself, not the variable"),
+]
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def skip_allowed(reason: str) -> bool:
+    """True if a skip with this reason is legitimate here (see :data:`ALLOWED_SKIPS`)."""
+    return any(re.search(pat, reason) and cond() for pat, cond, _ in ALLOWED_SKIPS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.skipped or not _ci() or hasattr(rep, "wasxfail"):
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    reason = re.sub(r"^Skipped: ", "", reason)
+    if not skip_allowed(reason):
+        rep.outcome = "failed"
+        rep.longrepr = (f"skipped under CI=true: {reason!r}. A required tier must not skip on the CI "
+                        f"machine: install what the test needs (scripts/install-test.sh), or, if the skip "
+                        f"is legitimate there, add it to ALLOWED_SKIPS in tests/conftest.py with why.")

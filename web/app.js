@@ -1,6 +1,6 @@
 // The room page: a thin boot and UI layer. It owns the WebSocket(s) and relays frames to and from
 // the rank's worker (web/rank-worker.js) as transferred ArrayBuffers; the protocol is Python.
-import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
+import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
@@ -28,8 +28,8 @@ async function getJSON(url) {
   return { status: r.status, body };
 }
 
-const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
-const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
+const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
+const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 
 async function main() {
   // the page's own options are checked before anything loads (a bad one names itself)
@@ -59,6 +59,11 @@ async function main() {
   if (check.status === 403) return fail("token", "The room token is wrong or missing: ask the operator for the room link.");
   if (check.status === 404) return fail("room", `There is no room named “${room}” on this server.`);
   if (check.body && check.body.stopped) note(`This room has stopped (${check.body.stop_reason}).`);
+  const resumed = check.body && check.body.resumed_from_step;
+  if (Number.isInteger(resumed)) {
+    tc.resumedFrom = resumed;
+    note(`This room is resuming from its checkpoint at step ${resumed}: its curves start there, not at a fresh model.`);
+  }
   note(`Python runtime: Pyodide ${boot.body.pyodide.version} from ${boot.body.pyodide.source === "local" ? "this server" : "the public CDN (no local copy on the server)"}.`);
   tc.bootInfo = boot.body;
 
@@ -303,8 +308,16 @@ function render(s) {
   $("s-role").className = s.is_leader ? "leader" : "";
   $("s-cohort").textContent = s.cohort;
   $("s-step").textContent = s.step;
-  $("s-loss").textContent = num(s.loss, 4);
-  $("s-acc").textContent = s.accuracy === null || s.accuracy === undefined ? "–" : `${(s.accuracy * 100).toFixed(1)} %`;
+  $("s-loss").textContent = sig(s.loss);
+  const follower = s.ready && !s.is_leader;
+  $("s-acc").textContent = s.accuracy === null || s.accuracy === undefined
+    ? (follower ? "– (the leader evaluates)" : "–") : `${(s.accuracy * 100).toFixed(1)} %`;
+  const accNote = $("acc-note");
+  const noAcc = follower && !accChart.length;
+  if (accNote.hidden === noAcc) {
+    accNote.hidden = !noAcc;
+    if (noAcc) accNote.textContent = `Only the leader (rank ${hex(s.leader)}) evaluates held-out accuracy; this tab is a follower. The operator view shows the room's accuracy.`;
+  }
   $("s-sps").textContent = num(s.steps_per_s, 1);
   $("s-samples").textContent = num(s.samples_per_s, 0);
   $("s-bytes").textContent = `${fmtBytes(s.wire_bytes_per_s)}/s`;
@@ -323,7 +336,11 @@ function render(s) {
   const form = $("leader-controls");
   if (form.hidden === lead) {
     form.hidden = !lead;
-    if (lead) { $("lr").value = s.lr; $("precision").value = s.precision; }
+    if (lead) { $("lr").value = ""; $("precision").value = s.precision; }
+  }
+  if (lead) {  // the box stays free for a new value; the current one is its placeholder
+    $("lr").placeholder = `now ${sig(s.lr)}`;
+    $("lr-now").textContent = `(now ${sig(s.lr)})`;
   }
   const links = new Map((s.links || []).map((l) => [l.peer, l]));
   // peer data is untrusted (any rank sends its own backend string): text nodes only, never markup

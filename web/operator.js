@@ -1,14 +1,15 @@
-// Operator view: polls the server's room JSON (GET /api/rooms/{room}) once a second.
+// Operator view: loads the room's curves since it started (GET /api/rooms/{room}/history), then
+// polls the server's room JSON (GET /api/rooms/{room}) once a second.
 // Its actions (stop the room) need the operator token `tabcohort serve` prints: the link it
 // prints carries it in the URL fragment (#operator=...), which never reaches the server's logs;
 // the page keeps it in sessionStorage for this tab and sends it as `Authorization: Bearer`.
-import { makeChart, fmtBytes, hex, num } from "/web/charts.js";
+import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const op = (window.tcOperator = { room: null, polls: 0, last: null, error: null });
-const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad");
-const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d");
+const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
+const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 // any value as a string, for a text node (objects as JSON, so nothing is ever parsed as markup)
 const text = (v) => (typeof v === "object" && v !== null ? JSON.stringify(v) : String(v));
 
@@ -68,6 +69,13 @@ async function init() {
     dl.remove();
     URL.revokeObjectURL(url);
   });
+  try {  // the room's curves since it started; then the polls extend them
+    const h = await (await fetch(`/api/rooms/${encodeURIComponent(room)}/history${q}`, { cache: "no-store" })).json();
+    const pts = Array.isArray(h.points) ? h.points : [];
+    lossChart.load(pts.map((p) => [p[1], p[2]]));
+    accChart.load(pts.map((p) => [p[1], p[3]]));
+    op.historyPoints = pts.length;
+  } catch { op.historyPoints = 0; }
   loop();
 }
 
@@ -91,11 +99,12 @@ async function stopRoom(room) {
 }
 
 function render(s, q) {
-  $("status").textContent = s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`;
+  const resumed = Number.isInteger(s.resumed_from_step) ? ` Resuming from the checkpoint at step ${s.resumed_from_step}.` : "";
+  $("status").textContent = (s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`) + resumed;
   $("r-n").textContent = `${s.n_connected} (+${s.n_reserved} reserved)`;
   $("r-leader").textContent = hex(s.leader);
   $("r-step").textContent = s.step;
-  $("r-loss").textContent = num(s.loss, 4);
+  $("r-loss").textContent = sig(s.loss);
   $("r-acc").textContent = s.accuracy === null ? "–" : `${(s.accuracy * 100).toFixed(1)} %`;
   $("r-relayed").textContent = `${fmtBytes(s.counters.bytes_relayed)} in ${s.counters.frames_relayed} chunks`;
   $("r-pressure").textContent = num(s.pressure, 2);
@@ -117,12 +126,13 @@ function render(s, q) {
     const tr = document.createElement("tr");
     const cell = (v) => { const td = document.createElement("td"); td.append(v); tr.append(td); };
     cell(text(r.id_hex));
+    cell(p.kind === "tab" ? "tab (browser)" : p.kind === "native" ? "native" : "–");
     cell(r.connected ? "yes" : "no");
     if (p.is_leader) { const sp = document.createElement("span"); sp.className = "leader"; sp.textContent = "leader"; cell(sp); }
     else cell(p.ready ? "follower" : p.running ? "joining" : "–");
     cell(text(p.step ?? "–"));
     cell(text(p.cohort ?? "–"));
-    cell(num(p.loss, 4));
+    cell(sig(p.loss));
     cell(text(p.backend ?? "–"));
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
@@ -133,7 +143,7 @@ function render(s, q) {
   });
   if (!rows.length) {
     const tr = document.createElement("tr"), td = document.createElement("td");
-    td.colSpan = 12;
+    td.colSpan = 13;
     td.textContent = "no ranks yet";
     tr.append(td);
     rows.push(tr);

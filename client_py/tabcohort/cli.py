@@ -1,7 +1,8 @@
 """The ``tabcohort`` command line (argparse, stdlib: the client package stays dependency-free).
 
 Subcommands: ``simulate`` (an in-process cohort), ``serve`` (the server; imports
-``tabcohort_server`` lazily) and ``rank`` (a native rank over the server's star relay).
+``tabcohort_server`` lazily) and ``rank`` (a native rank that joins a room on a server).
+README.md ("Set up and run") is the user's guide to all three.
 """
 
 from __future__ import annotations
@@ -14,6 +15,34 @@ import sys
 from typing import Sequence
 
 from .errors import ConfigError, TabcohortError
+
+DESCRIPTION = """\
+Elastic data-parallel training across browser tabs and native Python processes.
+
+A server (tabcohort serve) hosts a room: a model, a data set and a cohort of ranks. Native
+ranks join it with tabcohort rank; a browser tab joins by opening the server's URL. Ranks come
+and go at any time; the leader (the lowest id) runs the optimizer. tabcohort simulate trains a
+cohort inside this process, without a server."""
+
+EPILOG = """\
+examples:
+  tabcohort serve --room digits --dataset digits --checkpoint-dir ckpt   # prints the URL to open
+  tabcohort rank --server http://127.0.0.1:8080 --room digits            # a native rank
+  tabcohort simulate --ranks 4 --steps 400                               # no server needed
+
+tabcohort COMMAND --help lists a command's options and their defaults."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default, except where there is none to show (None, False) or the
+    help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if ("default" in h or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return h
+        return super()._get_help_string(action)
 
 
 def _hidden(text: str) -> tuple[int, ...]:
@@ -38,34 +67,36 @@ def _flag(field: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tabcohort", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tabcohort", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Help)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands (tabcohort COMMAND --help lists its options)")
 
-    s = sub.add_parser("simulate", help="train with N ranks in one process over the in-memory bus",
+    s = sub.add_parser("simulate", formatter_class=_Help, help="train with N ranks in one process over the in-memory bus",
                        description="Run a cohort of ranks in this process over the in-memory bus "
                                    "(encoded frames only) and report accuracy, throughput and "
                                    "whether all ranks end bit-identical.")
-    s.add_argument("--ranks", type=int, default=4, help="number of ranks (default 4)")
+    s.add_argument("--ranks", type=int, default=4, help="number of ranks")
     s.add_argument("--dataset", default="digits",
                    help="digits (needs scikit-learn), synthetic, or a path to an .npz with X and y")
-    s.add_argument("--batch", type=int, default=32, help="samples per bucket per rank (default 32)")
+    s.add_argument("--batch", type=int, default=32, help="samples per bucket per rank")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
-                        "(docs/PROTOCOL.md \"Shares\"; default 0 = ranks x batch, fixed from the start)")
-    s.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32")
-    s.add_argument("--lr", type=float, default=0.5, help="learning rate (default 0.5)")
-    s.add_argument("--steps", type=int, default=400, help="stop after this many steps (default 400)")
+                        "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
+    s.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
+    s.add_argument("--lr", type=float, default=0.5, help="learning rate")
+    s.add_argument("--steps", type=int, default=400, help="stop at exactly this step")
     s.add_argument("--target-accuracy", type=float, default=0.0,
                    help="stop once held-out accuracy reaches this fraction (0 = off)")
-    s.add_argument("--max-seconds", type=float, default=300.0, help="stop after this many seconds (default 300)")
+    s.add_argument("--max-seconds", type=float, default=300.0, help="stop after this many seconds")
     s.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
     s.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     s.add_argument("--seed", type=int, default=0, help="seed of data shuffle, init and rank ids")
     s.add_argument("--eval-every", type=int, default=10, help="leader evaluates every K steps")
     s.add_argument("--collect-rule", choices=("grace", "quorum"), default="grace",
-                   help="grace (default: a short wait after the quorum, see docs/PROTOCOL-NOTES.md) "
-                        "or quorum (finish at the quorum, as PROTOCOL.md)")
+                   help="how a leader ends a round's collection: grace (a short wait after the quorum, "
+                        "docs/PROTOCOL-NOTES.md note 7) or quorum (finish at the quorum, as PROTOCOL.md); "
+                        "tabcohort serve uses quorum unless told")
     g = s.add_argument_group("fault injection")
     g.add_argument("--kill-leader-at", type=int, default=0, metavar="STEP", help="kill the leader at STEP")
     g.add_argument("--add-rank-at", type=int, default=0, metavar="STEP", help="add a rank at STEP")
@@ -76,15 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    r = sub.add_parser("rank", help="run a native rank that joins a room on a server",
+    r = sub.add_parser("rank", formatter_class=_Help, help="run a native rank that joins a room on a server",
                        description="Join a room's cohort over the server (star topology, WebSocket "
                                    "link). Settings also come from TABCOHORT_SERVER, TABCOHORT_ROOM, "
                                    "TABCOHORT_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK (arguments win).")
-    r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080")
-    r.add_argument("--room", default=None, help="room name")
-    r.add_argument("--token", default=None, help="room token, if the room has one")
-    r.add_argument("--batch", default=None, help="samples per bucket for this rank (default: the job's)")
-    r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc")
+    r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080 (TABCOHORT_SERVER)")
+    r.add_argument("--room", default=None, help="room name (TABCOHORT_ROOM)")
+    r.add_argument("--token", default=None, help="room token, if the room has one (TABCOHORT_TOKEN)")
+    r.add_argument("--batch", default=None, help="samples per bucket for this rank (TABCOHORT_BATCH; default: the job's)")
+    r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc (TABCOHORT_LINK; default: ws)")
     r.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated "
                    "(TABCOHORT_ICE_SERVERS; default none)")
     r.add_argument("--rtc-hosts", default=None, help="WebRTC ICE host addresses, comma-separated, e.g. "
@@ -92,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rtc-timeout", default=None, help="seconds for a data channel to open before the "
                    "relay is used (TABCOHORT_RTC_TIMEOUT; default 5)")
     r.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
+    r.add_argument("--print-every", type=float, default=1.0, metavar="S",
+                   help="print a progress line at most every S seconds")
     d = r.add_argument_group("LAN discovery (needs zeroconf: pip install 'tabcohort[lan]')")
     d.add_argument("--discover", action="store_const", const="1", default=None,
                    help="find the server by an mDNS browse instead of --server (TABCOHORT_DISCOVER=1)")
@@ -104,27 +137,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="IPv4 addresses of the interfaces to browse on, comma-separated, e.g. 127.0.0.1 "
                         "(TABCOHORT_DISCOVER_INTERFACES; default all)")
 
-    v = sub.add_parser("serve", help="run the server with one room",
+    v = sub.add_parser("serve", formatter_class=_Help, help="run the server with one room",
                        description="Serve a room: job and dataset over HTTP, the WebSocket star relay, "
                                    "checkpoints, /metrics and /healthz.")
-    v.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    v.add_argument("--port", type=int, default=8080, help="listen port (default 8080; 0 = any free port)")
-    v.add_argument("--room", default="digits", help="room name (default digits)")
-    v.add_argument("--dataset", default="digits", help="digits, synthetic, or an .npz path")
-    v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32")
+    v.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: every interface)")
+    v.add_argument("--port", type=int, default=8080, help="listen port (0 = any free port)")
+    v.add_argument("--room", default="digits", help="room name")
+    v.add_argument("--dataset", default="digits", help="digits (needs scikit-learn), synthetic, or an .npz path")
+    v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
     v.add_argument("--global-batch", type=int, default=64,
                    help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "
-                        "\"Shares\"); fixed, so a joining tab adds speed, not samples (default 64)")
+                        "\"Shares\"); fixed, so a joining tab adds speed, not samples")
     v.add_argument("--batch", type=int, default=0,
-                   help="the most samples one rank computes per round (default 0 = the global batch)")
+                   help="the most samples one rank computes per round (0 = the global batch; a rank may "
+                        "pick its own with rank --batch)")
     v.add_argument("--lr", type=float, default=0.5, help="learning rate")
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
-    v.add_argument("--collect-rule", default="quorum",
-                   help="how a leader ends a round: quorum (PROTOCOL.md) or grace (docs/PROTOCOL-NOTES.md note 7)")
+    v.add_argument("--collect-rule", default="quorum", choices=("quorum", "grace"),
+                   help="how a leader ends a round's collection: quorum (PROTOCOL.md) or grace "
+                        "(docs/PROTOCOL-NOTES.md note 7)")
     v.add_argument("--topology", default="star", help="star (ranks link to the server) or mesh (WebRTC data channels between ranks)")
-    v.add_argument("--steps", type=int, default=0, help="stop the room at this step (0 = no limit)")
-    v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy")
+    v.add_argument("--steps", type=int, default=0, help="stop the room at exactly this step (0 = no limit)")
+    v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy (0 = off)")
     v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
     v.add_argument("--token", default=None, help="room token ranks and tabs must present (16+ characters); "
                    "it lets one join and read the room, not stop it")
@@ -139,16 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seats (connected + reserved) one client address may hold in a room (default 64)")
     v.add_argument("--max-connections-per-address", type=int, default=256,
                    help="open TCP connections one client address may hold (default 256)")
-    v.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints (default: none)")
-    v.add_argument("--checkpoint-interval", type=float, default=5.0, help="leader uploads every N seconds")
-    v.add_argument("--report-interval", type=float, default=1.0, help="ranks report every N seconds")
-    v.add_argument("--beat-ms", type=float, default=400.0, help="protocol beat period")
-    v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period")
-    v.add_argument("--collect-ms", type=float, default=2000.0, help="protocol collect window")
-    v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period")
+    v.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints; a room resumes from its file "
+                   "there (ROOM.ckpt) at start (default: none, nothing is kept)")
+    v.add_argument("--checkpoint-interval", type=float, default=5.0, help="the leader uploads a checkpoint every this many seconds")
+    v.add_argument("--report-interval", type=float, default=1.0, help="ranks report their state every this many seconds")
+    v.add_argument("--beat-ms", type=float, default=400.0, help="protocol beat period, ms")
+    v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period, ms")
+    v.add_argument("--collect-ms", type=float, default=2000.0, help="protocol collect window, ms")
+    v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period, ms")
     v.add_argument("--rtc-hosts", default=None, help="WebRTC ICE host addresses for --link rtc ranks, "
-                   "comma-separated (e.g. 127.0.0.1 on a loopback-only host)")
-    v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default none)")
+                   "comma-separated (e.g. 127.0.0.1 on a loopback-only host; default: aioice's list)")
+    v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default: none)")
     v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
     v.add_argument("--advertise", action="store_true",
                    help="advertise the server on the LAN over mDNS as _tabcohort._tcp (needs zeroconf)")
@@ -172,6 +208,11 @@ def _simulate(a: argparse.Namespace) -> int:
         cfg.validate()
         if a.backend not in ("auto", "numpy", "python"):
             raise ConfigError("backend", a.backend, "expected one of auto, numpy, python")
+    except ConfigError as exc:
+        raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
+    from .model import load_dataset
+    try:   # a bad --dataset is named before anything starts (loading is cheap; the run reloads it)
+        load_dataset(cfg.dataset, seed=cfg.seed)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
@@ -202,7 +243,9 @@ def _rank(a: argparse.Namespace) -> int:
     cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
     if cfg.discover:
         cfg.discover_server(progress=lambda line: print(line, flush=True))
-    return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True)))
+    if not (a.print_every >= 0):
+        raise ConfigError("--print-every", a.print_every, "must be seconds >= 0")
+    return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True), print_every_s=a.print_every))
 
 
 def _serve(a: argparse.Namespace) -> int:

@@ -158,15 +158,25 @@ def browse(service_type: str, *, accept: Callable[[Found], str | None] | None = 
     rejected: dict[str, str] = {}
     kw: dict[str, Any] = {} if addr is None else {"addr": addr, "port": port}
     browser = zc_mod.ServiceBrowser(zc, service_type, handlers=[on_change], **kw)
+    # Unicast: zeroconf's browser asks at ~0.1 s, 1.1 s and 5.1 s (its startup schedule), so
+    # within a 5 s bound a responder that missed or answered late the first two queries (a
+    # loaded host) was never asked again. Ask again ourselves with backoff (0.25 s doubling,
+    # at most 1 s apart) until the bound; answers land in the cache the browser watches.
+    retry_at, retry_gap = time.monotonic() + 0.25, 0.25
     try:
         done = 0
         while not (found and enough(found)):
             with seen:
                 while done >= len(names):
-                    left = end - time.monotonic()
+                    now = time.monotonic()
+                    left = end - now
                     if left <= 0:
                         break
-                    seen.wait(min(left, 0.25))
+                    if addr is not None and now >= retry_at:
+                        _unicast_ptr_query(zc_mod, zc, service_type, addr, port)
+                        retry_gap = min(2 * retry_gap, 1.0)
+                        retry_at = now + retry_gap
+                    seen.wait(min(left, 0.25, max(0.01, retry_at - now) if addr is not None else 0.25))
                 todo = names[done:]
             if not todo and time.monotonic() >= end:
                 break
@@ -201,6 +211,17 @@ def browse(service_type: str, *, accept: Callable[[Found], str | None] | None = 
         browser.cancel()
         zc.close()
     return found, rejected, how
+
+
+def _unicast_ptr_query(zc_mod: Any, zc: Any, service_type: str, addr: str, port: int) -> None:
+    """Send one legacy unicast PTR query for ``service_type`` to ``addr:port`` (RFC 6762
+    section 6.7: from our ephemeral port, so the responder answers us directly)."""
+    from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_PTR
+    out = zc_mod.DNSOutgoing(_FLAGS_QR_QUERY, multicast=False)
+    q = zc_mod.DNSQuestion(service_type, _TYPE_PTR, _CLASS_IN)
+    q.unicast = True  # QU: a responder never drops it as a duplicate of a recent query
+    out.add_question(q)
+    zc.send(out, addr, port)
 
 
 def _reachable_first(addrs: list[str], port: int, timeout_s: float) -> list[str]:
@@ -246,6 +267,8 @@ class Advertiser:
             addresses=[socket.inet_aton(a) for a in self.addresses], properties=props)
         # allow_name_change: two servers on one host/port-less instance name do not collide
         try:
+            # returns once probing is done and the records are registered: queries are answered
+            # from then on (the announcements go out in the background)
             await self._azc.async_register_service(self.info, allow_name_change=self.allow_name_change)
         except BaseException:
             await self._azc.async_close()

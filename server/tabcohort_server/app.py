@@ -8,6 +8,7 @@ as ``?token=`` or ``Authorization: Bearer``):
 - ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
   only with the operator token)
 - ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/history``: the room's curves since it started (``history.RoomHistory``)
 - ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable),
   gzip-compressed once at start (served compressed to clients that accept gzip)
 - ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.ws`` for the wire)
@@ -43,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from . import checkpoint as ckpt
 from .config import ServerConfig
 from .guard import AuthLimiter, origin_allowed
+from .history import RoomHistory
 from .metrics import RoomCollector
 from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, Peer, Room,
                     RoomError, RoomRegistry)
@@ -76,6 +78,7 @@ class RoomAssets:
         self.checkpoint_data: bytes | None = None
         #: one checkpoint upload at a time per room (each holds up to the parameters' size)
         self.upload_lock = asyncio.Lock()
+        self.history = RoomHistory()
 
     def evaluate(self, data: bytes) -> float:
         from array import array
@@ -121,6 +124,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
             if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
                 room.checkpoint, a.checkpoint_data = got
                 step = int(room.checkpoint.get("step") or 0)
+                room.resumed_from_step = step
                 if room.job.steps and step >= room.job.steps:  # already done: do not train on
                     room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
     app[ASSETS] = assets
@@ -138,6 +142,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/api/rooms", list_rooms)
     app.router.add_get("/api/rooms/{room}", room_state)
     app.router.add_get("/api/rooms/{room}/job", room_job)
+    app.router.add_get("/api/rooms/{room}/history", room_history)
     app.router.add_get("/api/rooms/{room}/dataset", room_dataset)
     app.router.add_get("/api/rooms/{room}/ws", room_ws)
     app.router.add_get("/api/rooms/{room}/checkpoint", get_checkpoint)
@@ -184,12 +189,15 @@ async def _close_rtc(app: web.Application) -> None:
 
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
-    """Background: release expired ids and check duration stop conditions, once a second."""
+    """Background, once a second: release expired ids, check duration stop conditions, and
+    sample each room's leader report into its history."""
     async def run() -> None:
         while True:
             await asyncio.sleep(1.0)
             try:
-                app[ROOMS].tick(time.monotonic())
+                now = time.monotonic()
+                app[ROOMS].tick(now)
+                sample_history(app, now)
             except Exception:  # pragma: no cover - keep ticking, but say so
                 log.exception("room tick failed")
     task = asyncio.create_task(run())
@@ -197,6 +205,15 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def sample_history(app: web.Application, now_s: float) -> None:
+    """Add each room's leader report (step, loss, accuracy) to its history (the operator view's
+    curves since the room started); called once a second by the ticker."""
+    for name, room in app[ROOMS].rooms.items():
+        lead = room.leader_report()
+        if lead is not None:
+            app[ASSETS][name].history.add(now_s, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
 
 
 async def _close_sockets(app: web.Application) -> None:
@@ -347,6 +364,11 @@ async def room_state(request: web.Request) -> web.Response:
 async def room_job(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     return web.Response(body=request.app[ASSETS][room.name].job_json, content_type="application/json")
+
+
+async def room_history(request: web.Request) -> web.Response:
+    room = _authorized_room(request)
+    return _json(request.app[ASSETS][room.name].history.to_json())
 
 
 async def room_dataset(request: web.Request) -> web.Response:

@@ -66,7 +66,7 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
                  "counters", "gaps", "drops", "transport", "rejoins",
                  "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
-                 "shares", "speeds", "flaps", "probation", "round_gaps")
+                 "shares", "speeds", "flaps", "probation", "round_gaps", "kind")
 #: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
 OPERATOR_FIELDS = ("pid",)
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
@@ -165,6 +165,7 @@ class Room:
         self.stopped = False
         self.stop_reason: str | None = None
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
+        self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         #: resume secrets are HMAC(secret_key, room:id) when set (the app sets it; it persists in
         #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
         #: id and secret although it never issued that id; ids released here are never re-seated.
@@ -645,6 +646,7 @@ class Room:
                 "term": None if lead is None else _json_int(lead.get("term")),
                 "diverged": None if lead is None else _json_int(lead.get("diverged")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
+                "resumed_from_step": self.resumed_from_step,
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
                              "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},

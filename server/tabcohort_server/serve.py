@@ -1,10 +1,12 @@
-"""``tabcohort serve``: run the app until SIGINT/SIGTERM, printing the URL it listens on."""
+"""``tabcohort serve``: run the app until SIGINT (an ordered stop of the rooms: see
+:func:`drain_rooms`) or SIGTERM (sockets closed, ranks resume on a restarted server), printing the
+URL it listens on."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Callable
+from typing import Any, Callable
 
 from .config import ServerConfig
 
@@ -40,7 +42,9 @@ async def start_site(app, host: str, port: int):
 
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
-                      advertise_interfaces: list[str] | None = None) -> None:
+                      advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> None:
+    from aiohttp import web
+
     from .app import OPERATOR_TOKEN, ROOMS, create_app
 
     app = create_app(config)  # ConfigError before listening
@@ -52,6 +56,9 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}")
         room = app[ROOMS].get(name)
+        if room is not None and room.resumed_from_step is not None and not room.stopped:
+            progress(f"  room {name} resumes from its checkpoint at step {room.resumed_from_step} "
+                     f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
@@ -73,20 +80,73 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"advertising {adv.info.name} on {', '.join(ifaces) if ifaces else 'all interfaces'} "
                  f"(addresses {', '.join(addrs)}; rooms {', '.join(config.rooms)})")
     progress(f"URL {url}")
+    # SIGINT (Ctrl-C: the operator ends the run) stops the rooms in order: the ranks are told to
+    # stop, and the server waits (bounded) for the final checkpoint. SIGTERM (a service manager's
+    # restart or shutdown: docker stop, systemd) only closes the sockets (GOING_AWAY): the ranks
+    # train on and resume their ids when a server on the same --checkpoint-dir is back.
     stop = asyncio.Event()
+    force = asyncio.Event()
+    drain = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            force.set()                              # a second signal: stop at once
+            return
+        drain.append(sig == signal.SIGINT)
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     try:
         await stop.wait()
+        if drain and drain[0]:
+            await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
     finally:
         progress("tabcohort serve: shutting down")
         if adv is not None:
             await adv.stop()
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
+
+
+async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], None],
+                      force: asyncio.Event | None = None) -> bool:
+    """An ordered stop: tell every room with connected ranks to stop (the ``stop`` control,
+    PROTOCOL.md "Controls": the leader publishes and uploads its final checkpoint), then wait
+    until those ranks have left, at most ``timeout_s`` seconds (or until ``force`` is set).
+
+    Returns:
+        True if every rank left in time (so the final checkpoints are stored), else False.
+    """
+    from .app import ROOMS
+
+    rooms = [r for r in app[ROOMS].rooms.values() if r.connected]
+    if not rooms:
+        return True
+    n = sum(len(r.connected) for r in rooms)
+    progress(f"tabcohort serve: stopping {n} connected rank{'s' if n != 1 else ''}; waiting up to "
+             f"{timeout_s:g} s for the final checkpoint (Ctrl-C again to stop at once)")
+    for r in rooms:
+        if r.stopped:   # already stopping (its stop condition): tell any rank that missed it
+            r.broadcast_control({"type": "stop", "reason": r.stop_reason})
+        else:
+            r.stop("the server is shutting down")
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while any(r.connected for r in rooms):
+        if loop.time() >= end or (force is not None and force.is_set()):
+            left = sum(len(r.connected) for r in rooms)
+            progress(f"tabcohort serve: {left} rank{'s' if left != 1 else ''} still connected; stopping anyway")
+            return False
+        await asyncio.sleep(0.05)
+    for r in rooms:
+        ck = r.checkpoint
+        if ck is not None:
+            progress(f"tabcohort serve: room {r.name}: {'final' if ck.get('final') else 'last'} checkpoint "
+                     f"at step {ck.get('step')}")
+    return True
 
 
 def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:

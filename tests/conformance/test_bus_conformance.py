@@ -1,5 +1,4 @@
-"""The bus conformance battery (PROTOCOL.md, "Bus contract"; issue 2, "Bus accounting and
-conformance"). Every bus runs every case through a harness (see bus_harness.py)."""
+"""The bus conformance battery (PROTOCOL.md, "Bus contract"; docs/INTERFACES.md, "Bus"). Every bus runs every case through a harness (see bus_harness.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The aiohttp app through ``aiohttp_client``: endpoints, ids, spoofing, bad input, slow consumers,
-tokens (issue 4)."""
+tokens."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LAN discovery (issue 4): ``tabcohort serve --advertise`` announces ``_tabcohort._tcp.local.``
+"""LAN discovery (docs/LAN.md): ``tabcohort serve --advertise`` announces ``_tabcohort._tcp.local.``
 over mDNS and ``tabcohort rank --discover`` / ``--discover-host`` finds it without a URL. All on
 127.0.0.1 (mDNS bound to the loopback interface only); each test uses its own room name, so a
 server another test advertises is never the one found."""

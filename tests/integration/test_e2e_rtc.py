@@ -1,4 +1,4 @@
-"""End to end over WebRTC (issue 4): ``tabcohort serve`` + three ``tabcohort rank`` processes on
+"""End to end over WebRTC: ``tabcohort serve`` + three ``tabcohort rank`` processes on
 127.0.0.1, in a mesh room (a data channel per pair) and in a star room with ``--link rtc`` (a
 data channel to the server). Host candidates are forced to 127.0.0.1 (``--rtc-hosts``). Every
 wait is a bounded poll of the server's JSON."""

@@ -1,5 +1,5 @@
 """End to end over real processes and sockets: ``tabcohort serve`` + ``tabcohort rank``s on
-127.0.0.1 (issue 4, the WebSocket star topology). Every wait is a bounded poll of the server's
+127.0.0.1 (the WebSocket star topology). Every wait is a bounded poll of the server's
 JSON; nothing sleeps to wait."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Robustness over real processes on loopback (issue 4): a rank whose socket drops resumes its
+"""Robustness over real processes on loopback: a rank whose socket drops resumes its
 id and stays in the cohort; a server restarted on the same port and checkpoint directory re-seats
 every rank with its id and training goes on; graceful shutdown closes sockets with GOING_AWAY; a
 mesh peer that vanishes without a close (SIGSTOP) is detected within a bound. Every wait is a

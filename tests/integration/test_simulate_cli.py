@@ -24,6 +24,7 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--ranks", "0"], "--ranks=0"), (["--lr", "inf"], "--lr=inf"), (["--link-loss", "1.5"], "--link-loss=1.5"),
     (["--kill-leader-at", "-1"], "--kill-leader-at=-1"), (["--precision", "f8"], "precision"),
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
+    (["--dataset", "nope"], "--dataset='nope'"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)
@@ -53,3 +54,12 @@ def test_a_run_whose_loss_runs_away_with_finite_gradients_is_diverged_too():
     r = simulate("--ranks", "2", "--dataset", "digits", "--lr", "1000000", "--steps", "150", "--max-seconds", "60")
     assert r.returncode == 1, r.stderr[-2000:]
     assert "diverged" in r.stderr and "loss ended at" in r.stderr and "--lr" in r.stderr
+
+
+def test_steps_is_an_exact_limit_in_process():
+    # a new user's `simulate --steps 50` ran 128 steps (the limit was checked every 50 ms from
+    # outside); the leader now knows it (docs/PROTOCOL-NOTES.md, note 13)
+    r = simulate("--ranks", "3", "--dataset", "digits", "--steps", "50", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["steps"] == 50 and res["bit_identical"] is True, res

@@ -1,9 +1,9 @@
-"""Fuzz the reader with mutated valid chunks (issue 2, "Robustness").
+"""Fuzz the reader with mutated valid chunks (docs/INTERFACES.md, "Wire").
 
 A seeded, deterministic mutator (bit flips, byte overwrites, truncation, extension, splices,
 header and body field overwrites with boundary values) feeds >= 100,000 inputs natively
 (10,000 under Pyodide; ``TABCOHORT_FUZZ_N`` overrides). Asserted: ``feed`` never raises, the
-reader never holds more than its bounds, and every drop reason the issue lists fires.
+reader never holds more than its bounds, and every drop reason of the reader fires.
 """
 
 from __future__ import annotations

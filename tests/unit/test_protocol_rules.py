@@ -408,6 +408,39 @@ def test_a_stopping_leader_keeps_announcing_running_until_its_final_publish():
     assert kinds.index(("round", None)) < kinds.index(("beat", False))
 
 
+def test_a_step_limit_ends_the_cohort_at_exactly_that_step():
+    # docs/PROTOCOL-NOTES.md, note 13: the leader drives no round at the limit; it publishes
+    # the step-limit parameters and stops; a follower that adopts a round at the limit stops
+    r = leader_rig([2], step_limit=2)
+    r.m.start(now_ms=0)
+    now = 0.0
+    rounds = []
+    for _ in range(5):
+        acts = r.drain()
+        rounds += [a.msg for a in acts if isinstance(a, Post) and a.msg["t"] == "round"]
+        own = r.computes(acts)
+        if not own:
+            break
+        now += 1
+        r.m.handle(grad(2, 1, r.m.step), now_ms=now)
+        r.m.bucket_ready(own[0].token, *r.w.grads_sync(own[0].offset), now_ms=now)
+        r.m.on_timer(now_ms=now)                   # the yield between rounds
+    assert r.m.step == 2 and not r.m.running and not r.m.looping
+    assert [m["step"] for m in rounds] == [0, 1, 2] and rounds[-1]["assign"] == {}   # a publish at 2
+    assert r.m.counters["step_limit"] == 1 and r.m.counters["published"] == 1
+    r.m.on_timer(now_ms=now + 5000)                # no takeover past the limit
+    assert not [a for a in r.drain() if isinstance(a, Compute)] and r.m.step == 2
+
+    f = rig(5, step_limit=2)
+    f.m.start(now_ms=0)
+    f.m.handle(round_msg(1, 1, assign={5: 0}), now_ms=1)
+    assert len(f.computes(f.drain())) == 1 and f.m.running
+    f.m.handle(round_msg(1, 2, assign={5: 0}), now_ms=2)
+    acts = f.drain()
+    assert not f.computes(acts) and not f.m.running and f.m.step == 2
+    assert [m["running"] for m in f.posts(acts, t="beat")] == [False]
+
+
 def test_hello_is_answered_with_a_broadcast_beat_and_no_params():
     r = rig(5, ready=True)
     r.m.handle(hello(9), now_ms=1)

@@ -1,4 +1,4 @@
-"""Precision codecs: exact rules, explicit error bounds, special values (issue 2, "Precision codecs").
+"""Precision codecs: exact rules, explicit error bounds, special values (docs/INTERFACES.md, "Wire").
 
 Synchronous and stdlib-only (the numpy path is a parameter that is skipped without numpy).
 """

@@ -1,5 +1,5 @@
-"""Frames and chunks: message round trips, chunk headers, bounded reassembly (issue 2, "Encoding",
-"Chunking"). Synchronous; time is an argument."""
+"""Frames and chunks: message round trips, chunk headers, bounded reassembly
+(docs/INTERFACES.md, "Wire"). Synchronous; time is an argument."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fixed-world process group: classic collectives over direct TCP links or WebRTC data
-channels (issue 6).
+channels (README, "Fixed-world process group").
 
 One-call bring-up, like ``torch.distributed.init_process_group``; the peers come from one of::
 

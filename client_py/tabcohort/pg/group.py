@@ -1,4 +1,4 @@
-"""ProcessGroup: classic collectives over a fixed world of ranks (issue 6).
+"""ProcessGroup: classic collectives over a fixed world of ranks (README, "Fixed-world process group").
 
 Semantics shared by every collective:
 

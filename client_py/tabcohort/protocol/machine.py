@@ -142,6 +142,10 @@ class RankMachine:
         global_batch: the samples one round covers, split across the cohort in proportion to
             each rank's measured throughput and capped by each rank's declared batch
             (PROTOCOL.md, "Shares"); None: every rank's share is its declared batch.
+        step_limit: the job's exact step limit (docs/PROTOCOL-NOTES.md, note 13), or None. A
+            leader whose step reached it drives no further round: it stops (``running`` false)
+            and publishes, so the cohort ends at exactly this step; a follower that adopts a
+            round at the limit stops too and computes nothing for it.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -151,7 +155,7 @@ class RankMachine:
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
                  grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None, step_limit: int | None = None) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -162,6 +166,10 @@ class RankMachine:
             raise LocalProtocolError(f"grace_fraction must be in [0, 1], got {grace_fraction!r}")
         if not 0 <= grace_margin <= 100:
             raise LocalProtocolError(f"grace_margin must be in [0, 100], got {grace_margin!r}")
+        if step_limit is not None and (isinstance(step_limit, bool) or not isinstance(step_limit, int)
+                                       or step_limit < 1):
+            raise LocalProtocolError(f"step_limit must be an integer >= 1 or None, got {step_limit!r}")
+        self.step_limit = step_limit
         self.collect_rule = collect_rule
         self.grace_fraction = float(grace_fraction)
         self.grace_margin = float(grace_margin)
@@ -312,6 +320,11 @@ class RankMachine:
         visible = (live & members) | {self.id}
         return 2 * len(visible) > len(members) or (2 * len(visible) == len(members)
                                                   and min(members) in visible)
+
+    @property
+    def at_step_limit(self) -> bool:
+        """True when the job has a step limit and this rank's step reached it (note 13)."""
+        return self.step_limit is not None and self.step >= self.step_limit
 
     @property
     def looping(self) -> bool:
@@ -744,6 +757,14 @@ class RankMachine:
         shares = msg["shares"]
         self.shares = dict(shares)
         self.cursor = int(msg["cursor"]) + sum(shares.values())
+        if self.at_step_limit and self.running:
+            # the cohort ends at the job's step limit (note 13): nothing to compute
+            self.counters["step_limit"] += 1
+            self.running = False
+            self._pending = None
+            self._beat(now_ms)
+            self._report(now_ms)
+            return
         offset = msg["assign"].get(self.id)
         if self.running and offset is not None:
             self._pending = (self._adopt_seq, self.step, int(offset), sender, self.term,
@@ -788,6 +809,16 @@ class RankMachine:
 
     def _loop_step(self, now_ms: float) -> None:
         """Between rounds: check the loop's condition, pace on pressure, drive a round."""
+        if self.at_step_limit and self.is_leader(now_ms):
+            # the job's step limit (note 13): stop here and publish, as stop() does
+            self.counters["step_limit"] += 1
+            self.running = False
+            self.joining = False
+            self._end_loop()
+            self._publish()
+            self._beat(now_ms)
+            self._report(now_ms)
+            return
         if not self.is_leader(now_ms):
             stopped = not self.running or self._stopping_publish
             self._end_loop()

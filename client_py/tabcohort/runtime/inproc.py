@@ -149,7 +149,8 @@ class InprocCohort:
         bus = self.network.attach(k)
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
                         lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
-                        collect_rule=cfg.collect_rule, global_batch=cfg.resolved_global_batch)
+                        collect_rule=cfg.collect_rule, global_batch=cfg.resolved_global_batch,
+                        step_limit=cfg.steps)
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()
@@ -229,7 +230,8 @@ class InprocCohort:
                 break
         seconds = time.monotonic() - t0
         samples = self._applied_samples()
-        ld = self.leader()
+        # (at the step limit no rank leads any more; every rank holds the last round's loss)
+        ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
         last_loss = ld.machine.loss if ld is not None else None
         spec = ld.worker.spec() if ld is not None else {}
         if spec.get("loss") == "softmax_xent" and spec.get("layers") and last_loss is not None \

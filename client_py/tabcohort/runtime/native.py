@@ -100,8 +100,8 @@ class RankConfig:
         if self._validate_discovery(resolve=resolve):
             return  # the server is found later (discover_server), then validated again
         if not self.server:
-            raise ConfigError("TABCOHORT_SERVER", self.server, "a server URL is needed (--server or "
-                              "TABCOHORT_SERVER), or LAN discovery (--discover / --discover-host)")
+            raise ConfigError("--server", self.server, "a server URL is needed: give --server URL or set "
+                              "TABCOHORT_SERVER, or use LAN discovery (--discover / --discover-host)")
         u = urllib.parse.urlsplit(str(self.server))
         if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
             raise ConfigError(self._name("server"), self.server,
@@ -111,7 +111,10 @@ class RankConfig:
         except ValueError:
             raise ConfigError(self._name("server"), self.server, "the port is not a number in 0..65535") from None
         if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
-            raise ConfigError(self._name("room") if self.room else "TABCOHORT_ROOM", self.room,
+            if not self.room:
+                raise ConfigError("--room", self.room, "a room name is needed: give --room NAME or set "
+                                  "TABCOHORT_ROOM (1..64 characters [A-Za-z0-9._-])")
+            raise ConfigError(self._name("room"), self.room,
                               "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
         if self.batch is not None:
             b = self.batch
@@ -282,9 +285,12 @@ class RoundGaps:
 class RankRun:
     """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
 
-    def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None,
+                 print_every_s: float = 0.0) -> None:
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
+        self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
+        self._printed_at = -math.inf
         self.stop_event: asyncio.Event | None = None
         self.stop_reason: str | None = None
         self.failed: str | None = None
@@ -387,10 +393,14 @@ class RankRun:
                 machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
                                       lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
                                       collect_rule=job.get("collect_rule", "quorum"),
-                                  global_batch=job.get("global_batch"))
+                                      global_batch=job.get("global_batch"), step_limit=_step_limit(job))
                 if self.start_step:
                     machine.step = self.start_step
-                driver = self.driver = RankDriver(machine, worker, bus)
+
+                def at_limit(_state: dict, machine: Any = machine) -> None:  # stopped at the job's step limit
+                    if machine.at_step_limit and not machine.running:
+                        self._request_stop(f"step limit {machine.step_limit} reached")
+                driver = self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
                 inner = bus.on_message
 
                 def tap(msg: dict) -> None:
@@ -426,7 +436,9 @@ class RankRun:
                         pass
                     st = self._state(driver, digest)
                     bus.send_control({"type": "report", "state": st})
-                    self._print(time.monotonic() - t0, st)
+                    if time.monotonic() - self._printed_at >= self.print_every_s:
+                        self._printed_at = time.monotonic()
+                        self._print(time.monotonic() - t0, st)
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(http, bus, machine, worker, digest, final=False)
@@ -445,14 +457,18 @@ class RankRun:
                 self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank "
                               f"at step {self.start_step}")
             # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
-            was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            # (a leader that stopped at the job's step limit has published: it uploads the final
+            # checkpoint; a follower at the limit holds that publication already)
+            was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
+                machine.at_step_limit and machine.counters.get("published", 0) > 0)
             # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
             # "Controls": a stopping leader publishes); one seen earlier does not count
             self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
             # (a rank that never became ready follows nobody: nothing to wait for)
-            while time.monotonic() < end and (machine.looping if was_leader else machine.ready and not self.publish_seen):
+            while time.monotonic() < end and (machine.looping if was_leader else
+                                                     machine.ready and not self.publish_seen and not machine.at_step_limit):
                 await asyncio.sleep(0.02)
             if was_leader and not bus.failed:
                 await self._upload(http, bus, machine, worker, digest, final=True)
@@ -515,6 +531,7 @@ class RankRun:
         st.pop("peers", None)
         st["digest"] = digest(driver.worker.params())
         st["pid"] = os.getpid()
+        st["kind"] = "native"
         st["leaders"] = self.leaders
         st["first_loss"] = self.first_loss
         st["start_step"] = self.start_step
@@ -533,7 +550,7 @@ class RankRun:
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
-                      f"acc {'n/a' if acc is None else f'{acc * 100:5.1f}%'}  {st['steps_per_s']:6.1f} steps/s"
+                      f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
@@ -561,10 +578,29 @@ class RankRun:
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
+def _acc_text(acc: float | None, st: dict) -> str:
+    """Held-out accuracy for a progress line; a follower says why it has none (only the leader
+    evaluates held-out accuracy: PROTOCOL.md, "State report")."""
+    if acc is not None:
+        return f"{acc * 100:5.1f}%"
+    return "n/a (evaluated by the leader)" if st.get("ready") and not st.get("is_leader") else "n/a"
+
+
 def cfg_links() -> tuple[str, ...]:
     return LINKS
 
 
-async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None) -> int:
-    """Run one native rank until the room stops, the rank is signalled, or its link fails."""
-    return await RankRun(cfg, progress=progress).run()
+async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = None,
+                   print_every_s: float = 0.0) -> int:
+    """Run one native rank until the room stops, the rank is signalled, or its link fails.
+
+    Args:
+        print_every_s: a progress line at most every this many seconds (0: at every report).
+    """
+    return await RankRun(cfg, progress=progress, print_every_s=print_every_s).run()
+
+
+def _step_limit(job: dict) -> int | None:
+    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 13); None = none."""
+    steps = job.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None

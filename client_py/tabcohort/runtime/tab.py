@@ -164,10 +164,14 @@ class TabRun:
             machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
                                   lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
                                   collect_rule=job.get("collect_rule", "quorum"),
-                                  global_batch=job.get("global_batch"))
+                                  global_batch=job.get("global_batch"), step_limit=_step_limit(job))
             if self.start_step:
                 machine.step = self.start_step
-            driver = self.driver = RankDriver(machine, worker, bus)
+
+            def at_limit(_state: dict, machine: Any = machine) -> None:  # stopped at the job's step limit
+                if machine.at_step_limit and not machine.running:
+                    self._request_stop(f"step limit {machine.step_limit} reached")
+            driver = self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
             inner = bus.on_message
 
             def tap(msg: dict) -> None:
@@ -232,14 +236,18 @@ class TabRun:
             await bus.aclose()
             self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank")
         try:
-            was_leader = machine.looping or machine.is_leader(driver.now_ms())
+            # (a leader that stopped at the job's step limit has published: it uploads the final
+            # checkpoint; a follower at the limit holds that publication already)
+            was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
+                machine.at_step_limit and machine.counters.get("published", 0) > 0)
             # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
             # "Controls": a stopping leader publishes); one seen earlier does not count
             self.publish_seen = False
             driver.stop()
             end = time.monotonic() + 5.0
             # (a rank that never became ready follows nobody: nothing to wait for)
-            while time.monotonic() < end and (machine.looping if was_leader else machine.ready and not self.publish_seen):
+            while time.monotonic() < end and (machine.looping if was_leader else
+                                                     machine.ready and not self.publish_seen and not machine.at_step_limit):
                 await asyncio.sleep(0.02)
             if was_leader and not bus.failed:
                 await self._upload(final=True)
@@ -337,6 +345,7 @@ class TabRun:
         if "paths" in out:  # WebRTC: each link's path, keyed as native ranks key them
             out["links"] = out.pop("paths")
         out["pid"] = None
+        out["kind"] = "tab"
         return out
 
     async def _upload(self, *, final: bool) -> None:
@@ -373,3 +382,9 @@ class TabRun:
 async def run_tab(cfg_json: str) -> int:
     """Entry point for ``web/rank-worker.js``: ``cfg_json`` is the page's config as JSON."""
     return await TabRun(json.loads(cfg_json)).run()
+
+
+def _step_limit(job: dict) -> int | None:
+    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 13); None = none."""
+    steps = job.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None

@@ -1,4 +1,4 @@
-"""Wire format: frames, chunks and precision codecs (issue 2; layout in docs/INTERFACES.md).
+"""Wire format: frames, chunks and precision codecs (layout in docs/INTERFACES.md, "Wire").
 
 Stdlib-only on import; numpy is used where importable, and both paths give identical bytes.
 """

@@ -1,4 +1,4 @@
-"""Chunks: every transmitted unit, with a routing header a relay can read (issue 2, "Chunking").
+"""Chunks: every transmitted unit, with a routing header a relay can read (docs/INTERFACES.md, "Wire").
 
 Chunk layout (little-endian, :data:`CHUNK_HEADER`, 22 bytes)::
 
@@ -30,7 +30,7 @@ CHUNK_HEADER = struct.Struct("<BBIIIHHI")
 FLAG_HAS_RECIPIENT = 0x01
 MAX_CHUNKS = 0xFFFF
 
-#: A peer that advertises no maximum message size gets this (issue 2; SCTP's conservative default).
+#: A peer that advertises no maximum message size gets this (SCTP's conservative default, RFC 8831 section 6.6).
 DEFAULT_MAX_MESSAGE_BYTES = 65_536
 #: What Chromium and aiortc data channels advertise and enforce (DESIGN.md, "Data channels").
 DATA_CHANNEL_MAX_MESSAGE_BYTES = 262_144
@@ -54,7 +54,7 @@ def negotiate_max_message_bytes(local: int | None, remote: int | None) -> int:
     Args:
         local: this side's maximum message size in bytes, or ``None`` for no own limit.
         remote: the size the peer advertised, or ``None`` if it advertised nothing, which
-            means :data:`DEFAULT_MAX_MESSAGE_BYTES` (issue 2). ``0`` (SDP: unlimited) counts as
+            means :data:`DEFAULT_MAX_MESSAGE_BYTES`. ``0`` (SDP: unlimited) counts as
             no limit.
 
     Raises:

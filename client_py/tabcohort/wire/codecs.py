@@ -18,7 +18,7 @@ Rules (all values are float32 first; see :mod:`tabcohort.wire.vec` for the conve
   Per block, in float64: ``s = float32(absmax / 127)``;
   ``q = clamp(round_half_even(x / s), -127, 127)``; decode ``float32(q * s)``. ``s == 0``
   (an all-zero block, or absmax below about 8e-44) decodes to exact zeros (``-0.0`` becomes
-  ``+0.0``). Non-finite input is an error. One exception to the issue's formula: for
+  ``+0.0``). Non-finite input is an error. One exception to the formula above: for
   ``absmax == FLT_MAX`` (and only then) ``float32(127 * s)`` overflows, so the decoded maximum
   would be an infinity; there ``s`` is lowered by one ulp (no finite value becomes infinite).
   Idempotence: checked exhaustively over every finite float32 absmax (about 2**31 values,

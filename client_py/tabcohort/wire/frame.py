@@ -1,4 +1,4 @@
-"""Frame bodies: one message in a fixed per-type schema (issue 2, "Encoding").
+"""Frame bodies: one message in a fixed per-type schema (docs/INTERFACES.md, "Wire").
 
 A frame body is ``u8 type`` followed by the type's fields in the order of :data:`SCHEMAS`,
 little-endian, no padding. ``from`` and ``to`` are not in the body: they travel in every chunk's

@@ -1,4 +1,4 @@
-"""Reader bounds and drop reasons (issue 2, "Chunking" and "Robustness").
+"""Reader bounds and drop reasons (docs/INTERFACES.md, "Wire").
 
 Every bound is checked against header-declared sizes *before* anything is allocated, so a
 hostile peer can make a reader hold at most ``max_incomplete_bytes_per_sender`` of partial frames

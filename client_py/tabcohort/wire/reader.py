@@ -1,4 +1,4 @@
-"""FrameReader: chunks in, messages out; untrusted bytes never raise (issue 2, "Robustness").
+"""FrameReader: chunks in, messages out; untrusted bytes never raise (docs/INTERFACES.md, "Wire").
 
 Reassembly is bounded per sender and in total: at most
 ``limits.max_incomplete_frames_per_sender`` partial frames and ``limits.sender_budget_bytes``

@@ -1,4 +1,4 @@
-"""FrameWriter: messages in, chunks out, at the configured wire precision (issue 2)."""
+"""FrameWriter: messages in, chunks out, at the configured wire precision (docs/INTERFACES.md, "Wire")."""
 
 from __future__ import annotations
 
