@@ -13,8 +13,9 @@ server's default digits room), each cohort on a fresh server:
   50 ms; plus the largest lateness of a 20 ms interval probe, which also sees shorter ones).
 
 - shares of a fixed global batch (docs/PROTOCOL.md, "Shares"), on one server per global batch:
-  2 native ranks alone, then with a tab (pure Python), then alone again (the mean of the two
-  native windows is the native-only rate, so a shared machine's drift cancels): rounds/s of the
+  2 native ranks alone, then with a tab (pure Python), with the tab stopped (connected, not in
+  the cohort), with it again, then alone again (means of the two native and the two mixed
+  windows, so a shared machine's drift cancels in part): rounds/s of the
   mixed cohort / native-only at the room's default global batch (64), and at a global batch
   whose native round takes >= 50 ms (``--big-global-batch``, 20000) the mixed cohort's applied
   samples/s against native-only + 0.8 x the tab's solo applied samples/s (the tab alone in a
@@ -204,11 +205,24 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dic
         tab_hex = f"{tc(page)['id']:08x}"
         s0 = c.state()["step"]
         wait_for(lambda: c.state()["step"] >= s0 + 20, 60, "rounds with the tab", interval_s=0.2)
-        mixed = shares_window(c, window_s, tab_hex)
+        mixed1 = shares_window(c, window_s, tab_hex)
         lead = next(r for r in c.reports() if r.get("is_leader"))
         out["tab_share"] = lead["shares"].get(tab_hex, 0)
         out["tab_speed"] = lead["speeds"].get(tab_hex)
         out["shares"] = lead["shares"]
+        # the tab out of the cohort (stopped: still connected, following) and back in
+        tc(page, "tc.sendControl('stop'), true")
+        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 2 for r in c.reports()), 30,
+                 "the cohort of 2 with the tab stopped")
+        out["tab_stopped"] = shares_window(c, window_s)
+        tc(page, "tc.sendControl('start'), true")
+        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 3 for r in c.reports()), 60,
+                 "the tab back in the cohort")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab again", interval_s=0.2)
+        mixed2 = shares_window(c, window_s, tab_hex)
+        mixed = {k: (mixed1[k] + mixed2[k]) / 2 for k in mixed1}
+        out["mixed_windows"] = [mixed1, mixed2]
         chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
         page = None
         wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
@@ -259,6 +273,8 @@ def shares_main(chromium: Chromium, a) -> dict:
     big = shares_cohort(chromium, a.big_global_batch, a.window)
     solo = tab_solo(chromium, a.big_global_batch, a.window)
     small["mixed_over_native_rounds"] = small["mixed"]["rounds_per_s"] / small["native"]["rounds_per_s"]
+    for x in (small, big):
+        x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
     big["tab_solo"] = solo
     big["mixed_over_native_plus_0.8_tab"] = big["mixed"]["applied_per_s"] / (
         big["native"]["applied_per_s"] + 0.8 * solo["applied_per_s"])
@@ -276,6 +292,9 @@ def print_shares(r: dict) -> None:
     print(f"| applied samples/s | {bg['global_batch']} | {bg['native']['applied_per_s']:.0f} | "
           f"{bg['mixed']['applied_per_s']:.0f} | {bg['mixed']['applied_per_s'] / bg['native']['applied_per_s']:.2f} | "
           f"{bg['tab_share']} |")
+    print(f"\nrounds/s, mixed / the same cohort with the tab stopped (connected, following, no share): "
+          f"{sm['mixed_over_tab_stopped_rounds']:.2f} at {sm['global_batch']}, "
+          f"{bg['mixed_over_tab_stopped_rounds']:.2f} at {bg['global_batch']}")
     print(f"\nglobal batch {bg['global_batch']}: tab solo {bg['tab_solo']['applied_per_s']:.0f} applied samples/s; in the "
           f"mixed cohort the tab's buckets were {bg['mixed']['tab_applied_fraction'] * 100:.2f} % of the applied samples "
           f"({bg['mixed']['tab_applied_per_s']:.0f}/s); mixed / (native-only + 0.8 x tab solo) = "
