@@ -12,6 +12,16 @@ server's default digits room), each cohort on a fresh server:
 - the longest main-thread task of a training tab (PerformanceObserver ``longtask``: tasks over
   50 ms; plus the largest lateness of a 20 ms interval probe, which also sees shorter ones).
 
+- shares of a fixed global batch (docs/PROTOCOL.md, "Shares"), on one server per global batch:
+  2 native ranks alone, then with a tab (pure Python), with the tab stopped (connected, not in
+  the cohort), with it again, then alone again (means of the two native and the two mixed
+  windows, so a shared machine's drift cancels in part): rounds/s of the
+  mixed cohort / native-only at the room's default global batch (64), and at a global batch
+  whose native round takes >= 50 ms (``--big-global-batch``, 20000) the mixed cohort's applied
+  samples/s against native-only + 0.8 x the tab's solo applied samples/s (the tab alone in a
+  room of the same global batch, over whole rounds), with the tab's share and its part of the
+  applied samples (the leader's ``applied`` by rank). ``--shares-only`` runs just these.
+
 Chromium is driven over raw DevTools (tests/browser/cdp.py). The machine has 2 shared cores:
 read the ratios, not the bare times. Writes JSON to bench/results/bench_tab.json and prints a
 Markdown table.
@@ -148,27 +158,184 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
     return out
 
 
+# ---------------------------------------------------------------- shares (PROTOCOL.md, "Shares")
+def leader_applied(c: Cluster) -> tuple[float, int, dict] | None:
+    """(when the leader's report was made, its applied samples in total, by rank) or None."""
+    st = c.state()
+    lead = next((r for r in st["ranks"] if r["connected"] and r["report"] and r["report"].get("is_leader")), None)
+    if lead is None or lead["report_age_s"] is None:
+        return None
+    applied = lead["report"].get("applied") or {}
+    return time.monotonic() - lead["report_age_s"], sum(applied.values()), applied
+
+
+def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None) -> dict:
+    """Rounds/s (room step) and applied samples/s (the leader's ``applied`` by rank) over a window;
+    with ``tab_hex``, the tab's part of the applied samples."""
+    a0 = wait_for(lambda: leader_applied(c), 20, "the leader's report")
+    t0, s0 = time.monotonic(), c.state()["step"]
+    wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the measuring window", interval_s=0.2)
+    t1, s1 = time.monotonic(), c.state()["step"]
+    a1 = wait_for(lambda: (x := leader_applied(c)) and x[0] > a0[0] + window_s * 0.9 and x, 20, "a newer report")
+    out = {"rounds_per_s": (s1 - s0) / (t1 - t0), "applied_per_s": (a1[1] - a0[1]) / (a1[0] - a0[0])}
+    if tab_hex is not None:
+        tab = a1[2].get(tab_hex, 0) - a0[2].get(tab_hex, 0)
+        out["tab_applied_per_s"] = tab / (a1[0] - a0[0])
+        out["tab_applied_fraction"] = tab / max(1, a1[1] - a0[1])
+    return out
+
+
+def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dict:
+    """One server, global batch fixed: 2 native ranks alone, then with a tab (pure Python), then
+    alone again (their mean is the native-only rate: the drift of a shared machine cancels)."""
+    c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-shares-{global_batch}-")))
+    page = None
+    out: dict = {"global_batch": global_batch}
+    try:
+        url = c.serve("--global-batch", str(global_batch))
+        c.rank()
+        c.rank()
+        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
+                 "two native ranks in a cohort of 2")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "warm-up rounds", interval_s=0.2)
+        native1 = shares_window(c, window_s)
+        page = open_tab(chromium, url)
+        wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
+        tab_hex = f"{tc(page)['id']:08x}"
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 20, 60, "rounds with the tab", interval_s=0.2)
+        mixed1 = shares_window(c, window_s, tab_hex)
+        lead = next(r for r in c.reports() if r.get("is_leader"))
+        out["tab_share"] = lead["shares"].get(tab_hex, 0)
+        out["tab_speed"] = lead["speeds"].get(tab_hex)
+        out["shares"] = lead["shares"]
+        # the tab out of the cohort (stopped: still connected, following) and back in
+        tc(page, "tc.sendControl('stop'), true")
+        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 2 for r in c.reports()), 30,
+                 "the cohort of 2 with the tab stopped")
+        out["tab_stopped"] = shares_window(c, window_s)
+        tc(page, "tc.sendControl('start'), true")
+        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 3 for r in c.reports()), 60,
+                 "the tab back in the cohort")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab again", interval_s=0.2)
+        mixed2 = shares_window(c, window_s, tab_hex)
+        mixed = {k: (mixed1[k] + mixed2[k]) / 2 for k in mixed1}
+        out["mixed_windows"] = [mixed1, mixed2]
+        chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+        page = None
+        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
+                 "the native ranks alone again")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
+        native2 = shares_window(c, window_s)
+        out["native"] = {k: (native1[k] + native2[k]) / 2 for k in native1}
+        out["native_windows"] = [native1, native2]
+        out["mixed"] = mixed
+    finally:
+        if page is not None:
+            try:
+                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+            except Exception:
+                pass
+        c.close()
+    return out
+
+
+def tab_solo(chromium: Chromium, global_batch: int, min_s: float, rounds: int = 2) -> dict:
+    """The tab alone in a room of the same global batch: applied samples/s over whole rounds."""
+    c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-solo-{global_batch}-")))
+    page = None
+    try:
+        url = c.serve("--global-batch", str(global_batch))
+        page = open_tab(chromium, url)
+        wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, 300, "the tab alone, one round done")
+        s = tc(page)["step"]
+        wait_for(lambda: tc(page)["step"] > s, 300, "a round boundary", interval_s=0.02)
+        t0, s0 = time.monotonic(), tc(page)["step"]
+        wait_for(lambda: time.monotonic() - t0 >= min_s and tc(page)["step"] >= s0 + rounds, 600,
+                 "the tab's solo rounds", interval_s=0.02)
+        dt, s1 = time.monotonic() - t0, tc(page)["step"]
+        return {"rounds_per_s": (s1 - s0) / dt, "applied_per_s": (s1 - s0) * global_batch / dt,
+                "seconds": round(dt, 2)}
+    finally:
+        if page is not None:
+            try:
+                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+            except Exception:
+                pass
+        c.close()
+
+
+def shares_main(chromium: Chromium, a) -> dict:
+    small = shares_cohort(chromium, a.small_global_batch, a.window)
+    big = shares_cohort(chromium, a.big_global_batch, a.window)
+    solo = tab_solo(chromium, a.big_global_batch, a.window)
+    small["mixed_over_native_rounds"] = small["mixed"]["rounds_per_s"] / small["native"]["rounds_per_s"]
+    for x in (small, big):
+        x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
+    big["tab_solo"] = solo
+    big["mixed_over_native_plus_0.8_tab"] = big["mixed"]["applied_per_s"] / (
+        big["native"]["applied_per_s"] + 0.8 * solo["applied_per_s"])
+    return {"small": small, "big": big}
+
+
+def print_shares(r: dict) -> None:
+    sm, bg = r["small"], r["big"]
+    print("\n| shares (2 native ranks + 1 tab, ws star, same server) | global batch | native-only | mixed | ratio | tab's share |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| rounds/s | {sm['global_batch']} | {sm['native']['rounds_per_s']:.1f} | {sm['mixed']['rounds_per_s']:.1f} | "
+          f"**{sm['mixed_over_native_rounds']:.2f}** | {sm['tab_share']} |")
+    print(f"| rounds/s | {bg['global_batch']} | {bg['native']['rounds_per_s']:.1f} | {bg['mixed']['rounds_per_s']:.1f} | "
+          f"{bg['mixed']['rounds_per_s'] / bg['native']['rounds_per_s']:.2f} | {bg['tab_share']} |")
+    print(f"| applied samples/s | {bg['global_batch']} | {bg['native']['applied_per_s']:.0f} | "
+          f"{bg['mixed']['applied_per_s']:.0f} | {bg['mixed']['applied_per_s'] / bg['native']['applied_per_s']:.2f} | "
+          f"{bg['tab_share']} |")
+    print(f"\nrounds/s, mixed / the same cohort with the tab stopped (connected, following, no share): "
+          f"{sm['mixed_over_tab_stopped_rounds']:.2f} at {sm['global_batch']}, "
+          f"{bg['mixed_over_tab_stopped_rounds']:.2f} at {bg['global_batch']}")
+    print(f"\nglobal batch {bg['global_batch']}: tab solo {bg['tab_solo']['applied_per_s']:.0f} applied samples/s; in the "
+          f"mixed cohort the tab's buckets were {bg['mixed']['tab_applied_fraction'] * 100:.2f} % of the applied samples "
+          f"({bg['mixed']['tab_applied_per_s']:.0f}/s); mixed / (native-only + 0.8 x tab solo) = "
+          f"**{bg['mixed_over_native_plus_0.8_tab']:.2f}**")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=float, default=10.0, help="measuring window per cohort (s)")
     ap.add_argument("--warmup", type=int, default=30, help="warm-up rounds before the window")
+    ap.add_argument("--small-global-batch", type=int, default=64, help="shares rows: the room's default")
+    ap.add_argument("--big-global-batch", type=int, default=20000,
+                    help="shares rows: a global batch whose native round takes >= 50 ms")
+    ap.add_argument("--shares-only", action="store_true", help="only the shares rows")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "bench_tab.json"))
     a = ap.parse_args()
     chromium = Chromium()
     try:
         version = chromium.call("Browser.getVersion")["product"]
-        results = [cohort(k, a.window, a.warmup, chromium)
-                   for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden",
-                             "native-only, mesh", "mixed, mesh", "tab-only, mesh")]
+        shares = shares_main(chromium, a)
+        results = [] if a.shares_only else [
+            cohort(k, a.window, a.warmup, chromium)
+            for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden",
+                      "native-only, mesh", "mixed, mesh", "tab-only, mesh")]
     finally:
         chromium.close()
+    if a.shares_only:
+        doc = {"bench": "bench_tab", "chromium": version, "window_s": a.window, "shares": shares}
+        pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\n{version}, window {a.window:.0f} s")
+        print_shares(shares)
+        print(f"\nJSON: {a.json}")
+        return 0
     by = {r["cohort"]: r for r in results}
     for r in results:  # against the native-only cohort of the same topology
         native_rps = by["native-only, mesh" if r["cohort"].endswith("mesh") else "native-only"]["rounds_per_s"]
         r["vs_native"] = r["rounds_per_s"] / native_rps if native_rps else None
     joins = [r["join"] for r in results if "join" in r]
     doc = {"bench": "bench_tab", "chromium": version, "python": platform.python_version(),
-           "window_s": a.window, "warmup_rounds": a.warmup, "cohorts": results,
+           "window_s": a.window, "warmup_rounds": a.warmup, "cohorts": results, "shares": shares,
            "join_over_pyodide_boot": [j["page_to_first_bucket_s"] / j["pyodide_boot_s"] for j in joins]}
     pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -189,6 +356,7 @@ def main() -> int:
             j = r["join"]
             print(f"| {r['cohort']} | {j['pyodide_boot_s']:.2f} | {j['page_to_joined_s']:.2f} | {j['page_to_ready_s']:.2f} | "
                   f"{j['page_to_first_bucket_s']:.2f} | {j['page_to_first_bucket_s'] / j['pyodide_boot_s']:.2f} |")
+    print_shares(shares)
     print(f"\nJSON: {a.json}")
     return 0
 

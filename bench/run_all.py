@@ -41,6 +41,7 @@ BENCHES = {
     "yield": ("bench_yield.py", ["--json", str(RESULTS / "bench_yield.json")], ["--seconds", "1", "--repeats", "1",
                                                                                "--json", str(RESULTS / "bench_yield.json")]),
     "scaling": ("bench_scaling.py", [], ["--seconds", "1.5", "--ns", "1,4,16"]),
+    "hetero": ("bench_hetero.py", [], ["--quick"]),
     "transports": ("bench_transports.py", [], ["--mb", "16", "--steps", "100"]),
     "links": ("bench_links.py", [], ["--seconds", "3"]),
     "overhead": ("bench_overhead.py", [], ["--seconds", "2", "--pings", "200"]),
@@ -220,7 +221,9 @@ def main() -> int:
                       + r.stdout + ("\n(failed: see stderr)\n" if r.returncode else "\n"))
     (RESULTS / "REPORT.md").write_text("\n".join(report))
     summary = {}
-    for f in RESULTS.glob("bench_*.json"):
+    for f in [*RESULTS.glob("bench_*.json"), RESULTS / "hetero.json"]:
+        if not f.exists():
+            continue
         try:
             summary[f.stem] = json.loads(f.read_text())
         except ValueError:

@@ -6,6 +6,7 @@ const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
   stopped: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
+tc.leaderView = { speeds: {} };  // the room leader's measured samples/s by rank (its report)
 const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
 setPhase("starting");
 
@@ -66,6 +67,16 @@ async function main() {
   }
   note(`Python runtime: Pyodide ${boot.body.pyodide.version} from ${boot.body.pyodide.source === "local" ? "this server" : "the public CDN (no local copy on the server)"}.`);
   tc.bootInfo = boot.body;
+  // a follower measures no speeds: read the leader's from the room's reports every 2 s
+  const pollLeader = async () => {
+    const r = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
+    const ranks = r.body && Array.isArray(r.body.ranks) ? r.body.ranks : [];
+    const lead = ranks.find((x) => x && x.connected && x.report && x.report.is_leader);
+    const sp = lead && lead.report.speeds;
+    tc.leaderView.speeds = sp && typeof sp === "object" ? sp : {};
+    if (r.status !== 403 && r.status !== 404) setTimeout(pollLeader, 2000);
+  };
+  setTimeout(pollLeader, 2000);
 
   setPhase("loading");
   status("Loading the Python runtime…");
@@ -342,14 +353,21 @@ function render(s) {
     $("lr").placeholder = `now ${sig(s.lr)}`;
     $("lr-now").textContent = `(now ${sig(s.lr)})`;
   }
+  // shares: the last round's (every rank holds them); measured samples/s: the leader's own, or
+  // those of the room's leader report (docs/PROTOCOL.md, "Shares")
+  const shares = s.shares || {};
+  const speeds = s.is_leader ? s.speeds || {} : tc.leaderView.speeds;
+  const shareText = (k) => (Object.hasOwn(shares, k) ? `${shares[k]} of ${s.global_batch ?? "–"}` : "none");
+  $("s-share").textContent = `${shareText(hex(s.id))}, ${num(speeds[hex(s.id)], 0)} samples/s measured`;
+  $("s-epoch").textContent = s.epoch === null || s.epoch === undefined ? "–" : num(s.epoch, 2);
   const links = new Map((s.links || []).map((l) => [l.peer, l]));
   // peer data is untrusted (any rank sends its own backend string): text nodes only, never markup
   const rows = (s.peers || []).map((p) => {
     const l = links.get(p.id) || { transport: s.transport, sent: 0, received: 0 };
     return row([`${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}`, p.backend || "–", l.transport,
-      fmtBytes(l.sent), fmtBytes(l.received)]);
+      fmtBytes(l.sent), fmtBytes(l.received), shareText(hex(p.id)), num(speeds[hex(p.id)], 0)]);
   });
-  document.querySelector("#peers tbody").replaceChildren(...(rows.length ? rows : [row(["no peers yet"], 5)]));
+  document.querySelector("#peers tbody").replaceChildren(...(rows.length ? rows : [row(["no peers yet"], 7)]));
 }
 
 // A table row of text cells (textContent: a value is shown as typed, never parsed as HTML).

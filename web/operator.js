@@ -120,6 +120,11 @@ function render(s, q) {
   }
   const lead = s.ranks.find((r) => r.report && r.report.is_leader && r.connected);
   if (lead) { lossChart.push(lead.report.step, lead.report.loss); accChart.push(lead.report.step, lead.report.accuracy); }
+  // shares and measured samples/s by rank: the leader's report (docs/PROTOCOL.md, "Shares")
+  const lr = (lead && lead.report) || {};
+  const shares = lr.shares && typeof lr.shares === "object" ? lr.shares : {};
+  const speeds = lr.speeds && typeof lr.speeds === "object" ? lr.speeds : {};
+  $("r-batch").textContent = lead ? `${text(lr.global_batch ?? "–")} samples a round, epoch ${num(lr.epoch, 2)}` : "–";
   // every value here comes from a rank's report (untrusted): text nodes only, never markup
   const rows = s.ranks.map((r) => {
     const p = r.report || {};
@@ -139,11 +144,13 @@ function render(s, q) {
     cell(text(p.precision ?? "–"));
     cell(text(p.fault ?? "none"));
     cell(typeof r.report_age_s === "number" ? r.report_age_s.toFixed(1) + " s" : "–");
+    cell(Object.hasOwn(shares, r.id_hex) ? text(shares[r.id_hex]) : lead ? "none" : "–");
+    cell(num(Object.hasOwn(speeds, r.id_hex) ? speeds[r.id_hex] : null, 0));
     return tr;
   });
   if (!rows.length) {
     const tr = document.createElement("tr"), td = document.createElement("td");
-    td.colSpan = 13;
+    td.colSpan = 15;
     td.textContent = "no ranks yet";
     tr.append(td);
     rows.push(tr);

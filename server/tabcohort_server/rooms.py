@@ -66,7 +66,7 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
                  "counters", "gaps", "drops", "transport", "rejoins",
                  "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
-                 "shares", "speeds", "flaps", "probation", "round_gaps", "kind")
+                 "shares", "speeds", "applied", "flaps", "probation", "round_gaps", "kind")
 #: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
 OPERATOR_FIELDS = ("pid",)
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,

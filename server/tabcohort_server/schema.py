@@ -78,6 +78,7 @@ REPORT_STATE = {
         "global_batch": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**32 - 1},
         "samples_assigned": U63, "epoch": NUM_OR_NULL,
         "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "flaps": _ranks_map(U63),
+        "applied": _ranks_map(U63),
         "probation": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
         # gaps between rounds a rank received: count, median, the largest [gap ms, wall time]
         "round_gaps": {"type": "object", "maxProperties": 4, "properties": {

@@ -30,7 +30,7 @@ def test_history_keeps_the_whole_run_within_its_bound():
 
 @pytest.mark.asyncio
 async def test_history_endpoint_serves_the_leaders_reports_and_checks_the_token(aiohttp_client):
-    cfg = ServerConfig(rooms={"t": JobConfig(dataset="synthetic", token="s3")})
+    cfg = ServerConfig(rooms={"t": JobConfig(dataset="synthetic", token="s3-history-room-token")})
     app = create_app(cfg)
     client = await aiohttp_client(app)
     assert (await client.get("/api/rooms/t/history")).status == 403
@@ -40,7 +40,7 @@ async def test_history_endpoint_serves_the_leaders_reports_and_checks_the_token(
         room.control(peer, json.dumps({"type": "report", "state": {"is_leader": True, "step": step,
                                                                    "loss": 0.5 / step, "accuracy": None}}), now=step)
         sample_history(app, float(step))               # what the server's ticker does once a second
-    r = await client.get("/api/rooms/t/history?token=s3")
+    r = await client.get("/api/rooms/t/history?token=s3-history-room-token")
     assert r.status == 200
     body = await r.json()
     assert body["fields"] == ["t_s", "step", "loss", "accuracy"]

@@ -407,6 +407,9 @@ def test_a_tab_like_rank_never_slows_the_cohort():
     assert mixed >= 0.98 * fast, (mixed, fast)
     st = sim.ranks[1].machine.state(sim.now_ms())
     assert set(st["speeds"]) == {f"{k:08x}" for k in (1, 2, 3)}
+    # every applied sample is accounted to the rank whose bucket carried it (one leader all along)
+    assert sum(st["applied"].values()) == sim.ranks[1].machine._applied_samples
+    assert st["applied"]["00000001"] > 0 and st["applied"]["00000002"] > 0
 
 
 def check_round_windows(sim):

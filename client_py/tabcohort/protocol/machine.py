@@ -219,6 +219,8 @@ class RankMachine:
             raise LocalProtocolError(f"global_batch must be an integer >= 1 or None, got {global_batch!r}")
         self.global_batch = global_batch
         self.speeds = SpeedTable()          # the leader's throughput estimates ("Shares")
+        #: samples of each rank's buckets that entered a reduce this rank applied ("Shares")
+        self.applied_by: dict[int, int] = {}
         self.cursor = 0                     # samples assigned before the current step
         self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
         # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
@@ -547,6 +549,7 @@ class RankMachine:
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
             "speeds": {f"{k:08x}": round(sp.samples_per_s, 1) for k, sp in sorted(self.speeds.speeds.items())},
+            "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
             "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms, "collect_rule": self.collect_rule},
             "drops": dict(self.drops), "counters": dict(self.counters),
         }
@@ -642,6 +645,7 @@ class RankMachine:
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
             self._probation.pop(k, None)
+            self.applied_by.pop(k, None)
         self.policy = policy(len(self.roster.members) + 1, self.timing)
         self._next_beat_ms = now_ms + self.policy.beat_ms
         self._beat(now_ms)
@@ -1029,7 +1033,12 @@ class RankMachine:
                 # a majority went out of view while the round was open: commit nothing
                 self.counters["round_no_majority"] += 1
             elif buckets:
+                step0 = self.step
                 self._reduce_and_apply(buckets, now_ms)
+                if self.step > step0:
+                    for k, (_, n, _) in (col.received.items() if col is not None else
+                                         ((self.id, buckets[0]),)):
+                        self.applied_by[k] = self.applied_by.get(k, 0) + n
             else:
                 self.counters["empty_round"] += 1
         except Exception as exc:

@@ -1,0 +1,81 @@
+"""A volunteer tab adds compute without slowing the native ranks (docs/PROTOCOL.md, "Shares"):
+two native ranks train in a WebSocket-star room with a global batch large enough that a round
+takes tens of milliseconds; a real Chromium tab (Pyodide, pure-Python backend) joins. The
+leader gives the tab a share its speed can deliver in the round's time, its buckets enter the
+reduce (the leader's ``applied`` samples by rank), and the native ranks' round rate with the tab
+stays at least 0.8 of their rate without it (before it joined, and while it is stopped: a shared
+machine's drift hits both). The tab caps its bucket (``?batch=``, a
+volunteer's setting): the native ranks' numpy rounds are CPU-bound, and on a two-core machine an
+uncapped tab's Python would take a core from them (the protocol's part, that the round does not
+wait for the tab, is what this measures). Every wait is a bounded poll."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import wait_for, wait_tab
+
+pytestmark = pytest.mark.browser
+
+#: samples a round: a native numpy round takes tens of ms, so a tab's page-worker hops fit
+GLOBAL_BATCH = 20000
+#: the round rate is the best of a few short windows: other jobs on a small machine slow some
+WINDOW_S, WINDOWS = 2.0, 2
+#: the tab's cap (samples per bucket): a small part of a round of its Python
+TAB_BATCH = 8
+
+
+def leader_report(cluster) -> dict | None:
+    return next((r for r in cluster.reports() if r.get("is_leader")), None)
+
+
+def round_rate(cluster, window_s: float = WINDOW_S, windows: int = WINDOWS) -> float:
+    """Rounds/s of the room (the leader's step): the best of ``windows`` windows of ``window_s``."""
+    best = 0.0
+    for _ in range(windows):
+        t0, s0 = time.monotonic(), cluster.state()["step"]
+        wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the measuring window", interval_s=0.1)
+        best = max(best, (cluster.state()["step"] - s0) / (time.monotonic() - t0))
+    return best
+
+
+def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round_rate_holds(cluster, tabs):
+    url = cluster.serve("--global-batch", str(GLOBAL_BATCH))
+    cluster.rank()
+    cluster.rank()
+    wait_for(lambda: len([r for r in cluster.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 40,
+             "two native ranks in a cohort of 2")
+    s0 = cluster.state()["step"]
+    wait_for(lambda: cluster.state()["step"] >= s0 + 10, 30, "native warm-up rounds")
+    without = [round_rate(cluster)]
+
+    tab = tabs(url, f"?room=digits&batch={TAB_BATCH}")
+    st = wait_tab(tab, lambda s: s["ready"] and s["cohort"] == 3, 60, "the tab ready in a cohort of 3")
+    tab_hex = f"{st['id']:08x}"
+    assert st["backend"] == "python"
+
+    def tab_applied():
+        r = leader_report(cluster)
+        return r and r.get("applied", {}).get(tab_hex, 0) > 0 and r
+    lead = wait_for(tab_applied, 30, "the leader to apply a bucket of the tab")
+    assert lead["global_batch"] == GLOBAL_BATCH
+    assert tab_hex in lead["speeds"]
+    with_tab = [round_rate(cluster)]
+    lead = leader_report(cluster)
+    assert 0 < lead["shares"].get(tab_hex, 0) <= TAB_BATCH, lead["shares"]   # a share of its own, capped
+    # the page shows its share and its measured speed as text
+    text = wait_for(lambda: (t := tab.page.evaluate("document.getElementById('s-share').textContent"))
+                    and "samples/s measured" in t and not t.startswith("none") and t, 10, "the page's share")
+    assert f"of {GLOBAL_BATCH}" in text, text
+    # once more with the tab out of the cohort (stopped) and back in: the machine's drift hits both
+    tab.tc("tc.sendControl('stop')")
+    wait_for(lambda: (r := leader_report(cluster)) and r.get("cohort") == 2, 20, "the cohort of 2 without the tab")
+    without.append(round_rate(cluster))
+    tab.tc("tc.sendControl('start')")
+    wait_for(lambda: (r := leader_report(cluster)) and r.get("cohort") == 3 and r["shares"].get(tab_hex, 0) > 0, 30,
+             "the tab back in the cohort with a share")
+    with_tab.append(round_rate(cluster))
+    # the best rate with the tab against the mean rate without it (before it joined, while stopped)
+    assert max(with_tab) >= 0.8 * sum(without) / len(without), (with_tab, without, lead["shares"], lead["speeds"])
