@@ -55,6 +55,12 @@ BENCHES = {
 ABOUT = {
     "wire": ("Wire", "a `round` frame's encoded size per precision relative to f32, and the stdlib codec's "
              "throughput relative to numpy's (the tab's pure-Python path vs the native one)."),
+    "hetero": ("Heterogeneous cohorts", "speed-proportional shares of a fixed global batch (docs/PROTOCOL.md "
+               "\"Shares\"): cohort efficiency = applied samples/s of the cohort / the sum of its ranks' solo "
+               "applied samples/s, each rank measured alone at the same global batch in the same run; a rank "
+               "of speed v takes 0.5 ms + s / v ms for a share of s samples. Virtual time (the discrete-event "
+               "simulation) and wall clock (real machines and drivers on one asyncio loop); and digits "
+               "accuracy, heterogeneous vs homogeneous at one global batch."),
     "yield": ("Yield between rounds", "a 4-rank in-process cohort with a tiny model: rounds/s with the "
               "driver's `call_soon` yield against the same cohort yielding through a 4 ms timer (what a "
               "clamped browser `setTimeout(0)` gives), interleaved."),
