@@ -75,12 +75,10 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      '''                                           min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
-        self._round_params = self.worker.params()
-        self._actions.append(Post({''',
+''',
      '''                                           min(len(awaited), self.policy.quorum), now_ms)
         self._collection = None
-        self._round_params = self.worker.params()
-        self._actions.append(Post({''',
+''',
      [f"{U}::test_collection_installed_before_round_so_fast_bucket_is_kept"]),
     ("own bucket always part of the reduce", M,
      'col.received[self.id] = self._own_bucket', 'pass',
@@ -89,7 +87,13 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'self._phase_deadline_ms = now_ms + self.policy.collect_ms', 'self._phase_deadline_ms = None',
      [f"{U}::test_collect_window_arms_after_own_bucket_and_finishes_at_window_end"]),
     ("quorum reached during collect finishes", M,
-     'if self._phase == "collect" and len(col.received) >= col.quorum:', 'if False:',
+     '''        if self._phase == "collect" and len(col.received) >= col.quorum:
+            self._quorum_reached(col, now_ms)
+
+    def _observe_turnaround''', '''        if False:
+            self._quorum_reached(col, now_ms)
+
+    def _observe_turnaround''',
      [f"{U}::test_grad_reaching_quorum_during_collect_finishes"]),
     ("reduce is sample-weighted", M,
      'weights = [s / total for _, s, _ in buckets]', 'weights = [1 / len(buckets) for _ in buckets]',
@@ -113,7 +117,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if not all_finite(g) or not math.isfinite(loss):', 'if False:',
      [f"{U}::test_bucket_acceptance_rules"]),
     ("bucket: positive samples", M,
-     'if msg["samples"] <= 0:', 'if False:',
+     'if msg["samples"] != col.shares[sender]:', 'if False:',
      [f"{U}::test_bucket_acceptance_rules"]),
     ("own bucket validated (a NaN never reaches the parameters)", M,
      'if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:',
@@ -220,7 +224,8 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if not all_finite(after):', 'if False:',
      [f"{U}::test_an_update_that_overflows_is_not_applied_published_or_counted_as_a_step"]),
     ("a returning evicted rank is assigned but not awaited (probation)", M,
-     'awaited = {k for k in ids if k not in self._probation}', 'awaited = set(ids)',
+     'awaited = {k for k in shares if k not in self._probation and k not in probing}',
+     'awaited = set(shares)',
      [f"{U}::test_an_evicted_rank_that_returns_is_assigned_but_not_awaited_until_it_keeps_up"]),
     ("bucket: term must match", M,
      'if msg["term"] != col.term:', 'if False:',
