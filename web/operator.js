@@ -70,7 +70,7 @@ async function init() {
     URL.revokeObjectURL(url);
   });
   try {  // the room's curves since it started; then the polls extend them
-    const h = await (await fetch(`/api/rooms/${encodeURIComponent(room)}/history${q}`, { cache: "no-store" })).json();
+    const h = await (await fetch(`/api/rooms/${encodeURIComponent(room)}/history${q}`, { cache: "no-store", headers: authHeaders() })).json();
     const pts = Array.isArray(h.points) ? h.points : [];
     lossChart.load(pts.map((p) => [p[1], p[2]]));
     accChart.load(pts.map((p) => [p[1], p[3]]));

@@ -166,6 +166,9 @@ class ServerLimits:
         sender_max_bytes_per_s: bytes one link may send per second (burst: one second's worth).
         rate_limit_close_s: a link that goes on sending over its rate for about this long's
             worth of excess messages is closed (4029).
+        pressure_stall_s: a rank whose socket has not accepted one write for this long stops
+            counting in the room's pressure (it is not reading: a frozen tab, a stopped process),
+            so the leader does not pace the whole room on it (its frames are shed instead).
         write_stall_s: a rank whose socket has not accepted one write for this long is a slow
             consumer (closed 4008).
         max_auth_failures: failed token checks one address may make per ``auth_window_s``;
@@ -197,6 +200,7 @@ class ServerLimits:
     sender_max_bytes_per_s: float = 128 << 20
     rate_limit_close_s: float = 2.0
     write_stall_s: float = 10.0
+    pressure_stall_s: float = 1.0
     max_auth_failures: int = 20
     auth_window_s: float = 60.0
 

@@ -434,7 +434,19 @@ class Room:
             heapq.heapify(self._loads)
 
     def pressure(self) -> float:
-        """Max over connected ranks of (queued relay bytes + reported receive backlog) / high-water mark."""
+        """Max over connected ranks that are reading of (queued relay bytes + reported receive
+        backlog) / high-water mark. A rank whose write in progress began over
+        ``pressure_stall_s`` ago is not reading (frozen, stopped): it does not count, or one such
+        rank would make every leader pace the whole room on it; its queue is shed instead."""
+        now = self.clock()
+        stalled: list[tuple[int, int, int]] = []
+        try:
+            return self._pressure(now, stalled)
+        finally:
+            for e in stalled:                  # they count again once their writes complete
+                heapq.heappush(self._loads, e)
+
+    def _pressure(self, now: float, stalled: list[tuple[int, int, int]]) -> float:
         loads = self._loads
         while loads:
             neg, version, k = loads[0]
@@ -443,6 +455,9 @@ class Room:
                 heapq.heappop(loads)           # stale: a newer entry or a gone rank
                 continue
             load = q.queued_bytes + q.rx_backlog
+            if q.write_since is not None and now - q.write_since > self.limits.pressure_stall_s:
+                stalled.append(heapq.heappop(loads))
+                continue
             if load == -neg:
                 return load / self.limits.queue_high_water_bytes
             # popped since (Peer.pop lowers a load without telling the room; every rise is

@@ -157,3 +157,21 @@ def test_config_errors_name_the_setting():
     ServerConfig(rooms={"r": JobConfig(topology="mesh")}).validate()  # mesh is implemented
     with pytest.raises(ConfigError, match="max_ranks_per_room"):
         ServerLimits(max_ranks_per_room=100)
+
+
+def test_a_rank_that_stopped_reading_does_not_pace_the_room():
+    # a frozen tab or a stopped process: its socket accepts no write; after pressure_stall_s it
+    # no longer counts in the pressure every leader paces on (the others keep their rate)
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=50_000, pressure_stall_s=1.0)
+    a, b, c = r.register(now=0), r.register(now=0), r.register(now=0)
+    drain(a), drain(b), drain(c)
+    chunk = FrameWriter(a.id).write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1,
+                                     "g": [0.5] * 1000, "to": c.id})[0]
+    r.relay(a, chunk)
+    r.writing(c, now=0.0)                      # a write to c began and never completes
+    assert r.pressure() > 1                    # c is merely slow so far: the leader paces
+    r._clock[0] = 1.5
+    assert r.pressure() < 0.1                  # c stopped reading: it no longer paces the room
+    r.sent(c, c.pop())                         # c reads again: it counts again
+    r.relay(a, chunk)
+    assert r.pressure() > 1
