@@ -21,7 +21,7 @@ Elastic data-parallel training across browser tabs and native Python processes.
 
 A server (tabcohort serve) hosts a room: a model, a data set and a cohort of ranks. Native
 ranks join it with tabcohort rank; a browser tab joins by opening the server's URL. Ranks come
-and go at any time; the leader (the lowest id) runs the optimizer. tabcohort simulate trains a
+and go at any time; one leader runs the optimizer. tabcohort simulate trains a
 cohort inside this process, without a server."""
 
 EPILOG = """\
