@@ -200,7 +200,7 @@ class ServerLimits:
     sender_max_bytes_per_s: float = 128 << 20
     rate_limit_close_s: float = 2.0
     write_stall_s: float = 10.0
-    pressure_stall_s: float = 1.0
+    pressure_stall_s: float = 2.0
     max_auth_failures: int = 20
     auth_window_s: float = 60.0
 

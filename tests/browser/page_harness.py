@@ -95,7 +95,7 @@ class ConfServer:
 
         cfg = ServerConfig(rooms={"star": JobConfig(dataset="synthetic", topology="star"),
                                   "mesh": JobConfig(dataset="synthetic", topology="mesh")},
-                           limits=ServerLimits(max_ranks_per_address=4096, queue_high_water_bytes=HIGH_WATER, queue_max_bytes=256 << 20,
+                           limits=ServerLimits(pressure_stall_s=3600.0, max_ranks_per_address=4096, queue_high_water_bytes=HIGH_WATER, queue_max_bytes=256 << 20,
                                                queue_max_items=100_000),
                            rtc_host_addresses=["127.0.0.1"])   # the server's end of rtc-star links
         app = create_app(cfg)

@@ -56,7 +56,7 @@ class _RtcHarness(LoopBusHarness):
 
         cfg = ServerConfig(rooms={"conf": JobConfig(dataset="synthetic", precision=self.precision,
                                                     topology=self.topology)},
-                           limits=ServerLimits(queue_high_water_bytes=self.high_water_bytes,
+                           limits=ServerLimits(pressure_stall_s=3600.0, queue_high_water_bytes=self.high_water_bytes,
                                                queue_max_bytes=256 << 20, queue_max_items=100_000),
                            rtc_host_addresses=LOOPBACK)
         app = create_app(cfg)

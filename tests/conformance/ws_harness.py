@@ -29,7 +29,7 @@ class WsHarness(LoopBusHarness):
         from tabcohort_server.app import ROOMS, create_app
 
         cfg = ServerConfig(rooms={"conf": JobConfig(dataset="synthetic", precision=self.precision)},
-                           limits=ServerLimits(queue_high_water_bytes=self.high_water_bytes,
+                           limits=ServerLimits(pressure_stall_s=3600.0, queue_high_water_bytes=self.high_water_bytes,
                                                queue_max_bytes=256 << 20, queue_max_items=100_000))
         app = create_app(cfg)
         self.room = app[ROOMS].get("conf")

@@ -37,7 +37,7 @@ async def test_history_endpoint_serves_the_leaders_reports_and_checks_the_token(
     room = app[ROOMS].get("t")
     peer = room.register(now=0.0)
     for step in (1, 2, 3):
-        room.control(peer, json.dumps({"type": "report", "state": {"is_leader": True, "step": step,
+        room.control(peer, json.dumps({"type": "report", "state": {"is_leader": True, "id": peer.id, "leader": peer.id, "step": step,
                                                                    "loss": 0.5 / step, "accuracy": None}}), now=step)
         sample_history(app, float(step))               # what the server's ticker does once a second
     r = await client.get("/api/rooms/t/history?token=s3-history-room-token")
