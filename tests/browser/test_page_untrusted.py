@@ -101,8 +101,10 @@ def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster,
                  .find(r => r.cells[0].textContent === hid);
                return tr ? [...tr.cells].map(c => c.textContent) : null; }""", hid), 20,
             "the hostile rank's row in the operator view")
-        assert cells[6] == payload("rb") and cells[9] == payload("precision") \
-            and cells[10] == payload("fault"), cells
+        # (columns: rank, kind, connected, role, step, cohort, loss, backend, steps/s, bytes/s,
+        # precision, fault, ...)
+        assert cells[7] == payload("rb") and cells[10] == payload("precision") \
+            and cells[11] == payload("fault"), cells
         for t in (tab, op):
             # no element of the payload exists, no script of it ran, nothing it names was fetched
             assert t.page.evaluate("document.querySelectorAll('tbody img, tbody script').length") == 0
