@@ -30,6 +30,17 @@ RUN npm ci --ignore-scripts --no-audit --no-fund --engine-strict=false \
  && test -f node_modules/pyodide/pyodide.mjs \
  && rm -rf /root/.npm
 
+# ---------------------------------------------------------------- the cluster's Redis (Debian's package)
+# Only the compose `cluster` profile builds this target (docker-compose.yml, service redis).
+FROM debian:bookworm-slim AS redis
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends redis-server \
+ && apt-get clean && rm -rf /var/lib/apt/lists/*
+USER redis
+EXPOSE 6379
+CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
+
 # ---------------------------------------------------------------- stage 2: the runtime image
 FROM debian:bookworm-slim
 ARG DEBIAN_FRONTEND=noninteractive

@@ -10,7 +10,9 @@
 - ``ours``: a cohort round of N rank processes (the real RankMachine, driver and bus, as in
   ``bench/linkproc.py rank``, with a worker that has no compute: a fixed 1M-float32 gradient
   and a numpy update) on the
-  WebSocket star and the WebRTC mesh through a real ``tabcohort serve``, and the fastest of the two.
+  WebSocket star and the WebRTC mesh through a real ``tabcohort serve``, and the fastest of the two;
+  each link also with glibc's allocator defaults (``--allocator held,default``: the ranks and the
+  server with ``TABCOHORT_MALLOC_HOLD=0``) beside the held allocator they run with (tabcohort._alloc).
 
 Time per step is the median over steps (after warm-up) of the slowest rank for gloo and hivemind,
 and 1 / (rounds/s) for ours. Each row is also a ratio to ours (> 1: theirs is slower).
@@ -118,13 +120,20 @@ class FixedGradWorker:
         self.bucket_len, self.batch, self.calls = bucket_len, batch, 0
         self._p = np.zeros(bucket_len, np.float32)
         self._g = np.random.default_rng(0).standard_normal(bucket_len).astype(np.float32) * 1e-3
+        #: the leader's rounds, timed as gloo's step is: from the parameters' send (broadcast)
+        #: to the reduced update applied (reduce), seconds
+        self.t_round: float | None = None
+        self.round_s: list[float] = []
 
-    async def grads(self, offset: int):
+    async def grads(self, offset: int, samples: int | None = None):
         self.calls += 1
         return 0.5, self._g
 
     def apply(self, avg, lr: float) -> None:
         self._p -= self.np.float32(lr) * self.np.asarray(avg, self.np.float32)
+        if self.t_round is not None:   # the leader: its round's parameters went out at t_round
+            self.round_s.append(time.perf_counter() - self.t_round)
+            self.t_round = None
 
     def params(self):
         return self._p
@@ -145,23 +154,35 @@ def ours_worker(url: str, link: str, out: str, max_s: float) -> None:
 
     from linkproc import _links, _stop_event, make_bus
 
+    from tabcohort._alloc import hold_allocator
     from tabcohort.protocol import RankMachine
     from tabcohort.runtime.driver import RankDriver
+
+    hold_allocator()   # as ``tabcohort rank`` does
 
     async def run() -> None:
         stop = _stop_event(max_s)
         loop = asyncio.get_running_loop()
-        bus = make_bus(link, url, **({"idle_timeout_s": 10.0} if link == "rtc-mesh" else {}))
+        bus = make_bus(link, url, **({"idle_timeout_s": 10.0} if link in ("rtc-mesh", "tcp-mesh") else {}))
         await bus.connect()
         w = FixedGradWorker(N_PARAMS)
+        post = bus.post
+
+        def timed_post(msg, **kw):
+            if msg.get("t") == "round":
+                w.t_round = time.perf_counter()
+            post(msg, **kw)
+        bus.post = timed_post
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,
                         eval_every=0)
         d = RankDriver(m, w, bus)
         d.start(0.01)
         with open(out, "a", buffering=1) as fh:
             while not stop.is_set():
+                rs, w.round_s = w.round_s, []
                 fh.write(json.dumps({"t": time.time(), "step": m.step, "leader": bool(m.looping),
-                                     "cohort": len(m.cohort_ids(d.now_ms())), "links": _links(bus)}) + "\n")
+                                     "cohort": len(m.cohort_ids(d.now_ms())), "links": _links(bus),
+                                     "round_s": rs}) + "\n")
                 try:
                     await asyncio.wait_for(stop.wait(), 0.1)
                 except asyncio.TimeoutError:
@@ -211,16 +232,19 @@ def slowest_median(per_rank: list[list[float]]) -> float:
     return statistics.median(max(xs) for xs in zip(*per_rank))
 
 
-def ours(world: int, link: str, seconds: float, tmp: pathlib.Path) -> dict:
-    from linkproc import Procs, samples, serve_args, wait_until
+def ours(world: int, link: str, seconds: float, tmp: pathlib.Path, *, allocator: str = "held") -> dict:
+    """Our cohort of ``world`` ranks on ``link``; ``allocator``: ``held`` (what ``tabcohort rank``
+    and ``serve`` do, :mod:`tabcohort._alloc`) or ``default`` (glibc's defaults, for the A/B)."""
+    from linkproc import Procs, env, samples, serve_args, wait_until
 
     procs = Procs(tmp)
-    log = tmp / f"serve-{link}-{world}.log"
+    tag = f"{link}-{allocator}-{world}"
+    log = tmp / f"serve-{tag}.log"
     fh = open(log, "wb")
-    from linkproc import env
+    penv = {**env(), "TABCOHORT_MALLOC_HOLD": "1" if allocator == "held" else "0"}
 
     srv = subprocess.Popen([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--room", "anchors",
-                            *serve_args(link)], stdout=fh, stderr=subprocess.STDOUT, env=env(), cwd=str(ROOT))
+                            *serve_args(link)], stdout=fh, stderr=subprocess.STDOUT, env=penv, cwd=str(ROOT))
     try:
         def url() -> str | None:
             for line in log.read_text().splitlines():
@@ -230,12 +254,12 @@ def ours(world: int, link: str, seconds: float, tmp: pathlib.Path) -> dict:
                 raise RuntimeError("serve exited:\n" + log.read_text())
             return None
         ws = wait_until(url, 30, "the server URL")
-        outs = [tmp / f"ours-{link}-{world}-{i}.jsonl" for i in range(world)]
+        outs = [tmp / f"ours-{tag}-{i}.jsonl" for i in range(world)]
         for i, o in enumerate(outs):
             procs.procs.append((subprocess.Popen(
                 [sys.executable, __file__, "--worker", "ours", ws, link, str(o), str(seconds + 120)],
-                stdout=(fh_i := open(tmp / f"rank-{link}-{world}-{i}.log", "wb")), stderr=subprocess.STDOUT,
-                env=env(), cwd=str(ROOT)), fh_i))
+                stdout=(fh_i := open(tmp / f"rank-{tag}-{i}.log", "wb")), stderr=subprocess.STDOUT,
+                env=penv, cwd=str(ROOT)), fh_i))
 
         def lead() -> dict | None:
             ss = [s for o in outs for s in samples(o)[-1:]]
@@ -248,6 +272,9 @@ def ours(world: int, link: str, seconds: float, tmp: pathlib.Path) -> dict:
         s0, t0 = step(), time.monotonic()
         wait_until(lambda: time.monotonic() - t0 >= seconds, seconds + 5, "the window", check=procs.check)
         s1, t1 = step(), time.monotonic()
+        w0 = time.time() - (t1 - t0)
+        rounds = [x for o in outs for smp in samples(o) if smp["t"] >= w0 and smp["leader"]
+                  for x in smp.get("round_s") or []]
         if lead() is None:
             raise RuntimeError(f"{link}: the cohort of {world} did not hold through the window")
         links = sorted({v for o in outs for v in (samples(o)[-1].get("links") or {}).values()})
@@ -257,7 +284,12 @@ def ours(world: int, link: str, seconds: float, tmp: pathlib.Path) -> dict:
         srv.wait(10)
         fh.close()
     rps = (s1 - s0) / (t1 - t0)
-    return {"link": link, "rounds_per_s": rps, "step_s": 1 / rps if rps else float("inf"), "links": links}
+    if not rounds:
+        raise RuntimeError(f"{link}: no timed round in the window")
+    # step_s: the median round, broadcast to reduce applied (as gloo's step, between barriers);
+    # loop_s: 1 / rounds per second (the round and the leader loop's gaps between rounds)
+    return {"link": link, "allocator": allocator, "rounds_per_s": rps, "step_s": statistics.median(rounds), "rounds_timed": len(rounds),
+            "loop_s": 1 / rps if rps else float("inf"), "links": links}
 
 
 def profile(world: int, reps: int = 5) -> dict:
@@ -299,6 +331,11 @@ def profile(world: int, reps: int = 5) -> dict:
             "critical_path_cpu_ms": path}
 
 
+def label(o: dict) -> str:
+    """A cohort row's name: its link, and the allocator when it is not held."""
+    return o["link"] if o.get("allocator", "held") == "held" else f"{o['link']} (glibc malloc)"
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker" and sys.argv[2] == "ours":
         ours_worker(sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]))
@@ -314,7 +351,10 @@ def main() -> int:
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per anchor (after warm-up)")
     ap.add_argument("--seconds", type=float, default=8.0, help="measuring window for our cohort")
-    ap.add_argument("--links", default="ws-star,rtc-mesh")
+    ap.add_argument("--links", default="tcp-mesh,ws-star")
+    ap.add_argument("--allocator", default="held,default",
+                    help="our processes' C allocator, comma-separated: held (as tabcohort rank/serve run) "
+                         "and/or default (glibc's defaults), each link run with each, alternating")
     ap.add_argument("--anchor-python", default=sys.executable,
                     help="interpreter with torch (and hivemind) for the anchors")
     ap.add_argument("--json", default=str(HERE / "results" / "bench_anchors.json"))
@@ -327,11 +367,14 @@ def main() -> int:
         row: dict = {"world": world}
         row["ours"] = []
         for link in a.links.split(","):
-            try:
-                row["ours"].append(ours(world, link, a.seconds, tmp))
-            except (RuntimeError, TimeoutError) as e:  # reported, not hidden: the row says why
-                row["ours"].append({"link": link, "error": str(e).splitlines()[0][:200], "step_s": float("inf")})
-        best = min(row["ours"], key=lambda o: o["step_s"])
+            for alloc in a.allocator.split(","):
+                try:
+                    row["ours"].append(ours(world, link, a.seconds, tmp, allocator=alloc))
+                except (RuntimeError, TimeoutError) as e:  # reported, not hidden: the row says why
+                    row["ours"].append({"link": link, "allocator": alloc, "error": str(e).splitlines()[0][:200],
+                                        "step_s": float("inf")})
+        # (the best link as shipped: the allocator held, as tabcohort rank runs)
+        best = min([o for o in row["ours"] if o.get("allocator") == "held"] or row["ours"], key=lambda o: o["step_s"])
         row["ours_best"] = best
         if torch_ok:
             g = run_workers(a.anchor_python, "gloo", world, a.steps, tmp, 600)
@@ -353,7 +396,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         b = r["ours_best"]["step_s"]
-        per = ", ".join(f"{o['link']} {o['step_s']:.3f}" if "error" not in o else f"{o['link']}: {o['error']}"
+        per = ", ".join(f"{label(o)} {o['step_s']:.3f}" if "error" not in o else f"{label(o)}: {o['error']}"
                         for o in r["ours"])
 
         def cell(key: str) -> str:
@@ -361,6 +404,30 @@ def main() -> int:
             return "not installed" if v is None else f"{v:.3f} s ({v / b:.2f})"
         print(f"| {r['world']} | {b:.3f} s ({r['ours_best']['link']}) | {per} | {cell('gloo_dp_s')} | "
               f"{cell('gloo_all_reduce_s')} | {cell('hivemind_step_s')} |")
+    print("\nOur round per link against gloo's broadcast + reduce, both timed from the parameters' send to the "
+          "reduced result (ratio = ours / gloo; <= 1.5 is the goal)\n")
+    print("| N | link | round (median) | 1 / rounds per s | gloo bcast+reduce | ours / gloo |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        g = r.get("gloo_dp_s")
+        for o in r["ours"]:
+            if "error" in o:
+                print(f"| {r['world']} | {label(o)} | {o['error']} | | | |")
+                continue
+            ratio = f"{o['step_s'] / g:.2f}" if g else "no torch"
+            gl = f"{g * 1000:.1f} ms" if g else "not installed"
+            print(f"| {r['world']} | {label(o)} | {o['step_s'] * 1000:.1f} ms | {o['loop_s'] * 1000:.1f} ms | {gl} | {ratio} |")
+    pairs = [(r["world"], o, d) for r in rows for o in r["ours"] for d in r["ours"]
+             if o["link"] == d["link"] and o.get("allocator") == "held" and d.get("allocator") == "default"
+             and "error" not in o and "error" not in d]
+    if pairs:
+        print("\nThe allocator held (tabcohort._alloc, as `tabcohort rank` and `serve` run) against glibc's "
+              "defaults, same link, same run (ratio = default / held; > 1: holding is faster)\n")
+        print("| N | link | round, held | round, glibc default | default / held |")
+        print("|---|---|---|---|---|")
+        for world, o, d in pairs:
+            print(f"| {world} | {o['link']} | {o['step_s'] * 1000:.1f} ms | {d['step_s'] * 1000:.1f} ms | "
+                  f"{d['step_s'] / o['step_s']:.2f} |")
     print("\nWhere our round goes (CPU ms in this process, f32; transport = the rest of the round):\n")
     print("| N | encode round | decode round | encode bucket | decode bucket x (N-1) | reduce | apply | CPU path | round | transport + loop |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -17,7 +17,7 @@ Method.
   left; the reference is the mean of both, each reported).
 - Loaded, in stages (``--stages``, client processes in the room, added cumulatively: 2, 4, 8 =
   50, 100, 200 ranks): each client process (this script with ``--client``) connects
-  ``--per-client`` WsBus instances (real relay protocol on real WebSockets, one socket each).
+  ``--per-client`` star buses (real relay protocol on real WebSockets, one socket each).
   Each simulated rank does on the wire what a rank of a cohort of the room's size does at the
   protocol's rates, with pre-encoded real protocol messages and without decoding what it
   receives: a broadcast ``beat`` every ``policy(n).beat_ms`` (n = the room size it sees: 20 s at
@@ -65,22 +65,23 @@ BUCKET_LEN = 64
 
 # ---------------------------------------------------------------------------- a client process
 async def client(a: argparse.Namespace) -> None:
-    from tabcohort.bus.ws import WsBus
+    from tabcohort.bus.aio import star_bus
+    from tabcohort.bus.star import StarBus
     from tabcohort.protocol.policy import policy
     from tabcohort.wire import FrameWriter, parse_route
 
     loop = asyncio.get_running_loop()
-    def room_n(b: WsBus) -> int:
+    def room_n(b: StarBus) -> int:
         return len(b.peers) + 1       # the room size this rank sees (probes included)
-    buses: list[WsBus] = []
+    buses: list[StarBus] = []
     for _ in range(a.per_client):
-        b = WsBus(a.url, reconnect_max_s=5.0)
+        b = star_bus(a.url, reconnect_max_s=5.0)
         await b.connect(timeout_s=30)
         buses.append(b)
     received = [0]
     tasks = []
 
-    def follower(b: WsBus) -> None:
+    def follower(b: StarBus) -> None:
         grads: dict[int, list[bytes]] = {}
 
         def on_chunk(chunk: bytes) -> None:
@@ -95,7 +96,7 @@ async def client(a: argparse.Namespace) -> None:
                 loop.call_later(a.compute_ms / 1000.0, b.send_raw, g)
         b.on_chunk = on_chunk
 
-    async def beats(b: WsBus) -> None:
+    async def beats(b: StarBus) -> None:
         beat = FrameWriter(b.id).write({"t": "beat", "batch": 8, "ready": True, "running": True, "term": 1, "step": 1,
                                         "backend": "numpy"})
         await asyncio.sleep(random.uniform(0, policy(room_n(b)).beat_ms / 1000.0))
@@ -103,7 +104,7 @@ async def client(a: argparse.Namespace) -> None:
             b.send_raw(beat)
             await asyncio.sleep(policy(room_n(b)).beat_ms / 1000.0)
 
-    async def reports(b: WsBus) -> None:
+    async def reports(b: StarBus) -> None:
         await asyncio.sleep(random.uniform(0, a.report_s))
         while True:
             n_total = room_n(b)
@@ -117,7 +118,7 @@ async def client(a: argparse.Namespace) -> None:
                 "pid": os.getpid(), "counters": {"adopted": 1}}})
             await asyncio.sleep(a.report_s)
 
-    async def rounds(b: WsBus) -> None:
+    async def rounds(b: StarBus) -> None:
         w = FrameWriter(b.id)
         k = 0
         while True:
@@ -238,7 +239,7 @@ async def orchestrate(a: argparse.Namespace) -> dict:
         try:
             # every simulated rank connects from 127.0.0.1: lift the per-address bounds (README "Limits")
             base = await asyncio.to_thread(c.serve, "--dataset", "synthetic", "--max-ranks-per-address", "1024",
-                                           "--max-connections-per-address", "4096")
+                                           "--max-connections-per-address", "4096", "--any-rank-may-lead")
             pid = c.server.p.pid
             url = base.replace("http://", "ws://") + f"/api/rooms/{ROOM}/ws"
             async with aiohttp.ClientSession() as session:

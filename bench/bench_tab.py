@@ -22,7 +22,14 @@ server's default digits room), each cohort on a fresh server:
   room of the same global batch, over whole rounds), with the tab's share and its part of the
   applied samples (the leader's ``applied`` by rank). ``--shares-only`` runs just these.
 
-Chromium is driven over raw DevTools (tests/browser/cdp.py). The machine has 2 shared cores:
+- compute backends (``--kernels-only`` runs just these): the grads time per bucket of the tab's
+  webgpu, js and python backends, measured in one tab's worker (Pyodide), next to numpy natively
+  in this process, on the same batches, for the digits MLP (64x32x10) and a model of over 1M
+  parameters (64x1024x1024x10, on digits); the webgpu figures name the adapter (here SwiftShader,
+  a CPU implementation: not a GPU's speed). And rounds/s of tab-only cohorts on each backend
+  against native-only (the cohort rows name their backends).
+
+Chromium is driven over raw DevTools (tests/browser/cdp.py), with ``--enable-unsafe-webgpu``. The machine has 2 shared cores:
 read the ratios, not the bare times. Writes JSON to bench/results/bench_tab.json and prints a
 Markdown table.
 
@@ -75,6 +82,8 @@ def open_tab(chromium: Chromium, url: str, new_window: bool = True, query: str =
     page.send("Page.enable")
     page.send("Runtime.enable")
     page.send("Page.addScriptToEvaluateOnNewDocument", {"source": PROBE})
+    # the page's dedicated worker: attached automatically (flat session, never paused), for profiles
+    page.send("Target.setAutoAttach", {"autoAttach": True, "waitForDebuggerOnStart": False, "flatten": True})
     page.send("Page.navigate", {"url": f"{url}/?room=digits{query}"})
     page.t_open = time.monotonic()
     return page
@@ -102,6 +111,37 @@ def join_time(page) -> dict:
             "page_to_ready_s": t_ready - page.t_open, "page_to_first_bucket_s": t_first - page.t_open}
 
 
+def _category(frame: dict) -> str:
+    url, fn = frame.get("url") or "", frame.get("functionName") or ""
+    if fn in ("(idle)", "(program)", "(garbage collector)"):
+        return {"(idle)": "idle", "(program)": "browser internals", "(garbage collector)": "JS garbage collection"}[fn]
+    if "mlp-kernels.js" in url:
+        return "compute kernels (js)"
+    if url.startswith("wasm://") or "pyodide" in url:
+        return "Python (Pyodide: protocol, wire, bus, driver)"
+    if "rank-worker.js" in url or "app.js" in url:
+        return "page <-> worker messaging (JS)"
+    return "other JS (browser APIs)"
+
+
+def cpu_profile(page, session: str, seconds: float) -> dict:
+    """Sampled CPU profile of one DevTools session (the worker's or the page's): share of samples
+    by category (``_category``); idle is time the thread waited."""
+    page.cdp.call("Profiler.enable", None, session)
+    page.cdp.call("Profiler.setSamplingInterval", {"interval": 200}, session)
+    page.cdp.call("Profiler.start", None, session)
+    t0 = time.monotonic()
+    wait_for(lambda: time.monotonic() - t0 >= seconds, seconds + 5, "the profile window", interval_s=0.2)
+    prof = page.cdp.call("Profiler.stop", None, session, 60)["profile"]
+    page.cdp.call("Profiler.disable", None, session)
+    by: dict[str, int] = {}
+    for node in prof["nodes"]:
+        c = _category(node["callFrame"])
+        by[c] = by.get(c, 0) + node.get("hitCount", 0)
+    total = sum(by.values()) or 1
+    return {k: v / total for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+
+
 def rounds_per_s(cluster: Cluster, window_s: float) -> dict:
     def sample():
         return time.monotonic(), cluster.state()["step"]
@@ -111,11 +151,14 @@ def rounds_per_s(cluster: Cluster, window_s: float) -> dict:
     return {"rounds": s1 - s0, "seconds": round(t1 - t0, 3), "rounds_per_s": (s1 - s0) / (t1 - t0)}
 
 
-def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -> dict:
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-{kind}-"))
+def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium, backend: str | None = None) -> dict:
+    """One cohort of 2; ``backend``: the tabs' ``?backend=`` (their compute backend)."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-tab-cohort-"))
     c = Cluster(tmp)
     pages = []
-    out: dict = {"cohort": kind}
+    label = kind.replace(", mesh", f" ({backend}), mesh") if backend and kind.endswith(", mesh") else \
+        f"{kind} ({backend})" if backend else kind
+    out: dict = {"cohort": label, "kind": kind, "tab_backend": backend}
     try:
         mesh = kind.endswith("mesh")
         url = c.serve(*(("--topology", "mesh") if mesh else ()))
@@ -125,7 +168,7 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
         for _ in range(2 - n_tabs):
             c.rank(*(("--rtc-hosts", "127.0.0.1") if mesh else ()))
         for _ in range(n_tabs):
-            pages.append(open_tab(chromium, url, query="&rtc-loopback=1" if mesh else ""))
+            pages.append(open_tab(chromium, url, query=("&rtc-loopback=1" if mesh else "") + f"&backend={backend}"))
         if pages and not hidden:
             out["join"] = join_time(pages[0])
         if hidden:  # its window minimized: the first tab is hidden (its own window: the others stay visible)
@@ -138,6 +181,12 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
         if pages:  # the longest main-thread task counts from here (training only)
             pages[0].eval("__tcLong.max = 0; __tcLong.n = 0; __tcLong.lagMax = 0; true")
         out.update(rounds_per_s(c, window_s))
+        if kind == "tab-only" and backend == "js":  # where a tab-only round's time goes
+            s0, t0 = c.state()["step"], time.monotonic()
+            worker = pages[0].worker_session()
+            out["profile"] = {"worker": cpu_profile(pages[0], worker, 4.0) if worker else None,
+                              "page": cpu_profile(pages[0], pages[0].session, 3.0)}
+            out["profile"]["rounds_per_s"] = (c.state()["step"] - s0) / (time.monotonic() - t0)
         if pages:
             out["main_thread"] = pages[0].eval("__tcLong")
             out["visibility"] = [p.eval("document.visibilityState") for p in pages]
@@ -156,6 +205,124 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium) -
                 pass
         c.close()
     return out
+
+
+# ---------------------------------------------------------------- compute backends in a tab
+#: (label, hidden widths, bucket samples per backend): the python backend on the 1M model takes
+#: seconds per sample under Pyodide, so its bucket there is 2 samples (the table says so)
+KERNEL_MODELS = [("digits MLP 64x32x10", (32,), {"numpy": 32, "webgpu": 32, "js": 32, "python": 32}),
+                 ("64x1024x1024x10 (1.13M params)", (1024, 1024), {"numpy": 32, "webgpu": 32, "js": 32, "python": 2})]
+
+#: runs in the tab's worker: time buckets of each backend on the same batches (offsets 0, n, 2n, ...)
+KERNELS_PY = """
+import json, time
+import js
+from tabcohort.model import Dataset, PythonMLPWorker
+from tabcohort.model.backend_js import JsMLPWorker, GpuMLPWorker
+req = json.loads(_tc_req)
+r = await js.fetch(req["url"])
+ds = Dataset.from_portable(json.loads(await r.text()))
+out = []
+for m in req["models"]:
+    hidden = tuple(m["hidden"])
+    row = {}
+    for name in ("webgpu", "js", "python"):
+        n = m["samples"][name]
+        try:
+            if name == "webgpu":
+                w = await GpuMLPWorker.create(ds, hidden=hidden, batch=n)
+            elif name == "js":
+                w = JsMLPWorker(ds, hidden=hidden, batch=n)
+            else:
+                w = PythonMLPWorker(ds, hidden=hidden, batch=n)
+        except Exception as e:
+            row[name] = {"error": str(e)[:200]}
+            continue
+        await w.grads(0, n)   # warm-up (JIT, pipelines)
+        reps, t0, k = 0, time.perf_counter(), 0
+        while reps < 3 or (time.perf_counter() - t0 < m["seconds"] and reps < 200):
+            await w.grads(k * n, n)
+            reps += 1
+            k += 1
+        dt = time.perf_counter() - t0
+        row[name] = {"samples": n, "ms_per_bucket": dt / reps * 1e3, "buckets": reps,
+                     "adapter": getattr(w, "adapter", None), "bucket_len": w.bucket_len}
+        if name == "webgpu":
+            w.fall_back("benchmark done")
+    out.append(row)
+json.dumps(out)
+"""
+
+
+def kernels_main(chromium: Chromium, seconds: float) -> dict:
+    """Grads time per bucket: the tab's backends in one tab's worker, numpy natively, same batches."""
+    from tabcohort.model import Dataset
+    from tabcohort.model.backend_np import NumpyMLPWorker
+
+    c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix="bench-tab-kernels-")))
+    page = None
+    try:
+        url = c.serve()
+        page = chromium.open(f"{url}/?room=digits&autostart=0&backend=js")
+        wait_for(lambda: tc(page, "tc.joinedAt"), 180, "the tab to boot and join")
+        worker = wait_for(page.worker_session, 30, "the page's worker session")
+        import urllib.request
+        with urllib.request.urlopen(f"{url}/api/rooms/digits/dataset", timeout=30) as r:
+            ds = Dataset.from_portable(json.load(r))
+        models = [{"label": lab, "hidden": list(h), "samples": n, "seconds": seconds} for lab, h, n in KERNEL_MODELS]
+        req = json.dumps({"url": f"{url}/api/rooms/digits/dataset", "models": models})
+        expr = (f"(async () => {{ const py = self.tcPyodide; py.globals.set('_tc_req', {json.dumps(req)});"
+                f" return await py.runPythonAsync({json.dumps(KERNELS_PY)}); }})()")
+        tab_rows = json.loads(page.eval(expr, timeout_s=900, session=worker))
+        rows = []
+        for m, tab in zip(models, tab_rows):
+            n = m["samples"]["numpy"]
+            w = NumpyMLPWorker(ds, hidden=tuple(m["hidden"]), batch=n)
+            w.grads_sync(0, n)
+            reps, t0, k = 0, time.perf_counter(), 0
+            while reps < 3 or (time.perf_counter() - t0 < seconds and reps < 2000):
+                w.grads_sync(k * n, n)
+                reps += 1
+                k += 1
+            tab["numpy"] = {"samples": n, "ms_per_bucket": (time.perf_counter() - t0) / reps * 1e3, "buckets": reps,
+                            "bucket_len": w.bucket_len}
+            rows.append({"model": m["label"], "backends": tab})
+        return {"rows": rows}
+    finally:
+        if page is not None:
+            try:
+                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+            except Exception:
+                pass
+        c.close()
+
+
+def print_kernels(k: dict) -> None:
+    adapter = next((r["backends"]["webgpu"].get("adapter") for r in k["rows"] if r["backends"]["webgpu"].get("adapter")),
+                   None)
+    print(f"\n*grads time per bucket: the tab's backends in one tab's worker (Pyodide), numpy natively, same "
+          f"batches; webgpu on {adapter or 'no adapter'} (SwiftShader is a CPU implementation of WebGPU, not a GPU)*\n")
+    print("| model | parameters | backend | where | bucket (samples) | ms / bucket | ms / sample | vs python (per sample) | vs numpy native (per sample) |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in k["rows"]:
+        b = r["backends"]
+        per = {n: v["ms_per_bucket"] / v["samples"] for n, v in b.items() if "ms_per_bucket" in v}
+        for name in ("webgpu", "js", "python", "numpy"):
+            v = b.get(name, {})
+            where = "native" if name == "numpy" else "tab"
+            label = f"webgpu ({v.get('adapter')})" if name == "webgpu" and v.get("adapter") else name
+            if "ms_per_bucket" not in v:
+                print(f"| {r['model']} | – | {label} | {where} | – | – | – | – | {v.get('error', 'not measured')} |")
+                continue
+            vs_py = f"{per['python'] / per[name]:.1f}x" if "python" in per else "–"
+            vs_np = f"{per['numpy'] / per[name]:.3f}" if "numpy" in per else "–"
+            print(f"| {r['model']} | {v['bucket_len']:,} | {label} | {where} | {v['samples']} | {v['ms_per_bucket']:.3f} | "
+                  f"{per[name]:.4f} | {vs_py} | {vs_np} |")
+    d = next((r["backends"] for r in k["rows"]), {})
+    if all("ms_per_bucket" in d.get(n, {}) for n in ("js", "python")):
+        ratio = d["python"]["ms_per_bucket"] / d["js"]["ms_per_bucket"]
+        print(f"\ndigits MLP in the tab: js is **{ratio:.1f}x** python per bucket (goal >= 10x: "
+              f"{'met' if ratio >= 10 else 'not met'})")
 
 
 # ---------------------------------------------------------------- shares (PROTOCOL.md, "Shares")
@@ -200,7 +367,7 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dic
         s0 = c.state()["step"]
         wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "warm-up rounds", interval_s=0.2)
         native1 = shares_window(c, window_s)
-        page = open_tab(chromium, url)
+        page = open_tab(chromium, url, query="&backend=python")
         wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
         tab_hex = f"{tc(page)['id']:08x}"
         s0 = c.state()["step"]
@@ -249,7 +416,7 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, rounds: int = 
     page = None
     try:
         url = c.serve("--global-batch", str(global_batch))
-        page = open_tab(chromium, url)
+        page = open_tab(chromium, url, query="&backend=python")
         wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, 300, "the tab alone, one round done")
         s = tc(page)["step"]
         wait_for(lambda: tc(page)["step"] > s, 300, "a round boundary", interval_s=0.02)
@@ -309,16 +476,24 @@ def main() -> int:
     ap.add_argument("--big-global-batch", type=int, default=20000,
                     help="shares rows: a global batch whose native round takes >= 50 ms")
     ap.add_argument("--shares-only", action="store_true", help="only the shares rows")
+    ap.add_argument("--kernels-only", action="store_true", help="only the compute-backend rows")
+    ap.add_argument("--kernel-seconds", type=float, default=2.0, help="timing per backend and model (s)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "bench_tab.json"))
     a = ap.parse_args()
-    chromium = Chromium()
+    chromium = Chromium(extra_flags=["--enable-unsafe-webgpu"])   # WebGPU (SwiftShader here)
     try:
         version = chromium.call("Browser.getVersion")["product"]
+        kernels = None if a.shares_only else kernels_main(chromium, a.kernel_seconds)
+        if a.kernels_only:
+            print(f"\n{version}")
+            print_kernels(kernels)
+            return 0
         shares = shares_main(chromium, a)
         results = [] if a.shares_only else [
-            cohort(k, a.window, a.warmup, chromium)
-            for k in ("mixed", "native-only", "tab-only", "mixed, tab hidden", "tab-only, 1 hidden",
-                      "native-only, mesh", "mixed, mesh", "tab-only, mesh")]
+            cohort(k, a.window, a.warmup, chromium, b)
+            for k, b in (("mixed", "js"), ("native-only", None), ("tab-only", "python"), ("tab-only", "js"),
+                         ("tab-only", "webgpu"), ("mixed, tab hidden", "js"), ("tab-only, 1 hidden", "js"),
+                         ("native-only, mesh", None), ("mixed, mesh", "js"), ("tab-only, mesh", "js"))]
     finally:
         chromium.close()
     if a.shares_only:
@@ -331,11 +506,11 @@ def main() -> int:
         return 0
     by = {r["cohort"]: r for r in results}
     for r in results:  # against the native-only cohort of the same topology
-        native_rps = by["native-only, mesh" if r["cohort"].endswith("mesh") else "native-only"]["rounds_per_s"]
+        native_rps = by["native-only, mesh" if r["kind"].endswith("mesh") else "native-only"]["rounds_per_s"]
         r["vs_native"] = r["rounds_per_s"] / native_rps if native_rps else None
     joins = [r["join"] for r in results if "join" in r]
     doc = {"bench": "bench_tab", "chromium": version, "python": platform.python_version(),
-           "window_s": a.window, "warmup_rounds": a.warmup, "cohorts": results, "shares": shares,
+           "window_s": a.window, "warmup_rounds": a.warmup, "cohorts": results, "shares": shares, "kernels": kernels,
            "join_over_pyodide_boot": [j["page_to_first_bucket_s"] / j["pyodide_boot_s"] for j in joins]}
     pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -356,6 +531,21 @@ def main() -> int:
             j = r["join"]
             print(f"| {r['cohort']} | {j['pyodide_boot_s']:.2f} | {j['page_to_joined_s']:.2f} | {j['page_to_ready_s']:.2f} | "
                   f"{j['page_to_first_bucket_s']:.2f} | {j['page_to_first_bucket_s'] / j['pyodide_boot_s']:.2f} |")
+    tj = by.get("tab-only (js)")
+    if tj and tj.get("vs_native") is not None:
+        print(f"\ntab-only cohort on js / native-only: **{tj['vs_native']:.2f}** (goal >= 0.5: "
+              f"{'met' if tj['vs_native'] >= 0.5 else 'not met'}); on python "
+              f"{by['tab-only (python)']['vs_native']:.2f}, on webgpu {by['tab-only (webgpu)']['vs_native']:.2f}")
+    prof = (tj or {}).get("profile")
+    if prof and prof.get("worker"):
+        print(f"\n*where a tab-only (js) round goes: sampled CPU profile (200 µs) of one tab's worker (4 s) and page "
+              f"(3 s) while training, {prof['rounds_per_s']:.0f} rounds/s during the profiles (the profiler slows it)*\n")
+        cats = list(prof["worker"]) + [k for k in prof["page"] if k not in prof["worker"]]
+        print("| thread | " + " | ".join(cats) + " |")
+        print("|---|" + "---:|" * len(cats))
+        for th in ("worker", "page"):
+            print(f"| {th} | " + " | ".join(f"{prof[th].get(k, 0) * 100:.1f} %" for k in cats) + " |")
+    print_kernels(kernels)
     print_shares(shares)
     print(f"\nJSON: {a.json}")
     return 0

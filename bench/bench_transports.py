@@ -1,6 +1,6 @@
 """Transports, measured in one run on this machine (ratios, never bare times across runs):
 
-1. goodput of our bus over an aiortc data channel (RtcMeshBus, two ranks via a local server)
+1. goodput of our bus over an aiortc data channel (the mesh bus, two ranks via a local server)
    vs a raw aiortc data channel (256 KiB messages, same flow control), same payload volume.
    Both ends run in this one process, so the transfer is CPU-bound: besides the wall-clock
    goodput ratio (which swings with machine load, 0.66..1.08 between back-to-back pairs at load 5
@@ -76,12 +76,12 @@ async def raw_goodput(total_bytes: int, msg_bytes: int = 262144) -> tuple[float,
 
 
 async def bus_goodput(total_bytes: int) -> tuple[float, float, float]:
-    """(payload bytes/s, wire bytes/s, CPU s per payload MB) of round messages over an RtcMeshBus pair."""
+    """(payload bytes/s, wire bytes/s, CPU s per payload MB) of round messages over a mesh bus pair."""
     from aiohttp import web
     from tabcohort_server import JobConfig, ServerConfig
     from tabcohort_server.app import create_app
 
-    from tabcohort.bus.rtc import RtcMeshBus
+    from tabcohort.bus.aio import mesh_bus
 
     app = create_app(ServerConfig(rooms={"b": JobConfig(dataset="synthetic", topology="mesh")}))
     runner = web.AppRunner(app)
@@ -89,12 +89,12 @@ async def bus_goodput(total_bytes: int) -> tuple[float, float, float]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/rooms/b/ws"
-    x = RtcMeshBus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
+    x = mesh_bus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
     await x.connect()
-    y = RtcMeshBus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
+    y = mesh_bus(url, host_addresses=LOOPBACK, idle_timeout_s=None)
     await y.connect()
     end = time.monotonic() + 20
-    while not (x.links() == {y.id: "rtc"} and y.links() == {x.id: "rtc"}):
+    while not (x.paths() == {y.id: "rtc"} and y.paths() == {x.id: "rtc"}):
         if time.monotonic() > end:
             raise RuntimeError("channel did not open")
         await asyncio.sleep(0.01)

@@ -5,8 +5,8 @@ As a script this is one *process* of a benchmark, started by the orchestrator ag
 ``tabcohort serve`` on loopback:
 
 - ``rank``: a real :class:`RankMachine` driven by the real asyncio driver over a real bus
-  (``ws-star``: WsBus; ``rtc-star``: RtcStarBus, aiortc data channel to the server;
-  ``rtc-mesh``: RtcMeshBus, aiortc data channels between ranks) with a :class:`ToyWorker`
+  (``ws-star``: the star bus on the WebSocket; ``rtc-star``: the star bus on an aiortc data
+  channel to the server; ``rtc-mesh``: the mesh bus, aiortc data channels between ranks) with a :class:`ToyWorker`
   whose bucket takes ``--compute-ms`` of awaited time. Every ``--sample-ms`` it appends one JSON
   line to ``--out``: wall time ``t`` (``time.time()``, shared by every process on the machine),
   ``step``, ``reduced`` (buckets that entered a reduce here, i.e. while leading), ``calls``
@@ -14,8 +14,8 @@ As a script this is one *process* of a benchmark, started by the orchestrator ag
 - ``raw``: the same link with nothing of ours in between, to measure its round trip: a
   pre-encoded chunk (header + a tiny ``grad``) ping-ponged between two processes. ``ws-star``
   uses bare aiohttp WebSocket clients against the server's relay (register, then binary
-  frames); ``rtc-star`` sends on the RtcStarBus's aiortc channel and receives in its message
-  callback (the server relays as for the protocol); ``rtc-mesh`` sends on the RtcMeshBus's
+  frames); ``rtc-star`` sends on the star bus's aiortc channel and receives in its message
+  callback (the server relays as for the protocol); ``rtc-mesh`` sends on the mesh bus's
   peer-to-peer aiortc channel and receives in its callback. ``--role echo`` answers every chunk (it writes ``--out``.ready once it can, and only then is
   the pinger started: a ping lost before that would shift every later reply);
   ``--role ping`` sends ``--count`` pings back to back (after 20 unmeasured ones) and writes
@@ -45,7 +45,7 @@ for _p in (ROOT / "client_py", ROOT / "server", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-LINKS = ("ws-star", "rtc-star", "rtc-mesh")
+LINKS = ("ws-star", "rtc-star", "rtc-mesh", "tcp-mesh")
 LOOPBACK = ["127.0.0.1"]
 JOB = "bench-links"
 
@@ -53,7 +53,8 @@ JOB = "bench-links"
 # ---------------------------------------------------------------------------- orchestration
 def serve_args(link: str) -> list[str]:
     """``tabcohort serve`` arguments for a room that serves ``link``."""
-    base = ["--dataset", "synthetic", "--report-interval", "5"]
+    # (the benchmark's ranks are its own processes without the trainer token: a trusted group)
+    base = ["--dataset", "synthetic", "--report-interval", "5", "--any-rank-may-lead"]
     if link == "rtc-star":
         return base + ["--rtc-hosts", "127.0.0.1"]
     if link == "rtc-mesh":
@@ -143,20 +144,22 @@ def percentile(xs: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------------------- in the process
 def make_bus(link: str, url: str, **kw: Any) -> Any:
+    from tabcohort.bus.aio import direct_bus, mesh_bus, star_bus
+    if link == "tcp-mesh":   # a star room; every pair of native ranks on its direct TCP path
+        return direct_bus(url, direct_host="127.0.0.1", **kw)
     if link == "ws-star":
-        from tabcohort.bus.ws import WsBus
-        return WsBus(url, **kw)
-    from tabcohort.bus.rtc import RtcMeshBus, RtcStarBus
+        return star_bus(url, **kw)
+    if link.startswith("ws-star:"):   # ws-star:BYTES, chunks of at most BYTES on the WebSocket
+        return star_bus(url, max_message_bytes=int(link.split(":", 1)[1]), **kw)
     if link == "rtc-star":
-        return RtcStarBus(url, host_addresses=LOOPBACK, **kw)
+        return star_bus(url, link="rtc", host_addresses=LOOPBACK, **kw)
     if link == "rtc-mesh":
-        return RtcMeshBus(url, host_addresses=LOOPBACK, **kw)
+        return mesh_bus(url, host_addresses=LOOPBACK, **kw)
     raise ValueError(f"unknown link {link!r}; expected one of {LINKS}")
 
 
 def _links(bus: Any) -> dict:
-    f = getattr(bus, "links", None)
-    return {f"{k:08x}": v for k, v in f().items()} if callable(f) else {"server": "ws"}
+    return {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.paths().items()}
 
 
 def _stop_event(max_s: float) -> asyncio.Event:
@@ -265,23 +268,24 @@ async def run_raw(a: argparse.Namespace) -> None:
         await bus.connect()
         my_id = bus.id
         if a.link == "rtc-star":
-            if not bus.rtc_up:
-                raise RuntimeError(f"the star channel did not open: {bus.rtc_why}")
-            send = bus.channel.send
-            bus.on_chunk = lambda data: on_chunk(data, bus.channel.send, my_id)
+            if bus.paths()[0] != "rtc":
+                raise RuntimeError(f"the star channel did not open: {bus.path.why}")
+
+            def send(c: bytes) -> None:
+                bus.channel.send([c])
+            # the raw channel callback (the bus is the channel's listener), nothing of ours after it
+            bus.channel_chunk = lambda ch, data: on_chunk(data, send, my_id)
+            bus.relay_sink = lambda data: None   # chunks relayed over the socket: not measured
             peer_ready = lambda: next(iter(bus.peers), None)  # noqa: E731
         else:
-            def on_rtc(lk: Any, data: bytes) -> None:
-                on_chunk(data, lk.channel.send, my_id)
-            bus._on_rtc_chunk = on_rtc           # the raw channel callback, nothing of ours after it
-            bus.ws.on_chunk = lambda data: None  # nothing may arrive on the relay
-
             def peer_ready() -> int | None:
-                up = [k for k, lk in bus.links_.items() if lk.kind == "rtc"]
+                up = [k for k, v in bus.paths().items() if v == "rtc"]
                 return up[0] if up else None
 
             def send(c: bytes) -> None:
-                bus.links_[peer_ready()].channel.send(c)
+                bus.channel_of[peer_ready()].send([c])
+            bus.channel_chunk = lambda ch, data: on_chunk(data, send, my_id)   # the raw channel callback
+            bus.relay.relay_sink = lambda data: None  # nothing may arrive on the relay
         links = _links(bus)
 
         async def close() -> None:

@@ -12,7 +12,8 @@ Sections of benchmarks not in this run (``--only``) stay as they were, dated. ``
 leaves README.md alone. Benchmarks whose optional dependencies
 are missing say so: bench_pg's gloo column without torch, in its output; bench_tab without a local
 Pyodide (``npm ci``) or Chromium, and bench_anchors without torch, are skipped with the reason.
-A benchmark still running after 30 minutes is stopped and reported as failed.
+A benchmark still running after 30 minutes (``TABCOHORT_BENCH_TIMEOUT_S``) is stopped and reported
+as failed.
 
 The link benchmarks (``links``, ``overhead``, ``server_scale``) start a real server and rank
 processes on loopback; together they take about 6-8 minutes on 2 shared cores (``--only
@@ -28,6 +29,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,13 +48,27 @@ BENCHES = {
     "links": ("bench_links.py", [], ["--seconds", "3"]),
     "overhead": ("bench_overhead.py", [], ["--seconds", "2", "--pings", "200"]),
     "server_scale": ("bench_server_scale.py", [], ["--phase-s", "5"]),
+    "scale": ("bench_scale.py", [], ["--quick"]),
+    "cluster": ("bench_cluster.py", [], ["--pings", "200", "--connects", "10"]),
     "pg": ("bench_pg.py", [], ["--iters", "5"]),
     "tab": ("bench_tab.py", [], []),
     "anchors": ("bench_anchors.py", [], ["--steps", "5", "--seconds", "4"]),
+    "local_steps": ("bench_local_steps.py", [], ["--quick"]),
+    "local_steps_relay": ("bench_local_steps_relay.py", [], ["--hs", "1,16", "--window-s", "5"]),
 }
 
 #: name -> (README heading, what it measures): the generated block's text around each table
 ABOUT = {
+    "local_steps": ("Local steps", "DiLoCo-style rounds (docs/PROTOCOL.md \"Local steps and optimizer "
+                    "state\"): 4 ranks of the digits MLP, then of the CNN module job (examples/jobs/cnn_digits.py), in the simulation, compute time per sample measured "
+                    "at the start of the run, every link throttled (bytes/s and delay) and unthrottled; time "
+                    "to a held-out accuracy target and bytes per applied sample for each H, as ratios to H = 1 "
+                    "in the same run."),
+    "local_steps_relay": ("Local steps over the real relay", "a real server and four real rank processes "
+                          "(the digits MLP, a global batch of 64, at most 16 samples per rank), each rank "
+                          "behind its own shaped TCP link (bench/throttle.py: bytes/s and delay each way, "
+                          "the simulator's link knob): applied samples/s and link bytes per applied sample "
+                          "in a window after the cohort formed, for each H, as ratios to H = 1 in the same run."),
     "wire": ("Wire", "a `round` frame's encoded size per precision relative to f32, and the stdlib codec's "
              "throughput relative to numpy's (the tab's pure-Python path vs the native one)."),
     "hetero": ("Heterogeneous cohorts", "speed-proportional shares of a fixed global batch (docs/PROTOCOL.md "
@@ -76,17 +92,30 @@ ABOUT = {
                  "round trip of a pre-encoded chunk on the same path."),
     "server_scale": ("Server scale", "simulated ranks added in stages to one room: relayed frames/s, "
                      "server CPU per relayed frame and an open-loop probe's latency against an idle room."),
+    "scale": ("Cohort size by simulation", "one room of 10, 100 and 1,000 ranks on the discrete-event "
+              "simulator (the production rank machine, virtual time, the in-memory bus) with joins, leaves "
+              "and leader kills: rounds/s, beat messages per rank per second, bytes into the leader per "
+              "round, beats per join and the time to re-elect (README \"Scaling limits\", docs/SCALING.md)."),
+    "cluster": ("Cluster: redirect or proxy", "a rank that reaches a node which does not own its room: "
+                "sent to the owner (4012, what the cluster does) against a WebSocket proxy on that node; "
+                "connect time and a frame's round trip, real redis-server and two `tabcohort serve --redis` "
+                "nodes on loopback (README \"Cluster\")."),
     "pg": ("Process group", "`tabcohort.pg` all_reduce of 1M float32 against torch.distributed with gloo "
            "in the same run (when torch is installed)."),
-    "tab": ("Tabs", "Chromium headless with Pyodide tabs (pure-Python backend) against native ranks on "
-            "the same job: join time, rounds/s of mixed and tab-only cohorts, main-thread long tasks."),
+    "tab": ("Tabs", "Chromium headless (`--enable-unsafe-webgpu`) with Pyodide tabs against native ranks on "
+            "the same job: the grads time per bucket of the tab's webgpu, js and python backends in one tab "
+            "and of numpy natively (the digits MLP and a 1.13M-parameter MLP; webgpu runs on the adapter "
+            "named, here SwiftShader, a CPU implementation: not a GPU's speed), join time, rounds/s of "
+            "mixed and tab-only cohorts per tab backend, main-thread long tasks, shares."),
     "anchors": ("Against gloo and hivemind", "one synchronous step on 1M float32 parameters: a cohort "
-                "round through a real server against gloo (broadcast + reduce, all_reduce) and hivemind's "
-                "averager (optional: torch and hivemind in a venv, `--anchor-python`)."),
+                "round through a real server, over the native ranks' direct TCP paths (`tcp-mesh`) and "
+                "over the WebSocket star (`ws-star`), timed as gloo's broadcast + reduce is (from the "
+                "parameters' send to the reduced update applied), against gloo and hivemind's averager "
+                "(optional: torch and hivemind in a venv, `--anchor-python`)."),
 }
 
 #: a benchmark that runs longer than this is stopped and reported as failed (never a hang)
-TIMEOUT_S = 1800
+TIMEOUT_S = float(os.environ.get("TABCOHORT_BENCH_TIMEOUT_S", "1800"))
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -101,7 +130,7 @@ def measured_section(name: str, script: str, args: list[str], stdout: str, stamp
     title, what = ABOUT.get(name, (name, ""))
     lines = []
     for line in stdout.splitlines():
-        if line.startswith("JSON:") or line.startswith("=== "):
+        if line.startswith(("JSON:", "=== ", "{", "wrote ")):   # machine-readable lines, the JSON path
             continue
         if line.startswith("#"):
             line = "*" + line.lstrip("#").strip() + "*"
@@ -169,6 +198,8 @@ def missing(name: str, repo: pathlib.Path) -> str | None:
         chromium = os.environ.get("TABCOHORT_CHROMIUM", "/usr/bin/chromium")
         if not os.path.exists(chromium):
             return f"{chromium} is missing (apt-get install -y chromium)"
+    if name == "cluster" and shutil.which("redis-server") is None:
+        return "redis-server is not installed (apt-get install redis-server)"
     if name == "anchors":
         import importlib.util
 

@@ -7,9 +7,11 @@
 # Settings (environment):
 #   PORT    listen port (default 8080)
 #   HOST    listen address (default 127.0.0.1; 0.0.0.0 lets other machines on the LAN join)
-#   RANKS   native ranks to start (default 2; 0 = tabs only)
+#   RANKS   native ranks to start (default 2; 0 = tabs only, and then any rank may lead:
+#           serve --any-rank-may-lead, for a group that trusts itself)
 #   STEPS   stop the room at exactly this step (default 0 = until Ctrl-C)
-#   CKPT    checkpoint directory (default .cache/checkpoints; the room's file is digits.ckpt)
+#   CKPT    checkpoint directory (default .cache/checkpoints; the room's newest checkpoint is
+#           digits.ckpt, its history digits.history/, the trainer token .trainer-token)
 #   FRESH   1 (default): start from scratch, deleting the demo room's old checkpoint;
 #           0: resume from it (the page and the operator view say "resumed from step N")
 #   INSTALL 1 (default): run scripts/install.sh first; 0: skip it
@@ -40,7 +42,7 @@ if [ "$INSTALL" = 1 ]; then
 fi
 if [ -f "$CKPT/digits.ckpt" ]; then
   if [ "$FRESH" = 1 ]; then
-    rm -f "$CKPT/digits.ckpt"
+    rm -rf "$CKPT/digits.ckpt" "$CKPT/digits.history"
     echo "[demo] fresh start: removed the previous run's checkpoint (FRESH=0 resumes from it)"
   else
     echo "[demo] resuming from $CKPT/digits.ckpt (FRESH=1 starts from scratch)"
@@ -82,8 +84,10 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
+lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
+[ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
 "$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
-  --steps "$STEPS" --checkpoint-dir "$CKPT" > >(prefix server) 2>&1 &
+  --steps "$STEPS" --checkpoint-dir "$CKPT" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"
@@ -92,6 +96,10 @@ for _ in $(seq 1 100); do   # wait (bounded: 20 s) until the server answers
   alive "$server_pid" || { echo "[demo] the server did not start (see above)" >&2; exit 1; }
   sleep 0.2
 done
+if [ -z "${TABCOHORT_TRAINER_TOKEN:-}" ] && [ -f "$CKPT/.trainer-token" ]; then
+  TABCOHORT_TRAINER_TOKEN="$(cat "$CKPT/.trainer-token")"   # (serve wrote it before it answered)
+  export TABCOHORT_TRAINER_TOKEN
+fi
 for i in $(seq 1 "$RANKS"); do
   # (a process substitution, not a pipe, so that $! is the rank itself, not sed)
   "$PY" -m tabcohort rank --server "$url" --room digits --print-every 5 > >(prefix "rank $i") 2>&1 &

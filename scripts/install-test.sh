@@ -3,7 +3,8 @@
 #   - the package's test extras (pytest and plugins, hypothesis, looptime, Playwright for Python)
 #   - as root on Debian/Ubuntu (apt-get): Debian's Chromium (the browser tier; Playwright drives
 #     it, never `playwright install`), iptables (the cross-namespace DNS-SD tests block multicast
-#     with it), iproute2 (ip netns, ss -K) and util-linux (unshare: private network namespaces)
+#     with it), iproute2 (ip netns, ss -K), util-linux (unshare: private network namespaces) and
+#     redis-server (the cluster tests start a real one: tests/integration/test_cluster.py)
 # The container tier installs Docker itself (tests/container/run.sh).
 # Usage: bash scripts/install-test.sh
 set -euo pipefail
@@ -15,6 +16,7 @@ need=()
 command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
 { command -v ip >/dev/null && command -v ss >/dev/null; } || need+=(iproute2)
 command -v unshare >/dev/null || need+=(util-linux)
+command -v redis-server >/dev/null || [ -x /usr/bin/redis-server ] || need+=(redis-server)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "[install-test] apt-get install ${need[*]}" >&2

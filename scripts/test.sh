@@ -10,13 +10,23 @@
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
+# With no tier named, the CPU-bound tiers that time nothing (unit sim runtime no-numpy | pyodide
+# mutations) run in two lanes at once, one per core, each lane's output printed when it ends; the
+# network tiers (integration pg browser container), whose tests wait on real sockets and timers,
+# then run one at a time on an otherwise idle machine. TABCOHORT_TEST_LANES=1 runs everything in order.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/client_py:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
 common=(-q -p no:cacheprovider --timeout=600)
 tiers=("$@")
-[ ${#tiers[@]} -eq 0 ] && tiers=(unit sim runtime integration pg no-numpy pyodide browser mutations container)
+lanes=0
+if [ ${#tiers[@]} -eq 0 ]; then
+  tiers=(unit sim runtime no-numpy pyodide mutations integration pg browser container)
+  [ "${TABCOHORT_TEST_LANES:-2}" = 1 ] || lanes=1
+fi
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
 
 # Network tests run in a private network namespace holding only `lo` when we can make one (root):
 # deterministic, and nothing they send can leave the machine. Otherwise on the host's loopback.
@@ -29,7 +39,6 @@ netns() {
   fi
 }
 
-declare -A took status
 run_tier() {
   local name=$1; shift
   echo "=== tier $name: $*"
@@ -37,12 +46,13 @@ run_tier() {
   "$@"
   local rc=$?
   [ $rc -eq 5 ] && rc=0   # pytest: no tests collected in this tier
-  took[$name]=$(( $(date +%s) - t0 ))
-  status[$name]=$rc
-  echo "=== tier $name: exit $rc in ${took[$name]} s"
+  local took=$(( $(date +%s) - t0 ))
+  echo "$rc $took" > "$results/$name"
+  echo "=== tier $name: exit $rc in $took s"
 }
 
-for t in "${tiers[@]}"; do
+tier() {
+  local t=$1
   case $t in
     unit) run_tier unit "$PY" -m pytest tests/unit tests/conformance -m "not slow and not integration" "${common[@]}" ;;
     sim) run_tier sim "$PY" -m pytest tests/sim -m "not slow" "${common[@]}" ;;
@@ -61,14 +71,37 @@ for t in "${tiers[@]}"; do
     container) run_tier container bash tests/container/run.sh ;;
     *) echo "unknown tier $t"; exit 2 ;;
   esac
-done
+}
+
+lane() {   # run the named tiers in order, output to a file printed whole when the lane ends
+  local log="$results/lane-$1.log"; shift
+  for t in "$@"; do tier "$t"; done > "$log" 2>&1
+}
+
+t_all=$(date +%s)
+if [ $lanes = 1 ]; then
+  t0=$(date +%s)
+  echo "=== lanes: (unit sim runtime no-numpy) | (pyodide mutations), one per core"
+  lane a unit sim runtime no-numpy & pa=$!
+  lane b pyodide mutations & pb=$!
+  wait $pa; cat "$results/lane-a.log"
+  wait $pb; cat "$results/lane-b.log"
+  echo "=== lanes: done in $(( $(date +%s) - t0 )) s"
+  for t in integration pg browser container; do tier "$t"; done
+else
+  for t in "${tiers[@]}"; do tier "$t"; done
+fi
 
 echo
 echo "tier times:"
 fail=0
 for t in "${tiers[@]}"; do
-  [ -n "${took[$t]:-}" ] || continue
-  printf '  %-12s %4d s  %s\n' "$t" "${took[$t]}" "$([ "${status[$t]}" -eq 0 ] && echo ok || echo FAILED)"
-  [ "${status[$t]}" -eq 0 ] || fail=1
+  if [ ! -f "$results/$t" ]; then   # (a tier that left no result did not run: a failure)
+    printf '  %-12s    - s  NOT RUN\n' "$t"; fail=1; continue
+  fi
+  read -r rc took < "$results/$t"
+  printf '  %-12s %4d s  %s\n' "$t" "$took" "$([ "$rc" -eq 0 ] && echo ok || echo FAILED)"
+  [ "$rc" -eq 0 ] || fail=1
 done
+printf '  %-12s %4d s\n' "wall" "$(( $(date +%s) - t_all ))"
 exit $fail

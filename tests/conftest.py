@@ -64,7 +64,13 @@ ALLOWED_SKIPS: list[tuple[str, Any, str]] = [
      "native-only packages do not exist in Pyodide"),
     (r"^import-linter is a test extra", lambda: sys.platform == "emscripten",
      "the architecture check runs natively (Pyodide has no subprocesses)"),
+    (r"^the worker's JS runs natively under Node", lambda: sys.platform == "emscripten",
+     "the page worker's JavaScript is tested under Node natively"),
     (r"^needs a runnable asyncio loop", lambda: sys.platform == "emscripten", "Pyodide cannot run a loop to completion"),
+    (r"^glibc's allocator: native tiers only", lambda: sys.platform == "emscripten",
+     "a tab's Python runs on Emscripten's allocator, which tabcohort._alloc leaves alone"),
+    (r"^sockets: native tiers only", lambda: sys.platform == "emscripten",
+     "the direct path's TCP sockets exist natively only (a tab never opens one)"),
     (r"^numpy is importable in this tier$", lambda: not _no_numpy(), "the check of the no-numpy tiers' setup"),
     (r"^numpy disabled by TABCOHORT_NO_NUMPY only$", lambda: True, "the check of the block itself, not the variable"),
 ]

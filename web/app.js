@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
   stopped: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
-tc.leaderView = { speeds: {} };  // the room leader's measured samples/s by rank (its report)
+tc.leaderView = { speeds: {}, quarantined: {} };  // the room leader's measured samples/s by rank (its report)
 const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
 setPhase("starting");
 
@@ -34,7 +34,8 @@ const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: tru
 
 async function main() {
   // the page's own options are checked before anything loads (a bad one names itself)
-  const allowed = { link: ["ws", "rtc"], autostart: ["0", "1"], numpy: ["on", "off"], "rtc-loopback": ["0", "1"] };
+  const allowed = { link: ["ws", "rtc"], autostart: ["0", "1"], numpy: ["on", "off"], "rtc-loopback": ["0", "1"],
+    backend: ["auto", "webgpu", "numpy", "js", "python"], "gpu-test": ["bad-wgsl"] };
   for (const [k, vals] of Object.entries(allowed)) {
     const v = params.get(k);
     if (v !== null && !vals.includes(v)) return fail("config", `?${k}=${v}: expected ${vals.join(" or ")}.`);
@@ -49,9 +50,16 @@ async function main() {
   let room = params.get("room");
   if (!room) {
     const rooms = await getJSON("/api/rooms");
-    room = rooms.body && rooms.body.rooms && rooms.body.rooms[0] && rooms.body.rooms[0].room;
+    const list = (rooms.body && rooms.body.rooms) || [];
+    // in a cluster (README "Cluster") prefer a room this node serves; else go to the room's owner
+    const pick = list.find((r) => !r.owner_url || r.owner_url === location.origin) || list[0];
+    room = pick && pick.room;
     if (!room) return fail("room", "This server has no room to join.");
+    if (pick.owner_url && pick.owner_url !== location.origin && followOwner(pick.owner_url, room)) return;
   }
+  // a tab whose node died (README "Cluster"): served by another node, wait here until a live
+  // node owns the room, then train there
+  if (params.get("failover") && !(await awaitNewOwner(room, params.get("failover")))) return;
   $("room-name").textContent = `room ${room}`;
   document.title = `tabcohort: room ${room}`;
   $("operator-link").href = `/operator?room=${encodeURIComponent(room)}${token ? `&token=${encodeURIComponent(token)}` : ""}`;
@@ -63,17 +71,37 @@ async function main() {
   const resumed = check.body && check.body.resumed_from_step;
   if (Number.isInteger(resumed)) {
     tc.resumedFrom = resumed;
-    note(`This room is resuming from its checkpoint at step ${resumed}: its curves start there, not at a fresh model.`);
+    const rf = check.body.resumed_from;
+    const cid = rf && typeof rf.id === "string" ? ` (${rf.id})` : "";
+    note(`This room is resuming from its checkpoint at step ${resumed}${cid}: its curves start there, not at a fresh model.`);
   }
   note(`Python runtime: Pyodide ${boot.body.pyodide.version} from ${boot.body.pyodide.source === "local" ? "this server" : "the public CDN (no local copy on the server)"}.`);
   tc.bootInfo = boot.body;
   // a follower measures no speeds: read the leader's from the room's reports every 2 s
+  // in a cluster: the other live nodes, and how many polls in a row this page's node missed
+  let peers = [], misses = 0, polls = 0;
   const pollLeader = async () => {
     const r = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
+    misses = r.unreachable ? misses + 1 : 0;
+    if (!r.unreachable && polls++ % 5 === 0) {
+      const all = await getJSON("/api/rooms");
+      const nodes = all.body && Array.isArray(all.body.nodes) ? all.body.nodes : [];
+      peers = nodes.map((n) => originOf(n && n.url)).filter((o) => o && o !== location.origin);
+    }
+    if (misses >= FAILOVER_MISSES && peers.length) {   // this node is gone: another one takes the room
+      const u = new URLSearchParams(location.search);
+      u.set("room", room);
+      u.set("failover", location.origin);
+      status("This page's server stopped answering: moving to another node of the cluster…");
+      location.assign(`${peers[0]}${location.pathname}?${u.toString()}`);
+      return;
+    }
     const ranks = r.body && Array.isArray(r.body.ranks) ? r.body.ranks : [];
     const lead = ranks.find((x) => x && x.connected && x.report && x.report.is_leader);
     const sp = lead && lead.report.speeds;
     tc.leaderView.speeds = sp && typeof sp === "object" ? sp : {};
+    const qu = lead && lead.report.quarantined;
+    tc.leaderView.quarantined = qu && typeof qu === "object" ? qu : {};
     if (r.status !== 403 && r.status !== 404) setTimeout(pollLeader, 2000);
   };
   setTimeout(pollLeader, 2000);
@@ -114,6 +142,8 @@ async function main() {
         };
         ws.onclose = (e) => {
           if (sockets.get(d.link) === ws) sockets.delete(d.link);
+          // 4012: another node of the cluster owns the room; the reason is its base URL
+          if (e.code === 4012 && followOwner(e.reason, new URLSearchParams(location.search).get("room"))) return;
           post({ k: "ws-closed", link: d.link, code: e.code, reason: e.reason });
         };
         break;
@@ -157,10 +187,11 @@ async function main() {
   post({ k: "boot", cfg: { base: location.origin, room, token: token || null, boot: boot.body,
     autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
     batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null, link: params.get("link") || null,
+    backend: params.get("backend") || "auto", gpuTest: params.get("gpu-test") || null,
     mode: params.get("mode") || null } });  // mode=conformance: tests only (tests/browser/page_harness.py)
 }
 
-// WebRTC mesh links (tabcohort.bus.browser.BrowserMeshBus drives them from the worker): one
+// WebRTC mesh links (tabcohort.bus.page.PageConnector drives them from the worker): one
 // RTCPeerConnection and one ordered, reliable, binary data channel per peer. Offers and answers
 // carry complete SDP (we wait for ICE gathering, bounded), so aiortc peers need no trickle.
 // With ?rtc-loopback=1 the page first takes media permission: Chromium offers loopback host
@@ -298,6 +329,17 @@ function onPy(m) {
       setPhase("training");
       status(`Joined as rank ${hex(m.id)}.`);
       break;
+    case "job": renderJob(m); break;
+    case "download": {
+      tc.download = m;
+      $("job-dl").hidden = m.got >= m.total;
+      $("job-dl-label").textContent = `Downloading the job's ${m.what === "code" ? "code" : "data"}: ` +
+        `${fmtBytes(m.got)} of ${fmtBytes(m.total)}`;
+      $("job-progress").max = Math.max(1, m.total);
+      $("job-progress").value = Math.min(m.got, m.total);
+      if (m.cached) note(`The job's ${m.what} (${fmtBytes(m.total)}) came from this browser's cache.`);
+      break;
+    }
     case "state": render(m.state); break;
     case "error": fail(m.kind || "error", m.text); break;
     case "stopped":
@@ -311,11 +353,27 @@ function onPy(m) {
   }
 }
 
+// a module job (README "Write your own job"): which one, its size and hash; text only, never markup
+function renderJob(m) {
+  tc.job = m;
+  const e = $("job");
+  e.hidden = false;
+  const size = `code ${fmtBytes(m.code_bytes)}, data ${fmtBytes(m.data_bytes)}`;
+  const what = `Job ${m.name} (${size}; code sha256 ${String(m.code_sha256).slice(0, 12)}, ` +
+    `data sha256 ${String(m.data_sha256).slice(0, 12)})`;
+  e.textContent = m.status === "failed" ? `${what}: failed to load.` :
+    m.status === "ready" ? `${what}: ready, computing on ${m.backend}.` : `${what}: loading.`;
+  if (m.status !== "loading") $("job-dl").hidden = true;
+}
+
 function render(s) {
   tc.state = s;
   tc.maxCohort = Math.max(tc.maxCohort, s.cohort || 0);
   $("s-id").textContent = hex(s.id);
-  $("s-role").textContent = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
+  // the role the server bound to this tab's link (docs/PROTOCOL.md "Roles"), then what it does now
+  const bound = s.may_lead === true ? "may lead" : s.may_lead === false ? "contributes" : null;
+  const doing = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
+  $("s-role").textContent = bound ? `${doing} (${bound})` : doing;
   $("s-role").className = s.is_leader ? "leader" : "";
   $("s-cohort").textContent = s.cohort;
   $("s-step").textContent = s.step;
@@ -334,7 +392,9 @@ function render(s) {
   $("s-bytes").textContent = `${fmtBytes(s.wire_bytes_per_s)}/s`;
   $("s-precision").textContent = s.precision;
   $("s-policy").textContent = s.policy ? `${s.policy.n}, ${s.policy.quorum}, ${s.policy.beat_ms} ms` : "–";
-  $("s-backend").textContent = `${s.backend} (${s.transport})`;
+  $("s-backend").textContent = `${s.backend}${s.backend === "webgpu" && s.adapter ? ` on ${s.adapter}` : ""} (${s.transport})`;
+  const bn = $("s-backend-note");
+  if (bn.textContent !== (s.backend_note || "")) { bn.textContent = s.backend_note || ""; bn.hidden = !s.backend_note; }
   const drops = Object.entries(s.wire_drops || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);
   $("s-fault").textContent = [s.fault, ...drops].filter(Boolean).join("; ") || "none";
   lossChart.push(s.step, s.loss);
@@ -343,7 +403,8 @@ function render(s) {
     $("start").disabled = s.running;
     $("stop").disabled = !s.running;
   }
-  const lead = !!s.is_leader && !s.final;
+  // the lr / precision controls: only on a tab the server lets lead (an open room's tabs contribute)
+  const lead = !!s.is_leader && !s.final && s.may_lead !== false;
   const form = $("leader-controls");
   if (form.hidden === lead) {
     form.hidden = !lead;
@@ -357,14 +418,18 @@ function render(s) {
   // those of the room's leader report (docs/PROTOCOL.md, "Shares")
   const shares = s.shares || {};
   const speeds = s.is_leader ? s.speeds || {} : tc.leaderView.speeds;
-  const shareText = (k) => (Object.hasOwn(shares, k) ? `${shares[k]} of ${s.global_batch ?? "–"}` : "none");
+  const quar = s.is_leader ? s.quarantined || {} : tc.leaderView.quarantined;
+  const shareText = (k) => (Object.hasOwn(quar, k) ? "quarantined by the leader"
+    : Object.hasOwn(shares, k) ? `${shares[k]} of ${s.global_batch ?? "–"}` : "none");
   $("s-share").textContent = `${shareText(hex(s.id))}, ${num(speeds[hex(s.id)], 0)} samples/s measured`;
   $("s-epoch").textContent = s.epoch === null || s.epoch === undefined ? "–" : num(s.epoch, 2);
   const links = new Map((s.links || []).map((l) => [l.peer, l]));
+  const roles = s.roles && typeof s.roles === "object" ? s.roles : {};
   // peer data is untrusted (any rank sends its own backend string): text nodes only, never markup
   const rows = (s.peers || []).map((p) => {
     const l = links.get(p.id) || { transport: s.transport, sent: 0, received: 0 };
-    return row([`${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}`, p.backend || "–", l.transport,
+    const role = roles[hex(p.id)] === true ? ", may lead" : roles[hex(p.id)] === false ? ", contributes" : "";
+    return row([`${hex(p.id)}${p.id === s.leader ? " (leader)" : ""}${role}`, p.backend || "–", l.transport,
       fmtBytes(l.sent), fmtBytes(l.received), shareText(hex(p.id)), num(speeds[hex(p.id)], 0)]);
   });
   document.querySelector("#peers tbody").replaceChildren(...(rows.length ? rows : [row(["no peers yet"], 7)]));
@@ -383,3 +448,52 @@ function row(cells, span) {
 }
 
 main().catch((e) => fail("page", `The page failed: ${e.message || e}`));
+
+// Go to the page of the room at the cluster node that owns it (a 4012 close reason or the room
+// list's owner_url). Only an http(s) origin is followed; the query (room, token) is kept.
+function followOwner(ownerUrl, room) {
+  const origin = originOf(ownerUrl);
+  if (!origin || origin === location.origin) return false;
+  const q = new URLSearchParams(location.search);
+  if (room) q.set("room", room);
+  q.delete("failover");
+  location.assign(`${origin}${location.pathname}?${q.toString()}`);
+  return true;
+}
+
+// polls (2 s apart) this page's node may miss before the page moves to another node
+const FAILOVER_MISSES = 3;
+// how long a page that moved waits for a live node to own its room
+const FAILOVER_WAIT_MS = 120000;
+
+function originOf(url) {
+  let u;
+  try { u = new URL(String(url)); } catch (_) { return null; }
+  return u.protocol === "http:" || u.protocol === "https:" ? u.origin : null;
+}
+
+// The page came here (?failover=ORIGIN) because the node at ORIGIN stopped answering: wait until
+// the cluster names another owner of the room; true once it is this node (train here), false
+// when the page went on to the owner or gave up (it says why).
+async function awaitNewOwner(room, dead) {
+  const gone = originOf(dead);
+  const t0 = Date.now();
+  while (Date.now() - t0 < FAILOVER_WAIT_MS) {
+    const r = await getJSON("/api/rooms");
+    const list = (r.body && Array.isArray(r.body.rooms)) ? r.body.rooms : [];
+    const entry = list.find((x) => x && x.room === room);
+    const owner = entry && originOf(entry.owner_url);
+    if (owner && owner !== gone) {
+      if (owner !== location.origin) return !followOwner(owner, room);
+      const q = new URLSearchParams(location.search);
+      q.delete("failover");
+      history.replaceState(null, "", `${location.pathname}?${q.toString()}`);
+      note(`The node this page came from (${gone || "unknown"}) stopped answering; this node took the room over.`);
+      return true;
+    }
+    status(`The node this page came from stopped answering; waiting for another node to take the room over (${Math.round((Date.now() - t0) / 1000)} s)…`);
+    await new Promise((res) => setTimeout(res, 1000));
+  }
+  fail("unreachable", `No node of the cluster took the room over within ${FAILOVER_WAIT_MS / 1000} s.`);
+  return false;
+}

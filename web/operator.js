@@ -12,6 +12,19 @@ const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 // any value as a string, for a text node (objects as JSON, so nothing is ever parsed as markup)
 const text = (v) => (typeof v === "object" && v !== null ? JSON.stringify(v) : String(v));
+// a rank's paths to its peers (its report's links: tcp, rtc, relay, connecting) and the bytes
+// each kind carried (link_bytes): counted and formatted here, shown as text
+function pathsCell(p) {
+  const links = (p.links && typeof p.links === "object") ? p.links : {};
+  const n = {};
+  for (const [peer, kind] of Object.entries(links)) {
+    if (peer !== "server") n[text(kind)] = (n[text(kind)] || 0) + 1;
+  }
+  const lb = (p.link_bytes && typeof p.link_bytes === "object") ? p.link_bytes : {};
+  const parts = Object.keys(n).sort().map((k) => `${k} ${n[k]}${Number.isFinite(lb[k]) ? ` (${fmtBytes(lb[k])})` : ""}`);
+  if (!n.relay && Number.isFinite(lb.relay) && lb.relay > 0) parts.push(`relay (${fmtBytes(lb.relay)})`);
+  return parts.length ? parts.join(", ") : "–";
+}
 
 function operatorToken() {
   const h = new URLSearchParams(location.hash.slice(1)).get("operator");
@@ -99,7 +112,8 @@ async function stopRoom(room) {
 }
 
 function render(s, q) {
-  const resumed = Number.isInteger(s.resumed_from_step) ? ` Resuming from the checkpoint at step ${s.resumed_from_step}.` : "";
+  const from = s.resumed_from && typeof s.resumed_from.id === "string" ? ` (${s.resumed_from.id})` : "";
+  const resumed = Number.isInteger(s.resumed_from_step) ? ` Resuming from the checkpoint at step ${s.resumed_from_step}${from}.` : "";
   $("status").textContent = (s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`) + resumed;
   $("r-n").textContent = `${s.n_connected} (+${s.n_reserved} reserved)`;
   $("r-leader").textContent = hex(s.leader);
@@ -124,6 +138,16 @@ function render(s, q) {
   const lr = (lead && lead.report) || {};
   const shares = lr.shares && typeof lr.shares === "object" ? lr.shares : {};
   const speeds = lr.speeds && typeof lr.speeds === "object" ? lr.speeds : {};
+  // untrusted ranks (docs/PROTOCOL.md): quarantined (seconds left), silent, buckets clipped
+  const quar = lr.quarantined && typeof lr.quarantined === "object" ? lr.quarantined : {};
+  const silent = Array.isArray(lr.silent) ? lr.silent : [];
+  const clipped = lr.clipped && typeof lr.clipped === "object" ? lr.clipped : {};
+  const shareCell = (k) => {
+    if (Object.hasOwn(quar, k)) return `quarantined (${num(quar[k], 0)} s left)`;
+    const base = Object.hasOwn(shares, k) ? text(shares[k]) : lead ? "none" : "–";
+    const extra = [silent.includes(k) ? "silent: probed only" : "", Object.hasOwn(clipped, k) ? `${text(clipped[k])} clipped` : ""];
+    return [base, ...extra.filter(Boolean)].join(", ");
+  };
   $("r-batch").textContent = lead ? `${text(lr.global_batch ?? "–")} samples a round, epoch ${num(lr.epoch, 2)}` : "–";
   // every value here comes from a rank's report (untrusted): text nodes only, never markup
   const rows = s.ranks.map((r) => {
@@ -133,24 +157,29 @@ function render(s, q) {
     cell(text(r.id_hex));
     cell(p.kind === "tab" ? "tab (browser)" : p.kind === "native" ? "native" : "–");
     cell(r.connected ? "yes" : "no");
-    if (p.is_leader) { const sp = document.createElement("span"); sp.className = "leader"; sp.textContent = "leader"; cell(sp); }
-    else cell(p.ready ? "follower" : p.running ? "joining" : "–");
+    // what it does (its report) and the role the server bound to its link (never its own claim)
+    const bound = ` (${r.may_lead ? "may lead" : "contributes"})`;
+    if (p.is_leader) {
+      const sp = document.createElement("span"); sp.className = "leader"; sp.textContent = "leader";
+      const td = document.createElement("td"); td.append(sp, bound); tr.append(td);
+    } else cell((p.ready ? "follower" : p.running ? "joining" : "–") + bound);
     cell(text(p.step ?? "–"));
     cell(text(p.cohort ?? "–"));
     cell(sig(p.loss));
-    cell(text(p.backend ?? "–"));
+    cell([text(p.backend ?? "–"), p.adapter ? ` on ${text(p.adapter)}` : "", p.backend_note ? ` (${text(p.backend_note)})` : ""].join(""));
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
     cell(text(p.precision ?? "–"));
     cell(text(p.fault ?? "none"));
     cell(typeof r.report_age_s === "number" ? r.report_age_s.toFixed(1) + " s" : "–");
-    cell(Object.hasOwn(shares, r.id_hex) ? text(shares[r.id_hex]) : lead ? "none" : "–");
+    cell(shareCell(r.id_hex));
     cell(num(Object.hasOwn(speeds, r.id_hex) ? speeds[r.id_hex] : null, 0));
+    cell(pathsCell(p));
     return tr;
   });
   if (!rows.length) {
     const tr = document.createElement("tr"), td = document.createElement("td");
-    td.colSpan = 15;
+    td.colSpan = 16;
     td.textContent = "no ranks yet";
     tr.append(td);
     rows.push(tr);

@@ -1,8 +1,9 @@
 """The ``tabcohort`` command line (argparse, stdlib: the client package stays dependency-free).
 
 Subcommands: ``simulate`` (an in-process cohort), ``serve`` (the server; imports
-``tabcohort_server`` lazily) and ``rank`` (a native rank that joins a room on a server).
-README.md ("Set up and run") is the user's guide to all three.
+``tabcohort_server`` lazily), ``rank`` (a native rank that joins a room on a server) and
+``evaluate`` (a model export's held-out metrics). README.md ("Set up and run", "Write your own
+job") is the user's guide.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import asyncio
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
+from ._alloc import hold_allocator
 from .errors import ConfigError, TabcohortError
 
 DESCRIPTION = """\
@@ -29,6 +31,9 @@ examples:
   tabcohort serve --room digits --dataset digits --checkpoint-dir ckpt   # prints the URL to open
   tabcohort rank --server http://127.0.0.1:8080 --room digits            # a native rank
   tabcohort simulate --ranks 4 --steps 400                               # no server needed
+  tabcohort serve --job examples/jobs/cnn_digits.py --lr 0.3              # your own model and data
+  tabcohort rank --server http://127.0.0.1:8080 --room digits --trust-job # ... run by a native rank
+  tabcohort evaluate --job examples/jobs/cnn_digits.py --model digits-step200.npz
 
 tabcohort COMMAND --help lists a command's options and their defaults."""
 
@@ -59,11 +64,37 @@ def _hidden(text: str) -> tuple[int, ...]:
 
 #: simulate's option names for InprocConfig fields, so errors name what the user typed.
 _SIM_FLAGS = {"loss": "--link-loss", "delay_ms": "--link-delay-ms", "kill_leader_at_step": "--kill-leader-at",
-              "add_rank_at_step": "--add-rank-at", "partition_at_step": "--partition-at"}
+              "add_rank_at_step": "--add-rank-at", "partition_at_step": "--partition-at",
+              "bandwidth_bytes_per_s": "--link-bandwidth"}
 
 
 def _flag(field: str) -> str:
     return _SIM_FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    """The local-steps options of ``serve`` and ``simulate`` (docs/PROTOCOL.md, "Local steps
+    and optimizer state"; README "Local steps")."""
+    g = p.add_argument_group("local steps (DiLoCo-style rounds; README \"Local steps\")")
+    g.add_argument("--local-steps", type=int, default=1, metavar="H",
+                   help="inner steps per round; 1 = one synchronous step per round")
+    g.add_argument("--inner-optimizer", default="sgd", metavar="NAME", help="sgd or adam (H > 1)")
+    g.add_argument("--inner-lr", type=float, default=None,
+                   help="inner learning rate (default: 0.1 for sgd, 0.001 for adam)")
+    g.add_argument("--outer-optimizer", default=None, metavar="NAME",
+                   help="sgd or nesterov (default: sgd for H = 1, nesterov for H > 1)")
+    g.add_argument("--outer-lr", type=float, default=None,
+                   help="the leader's learning rate (default: --lr for H = 1, 0.7 for H > 1)")
+    g.add_argument("--outer-momentum", type=float, default=None, help="Nesterov momentum (default: 0.9)")
+
+
+def _train_from(a: argparse.Namespace, default_lr: float) -> tuple[Any, float]:
+    """``(TrainConfig, lr)`` from the parsed options (ConfigError names the option)."""
+    from .protocol.optim import from_options
+
+    return from_options(local_steps=a.local_steps, inner_optimizer=a.inner_optimizer, inner_lr=a.inner_lr,
+                        outer_optimizer=a.outer_optimizer, outer_lr=a.outer_lr,
+                        outer_momentum=a.outer_momentum, lr=a.lr, default_lr=default_lr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,12 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", type=int, default=4, help="number of ranks")
     s.add_argument("--dataset", default="digits",
                    help="digits (needs scikit-learn), synthetic, or a path to an .npz with X and y")
+    s.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
+                   help="train a module job (README \"Write your own job\") instead of the built-in MLP over --dataset")
     s.add_argument("--batch", type=int, default=32, help="samples per bucket per rank")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
     s.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
-    s.add_argument("--lr", type=float, default=0.5, help="learning rate")
+    s.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5; see --outer-lr)")
     s.add_argument("--steps", type=int, default=400, help="stop at exactly this step")
     s.add_argument("--target-accuracy", type=float, default=0.0,
                    help="stop once held-out accuracy reaches this fraction (0 = off)")
@@ -105,15 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heal-after-ms", type=float, default=3000.0, help="heal the partition after this long")
     g.add_argument("--link-loss", type=float, default=0.0, help="per-message loss probability on every link")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link")
+    g.add_argument("--link-bandwidth", type=float, default=0.0, metavar="BYTES_PER_S",
+                   help="capacity of every link, bytes/s (0 = unlimited)")
+    _train_options(s)
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
     r = sub.add_parser("rank", formatter_class=_Help, help="run a native rank that joins a room on a server",
                        description="Join a room's cohort over the server (star topology, WebSocket "
                                    "link). Settings also come from TABCOHORT_SERVER, TABCOHORT_ROOM, "
-                                   "TABCOHORT_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK (arguments win).")
+                                   "TABCOHORT_TOKEN, TABCOHORT_TRAINER_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK "
+                                   "(arguments win).")
     r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080 (TABCOHORT_SERVER)")
     r.add_argument("--room", default=None, help="room name (TABCOHORT_ROOM)")
     r.add_argument("--token", default=None, help="room token, if the room has one (TABCOHORT_TOKEN)")
+    r.add_argument("--trainer-token", default=None,
+                   help="the server's trainer credential: with it this rank may lead (run the optimizer, "
+                        "upload checkpoints); without it it contributes buckets only, unless the server runs "
+                        "--any-rank-may-lead (TABCOHORT_TRAINER_TOKEN; serve prints it and writes it to "
+                        "CHECKPOINT_DIR/.trainer-token)")
     r.add_argument("--batch", default=None, help="samples per bucket for this rank (TABCOHORT_BATCH; default: the job's)")
     r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc (TABCOHORT_LINK; default: ws)")
     r.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated "
@@ -122,7 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "127.0.0.1 on a loopback-only host (TABCOHORT_RTC_HOSTS; default: the interfaces')")
     r.add_argument("--rtc-timeout", default=None, help="seconds for a data channel to open before the "
                    "relay is used (TABCOHORT_RTC_TIMEOUT; default 5)")
+    r.add_argument("--no-direct", dest="direct", action="store_const", const="0", default=None,
+                   help="no direct TCP paths to the room's other native ranks: everything through the "
+                        "server's relay (TABCOHORT_DIRECT=0; default: direct paths on in star rooms over ws)")
+    r.add_argument("--direct-host", default=None, metavar="IP",
+                   help="the address direct paths listen on and connect from, on an ephemeral port "
+                        "(TABCOHORT_DIRECT_HOST; default: the local address that routes to the server)")
+    r.add_argument("--direct-announce", default=None, metavar="IP:PORT",
+                   help="announce this address for direct paths instead of the listening one, e.g. a "
+                        "port forward (TABCOHORT_DIRECT_ANNOUNCE)")
     r.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
+    r.add_argument("--trust-job", action="store_const", const="1", default=None,
+                   help="in a room that runs a module job, run the job code the server serves "
+                        "(TABCOHORT_TRUST_JOB=1; README \"Trust model\"); without it or --job a rank refuses")
+    r.add_argument("--job", default=None, metavar="PATH",
+                   help="your local copy of the room's module job, run instead of the server's (its code "
+                        "hash must match the room's; TABCOHORT_JOB)")
     r.add_argument("--print-every", type=float, default=1.0, metavar="S",
                    help="print a progress line at most every S seconds")
     d = r.add_argument_group("LAN discovery (needs zeroconf: pip install 'tabcohort[lan]')")
@@ -137,12 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="IPv4 addresses of the interfaces to browse on, comma-separated, e.g. 127.0.0.1 "
                         "(TABCOHORT_DISCOVER_INTERFACES; default all)")
 
+    e = sub.add_parser("evaluate", formatter_class=_Help, help="print a model export's held-out metrics",
+                       description="Load a model export (GET /api/rooms/ROOM/model: an .npz with params.npy and "
+                                   "job.json) into its job's worker and print held-out accuracy and loss. A module "
+                                   "job needs --job (your copy of it: its data comes from its load_data()); the "
+                                   "built-in MLP job is rebuilt from job.json.")
+    e.add_argument("--model", required=True, metavar="FILE", help="the .npz export")
+    e.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]", help="the module job it was trained as")
+    e.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
     v = sub.add_parser("serve", formatter_class=_Help, help="run the server with one room",
                        description="Serve a room: job and dataset over HTTP, the WebSocket star relay, "
                                    "checkpoints, /metrics and /healthz.")
     v.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8080, help="listen port (0 = any free port)")
     v.add_argument("--room", default="digits", help="room name")
+    v.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
+                   help="a module job: your model and data (README \"Write your own job\"), loaded and "
+                        "checked once at start; default: the built-in MLP over --dataset")
     v.add_argument("--dataset", default="digits", help="digits (needs scikit-learn), synthetic, or an .npz path")
     v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
     v.add_argument("--global-batch", type=int, default=64,
@@ -151,12 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=int, default=0,
                    help="the most samples one rank computes per round (0 = the global batch; a rank may "
                         "pick its own with rank --batch)")
-    v.add_argument("--lr", type=float, default=0.5, help="learning rate")
+    v.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5; see --outer-lr)")
+    _train_options(v)
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
     v.add_argument("--collect-rule", default="quorum", choices=("quorum", "grace"),
                    help="how a leader ends a round's collection: quorum (PROTOCOL.md) or grace "
                         "(docs/PROTOCOL-NOTES.md note 7)")
+    v.add_argument("--aggregate", default="clip", choices=("clip", "trimmed-mean", "mean"),
+                   help="how the leader combines buckets (docs/PROTOCOL.md \"Untrusted ranks\"): clip "
+                        "(each bucket's norm bounded by 4x the cohort's median), trimmed-mean "
+                        "(coordinate-wise, 20%% each end), or mean (trusted groups)")
+    v.add_argument("--lr-max", type=float, default=10.0,
+                   help="the largest learning rate a round may carry; ranks drop rounds above it")
     v.add_argument("--topology", default="star", help="star (ranks link to the server) or mesh (WebRTC data channels between ranks)")
     v.add_argument("--steps", type=int, default=0, help="stop the room at exactly this step (0 = no limit)")
     v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy (0 = off)")
@@ -167,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the operator's token (16+ characters) for stopping the room, the operator view's "
                         "actions and every room's data; default TABCOHORT_OPERATOR_TOKEN, else generated "
                         "and printed at start")
+    v.add_argument("--trainer-token", default=None,
+                   help="the trainer credential (16+ characters) a rank must present to lead (tabcohort rank "
+                        "--trainer-token); default TABCOHORT_TRAINER_TOKEN, else CHECKPOINT_DIR/.trainer-token, "
+                        "else generated; printed at start and written there. Tabs never carry it: they contribute")
+    v.add_argument("--any-rank-may-lead", action="store_true",
+                   help="trusted groups: every rank may lead, credential or not (README \"Trust model\" says "
+                        "what this gives up)")
+    v.add_argument("--checkpoint-keep", type=int, default=5,
+                   help="checkpoints kept per room: the newest N plus the best by held-out accuracy")
     v.add_argument("--allow-origin", default=None, metavar="ORIGINS",
                    help="web origins (comma-separated, e.g. https://lab.example.org) besides the server's "
                         "own that may open a WebSocket or change state (default: same origin only)")
@@ -186,6 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "comma-separated (e.g. 127.0.0.1 on a loopback-only host; default: aioice's list)")
     v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default: none)")
     v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
+    c = v.add_argument_group("cluster (several serve nodes coordinated through Redis; README \"Cluster\")")
+    c.add_argument("--redis", default=None, metavar="URL",
+                   help="join a cluster: redis://HOST:PORT/DB (TABCOHORT_REDIS); give every node the same "
+                        "rooms and a shared --checkpoint-dir")
+    c.add_argument("--node-id", default=None, help="this node's id in the cluster (TABCOHORT_NODE_ID; "
+                   "default: hostname-random)")
+    c.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="the base URL other nodes send ranks and pages to (TABCOHORT_ADVERTISE_URL; "
+                        "default: http://HOST:PORT as bound)")
+    c.add_argument("--cluster-lease-ms", type=float, default=5000.0, help="room lease in Redis, ms")
+    c.add_argument("--cluster-tick-ms", type=float, default=1000.0, help="heartbeat / renew period, ms")
+    c.add_argument("--cluster-takeover-ms", type=float, default=None,
+                   help="a dead owner's room is claimed this long after its lease lapsed, ms (default: the lease)")
     v.add_argument("--advertise", action="store_true",
                    help="advertise the server on the LAN over mDNS as _tabcohort._tcp (needs zeroconf)")
     v.add_argument("--advertise-interfaces", default=None, metavar="IPS",
@@ -197,13 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _simulate(a: argparse.Namespace) -> int:
     from .runtime.inproc import InprocConfig, run_inprocess
 
-    cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=a.batch, hidden=a.hidden, lr=a.lr,
+    train, lr = _train_from(a, 0.5)
+    cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=a.batch, hidden=a.hidden, lr=lr,
                        steps=a.steps, target_accuracy=a.target_accuracy, max_seconds=a.max_seconds,
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
                        partition_at_step=a.partition_at, heal_after_ms=a.heal_after_ms,
                        loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule,
-                       global_batch=a.global_batch)
+                       global_batch=a.global_batch, train=train, bandwidth_bytes_per_s=a.link_bandwidth,
+                       job=a.job)
     try:
         cfg.validate()
         if a.backend not in ("auto", "numpy", "python"):
@@ -212,12 +313,13 @@ def _simulate(a: argparse.Namespace) -> int:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     from .model import load_dataset
     try:   # a bad --dataset is named before anything starts (loading is cheap; the run reloads it)
-        load_dataset(cfg.dataset, seed=cfg.seed)
+        if not cfg.job:
+            load_dataset(cfg.dataset, seed=cfg.seed)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
     out = sys.stderr if a.json else sys.stdout
-    print(f"tabcohort simulate: {cfg.ranks} ranks, dataset {cfg.dataset}, batch {cfg.batch}/rank, "
+    print(f"tabcohort simulate: {cfg.ranks} ranks, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, batch {cfg.batch}/rank, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
@@ -235,17 +337,67 @@ def _rank(a: argparse.Namespace) -> int:
     from .runtime.native import RankConfig, run_rank
 
     cfg = RankConfig.from_sources({"server": a.server, "room": a.room, "token": a.token, "batch": a.batch,
+                                   "trainer_token": a.trainer_token,
                                    "link": a.link, "backend": a.backend, "ice_servers": a.ice_servers,
                                    "rtc_hosts": a.rtc_hosts, "rtc_timeout": a.rtc_timeout,
+                                   "direct": a.direct, "direct_host": a.direct_host,
+                                   "direct_announce": a.direct_announce,
                                    "discover": a.discover, "discover_host": a.discover_host,
                                    "discover_timeout": a.discover_timeout,
-                                   "discover_interfaces": a.discover_interfaces})
+                                   "discover_interfaces": a.discover_interfaces,
+                                   "trust_job": a.trust_job, "job": a.job})
     cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
     if cfg.discover:
         cfg.discover_server(progress=lambda line: print(line, flush=True))
     if not (a.print_every >= 0):
         raise ConfigError("--print-every", a.print_every, "must be seconds >= 0")
     return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True), print_every_s=a.print_every))
+
+
+def _evaluate(a: argparse.Namespace) -> int:
+    from .jobs.arrays import ArrayFormatError, read_npz
+    try:
+        with open(a.model, "rb") as f:
+            arrays, other = read_npz(f.read())
+        params = arrays["params"]
+        job = json.loads(other["job.json"])
+    except OSError as e:
+        raise ConfigError("--model", a.model, f"cannot read it ({e.strerror})") from None
+    except (ArrayFormatError, KeyError, ValueError) as e:
+        raise ConfigError("--model", a.model, f"not a model export (.npz with params.npy and job.json): {e}") from None
+    if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
+        raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
+                          f"got {params.descr} {params.shape}")
+    batch = int(job.get("batch") or 1)
+    if job.get("job_info"):
+        from .jobs import load_job
+        if not a.job:
+            raise ConfigError("--job", None, f"the model was trained as the module job {job['job_info']['name']!r}: "
+                              "give --job PATH naming it")
+        loaded = load_job(a.job)
+        worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
+        from .protocol.optim import TrainConfig
+        jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
+        if jh != job["job_hash"]:
+            raise ConfigError("--job", a.job, f"its job hash {jh} is not the model's "
+                              f"{job['job_hash']} (other code, data or spec)")
+    else:
+        from .model import load_dataset, make_worker
+        from .protocol import job_hash
+        ds = load_dataset(job["dataset"], seed=int(job["seed"]))
+        worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=batch, seed=int(job["seed"]),
+                             backend=a.backend, activation=job["activation"])
+        if job_hash(worker.spec(), ds.content_hash(), worker.bucket_len) != job["job_hash"]:
+            raise ConfigError("--model", a.model, "its job hash is not the built-in job's over its dataset here")
+    worker.set_params(params.data)
+    res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),
+           "accuracy": float(worker.evaluate()), "loss": float(worker.evaluate_loss())}
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"model {a.model}: step {res['step']}, job hash {res['job_hash'][:16]}: held-out accuracy "
+              f"{res['accuracy'] * 100:.2f} %, held-out loss {res['loss']:.4f}")
+    return 0
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -271,9 +423,16 @@ def _serve_checked(a: argparse.Namespace) -> int:
         raise ConfigError("serve", "tabcohort_server", f"the server package is not importable: {exc}")
     from .protocol.policy import Timing
 
-    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, global_batch=a.global_batch, lr=a.lr, seed=a.seed,
+    if a.job is not None and (a.dataset != "digits" or a.hidden != (32,)):
+        flag, val = ("--dataset", a.dataset) if a.dataset != "digits" else ("--hidden", a.hidden)
+        raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset and "
+                          "--hidden are the built-in MLP job's")
+    train, lr = _train_from(a, 0.5)
+    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
+                    local_steps=train.local_steps, inner_optimizer=train.inner_optimizer, inner_lr=train.inner_lr,
+                    outer_optimizer=train.outer_optimizer, outer_momentum=train.outer_momentum,
                     precision=a.precision, topology=a.topology, steps=a.steps, collect_rule=a.collect_rule,
-                    target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
+                    aggregate=a.aggregate, lr_max=a.lr_max, job=a.job, target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
     from tabcohort.bus.rtc_util import parse_ice_servers
@@ -283,16 +442,48 @@ def _serve_checked(a: argparse.Namespace) -> int:
         from tabcohort_server.config import check_token
         op_token = os.environ["TABCOHORT_OPERATOR_TOKEN"]
         check_token("TABCOHORT_OPERATOR_TOKEN", op_token)
+    trainer = a.trainer_token
+    if trainer is None and os.environ.get("TABCOHORT_TRAINER_TOKEN"):
+        from tabcohort_server.config import check_token
+        trainer = os.environ["TABCOHORT_TRAINER_TOKEN"]
+        check_token("TABCOHORT_TRAINER_TOKEN", trainer)
+    elif trainer is not None:
+        from tabcohort_server.config import check_token
+        check_token("--trainer-token", trainer)
     origins = tuple(o.strip().rstrip("/") for o in (a.allow_origin or "").split(",") if o.strip())
     for name in ("max_ranks_per_address", "max_connections_per_address"):
         if getattr(a, name) < 1:
             raise ConfigError("--" + name.replace("_", "-"), getattr(a, name), "must be an integer >= 1")
     cfg = ServerConfig(rooms={a.room: job}, checkpoint_dir=a.checkpoint_dir,
                        operator_token=op_token, allowed_origins=origins,
+                       trainer_token=trainer, any_rank_may_lead=a.any_rank_may_lead,
+                       checkpoint_keep=a.checkpoint_keep,
                        limits=ServerLimits(resume_grace_s=a.grace, max_ranks_per_address=a.max_ranks_per_address,
                                            max_connections_per_address=a.max_connections_per_address),
                        rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers)),
                        rtc_host_addresses=None if not a.rtc_hosts else [h.strip() for h in a.rtc_hosts.split(",")])
+    redis_url = a.redis or os.environ.get("TABCOHORT_REDIS") or None
+    if redis_url:
+        import secrets
+        import socket
+        from tabcohort_server.cluster import ClusterConfig, ClusterTiming
+        flag = "--redis" if a.redis else "TABCOHORT_REDIS"
+        from tabcohort_server.cluster import check_redis_url
+        check_redis_url(redis_url, flag)
+        node_id = a.node_id or os.environ.get("TABCOHORT_NODE_ID") or (
+            "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in socket.gethostname())[:48]
+            + "-" + secrets.token_hex(3))
+        timing = ClusterTiming(lease_ms=a.cluster_lease_ms, tick_ms=a.cluster_tick_ms,
+                               takeover_ms=a.cluster_lease_ms if a.cluster_takeover_ms is None
+                               else a.cluster_takeover_ms)
+        cfg.cluster = ClusterConfig(redis_url=redis_url, node_id=node_id,
+                                    advertise_url=(a.advertise_url or os.environ.get("TABCOHORT_ADVERTISE_URL")
+                                                   or "").rstrip("/"),
+                                    timing=timing)
+        cfg.cluster.validate()
+    elif a.node_id or a.advertise_url:
+        raise ConfigError("--node-id" if a.node_id else "--advertise-url", a.node_id or a.advertise_url,
+                          "only with --redis (a cluster node)")
     ifaces = None
     if a.advertise_interfaces:
         import ipaddress
@@ -318,12 +509,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if a.command in ("simulate", "rank", "serve"):
+            hold_allocator()
         if a.command == "simulate":
             return _simulate(a)
         if a.command == "rank":
             return _rank(a)
         if a.command == "serve":
             return _serve(a)
+        if a.command == "evaluate":
+            return _evaluate(a)
     except ConfigError as exc:
         print(f"tabcohort: configuration error: {exc}", file=sys.stderr)
         return 2

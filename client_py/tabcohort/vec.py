@@ -27,10 +27,24 @@ def to_vector(values: Any) -> Any:
     return array("f", [float(v) for v in values])
 
 
+#: elements per block of the numpy paths below: the temporaries stay in cache (512 KiB of
+#: float64) instead of a full-length float64 copy per vector (page faults on every round)
+BLOCK = 1 << 16
+
+
 def all_finite(v: Any) -> bool:
     """True when every element of ``v`` is finite (no NaN, no +-inf)."""
     if np is not None and isinstance(v, np.ndarray):
-        return bool(np.isfinite(v).all())
+        flat = v.reshape(-1)
+        n = len(flat)
+        if n <= BLOCK:
+            return bool(np.isfinite(flat).all())
+        buf = np.empty(BLOCK, dtype=bool)
+        for a in range(0, n, BLOCK):
+            b = min(n, a + BLOCK)
+            if not np.isfinite(flat[a:b], out=buf[:b - a]).all():
+                return False
+        return True
     isfinite = math.isfinite
     for x in v:
         if not isfinite(x):
@@ -49,10 +63,7 @@ def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
         A float32 vector of shape (bucket_len,).
     """
     if np is not None:
-        acc = np.zeros(len(vectors[0]), dtype=np.float64)
-        for w, v in zip(weights, vectors):
-            acc += float(w) * np.asarray(v, dtype=np.float64)
-        return acc.astype(np.float32)
+        return _weighted_mean_np(vectors, weights)
     n = len(vectors[0])
     acc = [0.0] * n
     for w, v in zip(weights, vectors):
@@ -60,6 +71,31 @@ def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
         for i in range(n):
             acc[i] += w * v[i]
     return array("f", acc)
+
+
+def _weighted_mean_np(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
+    """The numpy path: per block of :data:`BLOCK` elements, ``acc = 0; acc += float(w) *
+    float64(v)`` for each vector in order, then rounded to float32. The same IEEE operations on
+    each element as one full-length float64 accumulation (so bit-identical to it), without
+    full-length float64 temporaries."""
+    vs = [np.asarray(v).reshape(-1) for v in vectors]
+    ws = [float(w) for w in weights]
+    n = len(vs[0])
+    out = np.empty(n, dtype=np.float32)
+    m = min(n, BLOCK)
+    acc = np.empty(m, dtype=np.float64)
+    tmp = np.empty(m, dtype=np.float64)
+    for a in range(0, n, BLOCK):
+        b = min(n, a + BLOCK)
+        k = b - a
+        acc_k, tmp_k = acc[:k], tmp[:k]
+        acc_k.fill(0.0)
+        for w, v in zip(ws, vs):
+            tmp_k[...] = v[a:b]   # exact (float32 -> float64)
+            tmp_k *= w
+            acc_k += tmp_k
+        out[a:b] = acc_k
+    return out
 
 
 def digest(v: Any) -> str:

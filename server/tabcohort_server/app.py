@@ -7,15 +7,28 @@ as ``?token=`` or ``Authorization: Bearer``):
   the operator token), ``GET /api/rooms``
 - ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
   only with the operator token)
-- ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len``, ``state_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/job/code``, ``.../job/data``: a module job's code bundle (zip) and
+  data (``.npz``), with ``X-Tabcohort-Sha256``; 404 in a room of the built-in job
 - ``GET /api/rooms/{room}/history``: the room's curves since it started (``history.RoomHistory``)
 - ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable),
   gzip-compressed once at start (served compressed to clients that accept gzip)
-- ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.ws`` for the wire)
-- ``GET /api/rooms/{room}/checkpoint`` (alias ``/model``): float32 LE parameters; 404 if none
-- ``PUT /api/rooms/{room}/checkpoint``: upload by a registered rank (its id and secret)
+- ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.star`` for the wire)
+- ``GET /api/rooms/{room}/checkpoint``: the newest checkpoint's float32 LE
+  parameters, then the leader's optimizer state (``state_len`` values; none for a stateless
+  optimizer: docs/PROTOCOL.md "Local steps and optimizer state"); 404 if none
+- ``GET /api/rooms/{room}/model``: the same as a model export, ``.npz`` with ``params.npy`` (the parameters only) and
+  ``job.json`` (:func:`get_model`)
+- ``PUT /api/rooms/{room}/checkpoint``: upload by the room's current leader (its id and secret;
+  ``Room.may_upload``), a step above the newest stored one, finite, of the job's bucket length
+  plus state length (the server reads the state's bit patterns only, never its values)
+- ``GET /api/rooms/{room}/checkpoints``: the kept checkpoints (newest first; the operator token)
+- ``GET /api/rooms/{room}/checkpoints/{id}``: one of them (float32 LE; the operator token)
 - ``POST /api/rooms/{room}/stop``: stop the room now (the **operator token** only: the room
   token lets one join, not operate)
+- ``POST /api/rooms/{room}/lr`` (JSON ``{"lr": x}``, ``0 < x <= 1e6``): the room's learning rate
+  from now on (the operator token only): an ``lr`` control to every rank; its leader applies it
+  and its rounds carry it to the followers
 
 Browser requests that change state (any method but GET/HEAD/OPTIONS) and WebSocket upgrades
 must come from the server's own origin or one in ``ServerConfig.allowed_origins``; failed token
@@ -48,26 +61,50 @@ from .history import RoomHistory
 from .metrics import RoomCollector
 from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, Peer, Room,
                     RoomError, RoomRegistry)
-from .schema import parse_json
+from .schema import check_register, parse_json
 
 log = logging.getLogger("tabcohort.server")
 
 
 class RoomAssets:
-    """What a room serves besides its bookkeeping: the job JSON, the dataset, the evaluator."""
+    """What a room serves besides its bookkeeping: the job JSON, the dataset (or a module job's
+    code bundle and data), the evaluator.
+
+    A room with ``JobConfig.job`` runs a module job (README "Write your own job"): it is loaded
+    and probed here, once (:func:`tabcohort.jobs.probe`), so a bad job is a ConfigError before
+    anything listens; otherwise the built-in MLP job over ``JobConfig.dataset``.
+    """
 
     def __init__(self, room: Room) -> None:
+        job = room.job
+        self.job_code: bytes | None = None
+        self.job_data: bytes | None = None
+        if job.job:
+            self._module_job(room)
+        else:
+            self._builtin_job(room)
+        self.checkpoint_data: bytes | None = None
+        #: one checkpoint upload at a time per room (each holds up to the parameters' size)
+        self.upload_lock = asyncio.Lock()
+        self.history = RoomHistory()
+
+    def _builtin_job(self, room: Room) -> None:
         from tabcohort.model import load_dataset, make_worker
         from tabcohort.protocol import job_hash
+        from tabcohort.protocol.optim import TrainConfig
 
         job = room.job
         self.dataset = load_dataset(job.dataset, seed=job.seed)
         self.worker = make_worker(self.dataset, hidden=job.hidden, batch=job.batch or job.global_batch, seed=job.seed,
                                   activation=job.activation)
         self.bucket_len = self.worker.bucket_len
-        self.job_hash = job_hash(self.worker.spec(), self.dataset.content_hash(), self.bucket_len)
+        train = TrainConfig.from_job(job)
+        #: float32 values of the leader's optimizer state a checkpoint carries after the
+        #: parameters (PROTOCOL.md "Local steps and optimizer state"); opaque to the server
+        self.state_len = train.state_len(self.bucket_len)
+        self.job_hash = job_hash(self.worker.spec(), self.dataset.content_hash(), self.bucket_len, train.spec())
         d = job.public()
-        d.update(room=room.name, bucket_len=self.bucket_len, job_hash=self.job_hash,
+        d.update(room=room.name, bucket_len=self.bucket_len, state_len=self.state_len, job_hash=self.job_hash,
                  model=self.worker.spec(),
                  dataset_info={"name": self.dataset.name, "sha256": self.dataset.content_hash(),
                                "url": f"/api/rooms/{room.name}/dataset"})
@@ -75,17 +112,54 @@ class RoomAssets:
         self.dataset_json = json.dumps(self.dataset.to_portable()).encode()
         #: compressed once here, not per request (a recompression per GET cost training rounds)
         self.dataset_gzip = gzip.compress(self.dataset_json, compresslevel=6, mtime=0)
-        self.checkpoint_data: bytes | None = None
-        #: one checkpoint upload at a time per room (each holds up to the parameters' size)
-        self.upload_lock = asyncio.Lock()
-        self.history = RoomHistory()
 
-    def evaluate(self, data: bytes) -> float:
-        from array import array
-        v = array("f")
-        v.frombytes(data)
-        self.worker.set_params(v)
-        return float(self.worker.evaluate())
+    @property
+    def checkpoint_bytes(self) -> int:
+        """A checkpoint body: the parameters, then the optimizer state (float32 LE)."""
+        return 4 * (self.bucket_len + self.state_len)
+
+    def _module_job(self, room: Room) -> None:
+        from tabcohort.jobs import JobError, load_job, probe, resolve_backend
+
+        job = room.job
+        loaded = load_job(job.job)
+        batch = job.batch or job.global_batch
+        self.worker = probe(loaded, batch=batch, seed=job.seed)
+        backends = [resolve_backend("auto")]
+        if resolve_backend("auto") != "python":   # the path a tab without numpy takes
+            try:
+                py = loaded.make_worker(batch=batch, seed=job.seed, backend="python")
+            except JobError as e:   # a numpy-only job: said so in job_info.backends
+                py = None
+                log.warning("job %s: no pure-Python path (tabs without numpy cannot run it): %s", job.job, e.reason)
+            if py is not None:      # a pure-Python path is checked as strictly as the numpy one
+                probe(loaded, batch=batch, seed=job.seed, worker=py)
+                if py.bucket_len != self.worker.bucket_len:
+                    raise JobError(f"bucket_len {py.bucket_len} on the python backend, "
+                                   f"{self.worker.bucket_len} on {self.worker.backend}", job.job)
+                backends.append("python")
+        self.loaded = loaded
+        self.bucket_len = self.worker.bucket_len
+        from tabcohort.protocol.optim import TrainConfig
+        train = TrainConfig.from_job(job)
+        self.state_len = train.state_len(self.bucket_len)   # the leader's optimizer state
+        self.job_hash = loaded.job_hash(self.worker, train.spec())
+        self.job_code = loaded.source.bundle
+        self.job_data = loaded.data.raw
+        self.job_sha256 = {"job_code": loaded.source.code_sha256, "job_data": loaded.data.sha256}
+        self.dataset = None
+        base = f"/api/rooms/{room.name}/job"
+        d = job.public()
+        d.update(room=room.name, bucket_len=self.bucket_len, state_len=self.state_len, job_hash=self.job_hash, model=self.worker.spec(),
+                 job_info={"name": loaded.name, "module": loaded.source.module, "factory": loaded.source.factory,
+                           "spec": loaded.spec, "backends": backends,
+                           "code_sha256": loaded.source.code_sha256, "code_bytes": len(self.job_code),
+                           "code_url": f"{base}/code",
+                           "data_sha256": loaded.data.sha256, "data_bytes": len(self.job_data),
+                           "data_url": f"{base}/data"},
+                 dataset_info={"name": loaded.name, "sha256": loaded.data.sha256, "url": f"{base}/data"})
+        self.job_json = json.dumps(d).encode()
+        self.dataset_json = self.dataset_gzip = b""
 
 
 CONFIG = web.AppKey("config", ServerConfig)
@@ -95,6 +169,8 @@ SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 RTC = web.AppKey("rtc", object)
 #: the operator's token (``ServerConfig.operator_token`` or generated at start)
 OPERATOR_TOKEN = web.AppKey("operator_token", str)
+#: the trainer credential (``ServerConfig.trainer_token``, the state directory's, or generated)
+TRAINER_TOKEN = web.AppKey("trainer_token", str)
 #: server-wide refusals by reason (origin, auth, connections per address)
 REFUSED = web.AppKey("refused", Counter)
 AUTH = web.AppKey("auth", AuthLimiter)
@@ -113,20 +189,15 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app = web.Application(client_max_size=1 << 20, middlewares=[_origin_middleware])
     app[CONFIG] = config
     app[OPERATOR_TOKEN] = config.operator_token or secrets.token_urlsafe(24)
+    app[TRAINER_TOKEN] = config.trainer_token or _trainer_token(config.checkpoint_dir)
     app[REFUSED] = Counter()
     app[AUTH] = AuthLimiter(limits.max_auth_failures, limits.auth_window_s)
-    rooms = app[ROOMS] = RoomRegistry(config.rooms, limits, seed=config.seed)
+    rooms = app[ROOMS] = RoomRegistry(config.rooms, limits, seed=config.seed,
+                                      any_rank_may_lead=config.any_rank_may_lead)
     assets: dict[str, RoomAssets] = {}
     for name, room in rooms.rooms.items():
         a = assets[name] = RoomAssets(room)
-        if config.checkpoint_dir:
-            got = ckpt.load(config.checkpoint_dir, name)
-            if got is not None and got[0].get("n") == a.bucket_len and got[0].get("job_hash") == a.job_hash:
-                room.checkpoint, a.checkpoint_data = got
-                step = int(room.checkpoint.get("step") or 0)
-                room.resumed_from_step = step
-                if room.job.steps and step >= room.job.steps:  # already done: do not train on
-                    room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
+        load_room_checkpoint(room, a, config.checkpoint_dir, keep=config.checkpoint_keep)
     app[ASSETS] = assets
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():
@@ -142,20 +213,84 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/api/rooms", list_rooms)
     app.router.add_get("/api/rooms/{room}", room_state)
     app.router.add_get("/api/rooms/{room}/job", room_job)
+    app.router.add_get("/api/rooms/{room}/job/code", room_job_code)
+    app.router.add_get("/api/rooms/{room}/job/data", room_job_data)
     app.router.add_get("/api/rooms/{room}/history", room_history)
     app.router.add_get("/api/rooms/{room}/dataset", room_dataset)
     app.router.add_get("/api/rooms/{room}/ws", room_ws)
     app.router.add_get("/api/rooms/{room}/checkpoint", get_checkpoint)
-    app.router.add_get("/api/rooms/{room}/model", get_checkpoint)
+    app.router.add_get("/api/rooms/{room}/model", get_model)
     app.router.add_put("/api/rooms/{room}/checkpoint", put_checkpoint)
     app.router.add_post("/api/rooms/{room}/checkpoint", put_checkpoint)
+    app.router.add_get("/api/rooms/{room}/checkpoints", list_checkpoints)
+    app.router.add_get("/api/rooms/{room}/checkpoints/{id}", get_checkpoint_by_id)
     app.router.add_post("/api/rooms/{room}/stop", stop_room)
+    app.router.add_post("/api/rooms/{room}/lr", set_room_lr)
     from .static import setup_static
     setup_static(app)  # the page, Pyodide, the client wheel (static.py)
     app.cleanup_ctx.append(_ticker)
     app.on_shutdown.append(_close_sockets)
     app.on_cleanup.append(_close_rtc)
+    if config.cluster is not None:   # one of several nodes (README "Cluster"); else nothing changes
+        from . import cluster_web
+        cluster_web.install(app, config.cluster)
     return app
+
+
+def _trainer_token(directory: str | None) -> str:
+    """The trainer credential when none is configured: read from the state directory
+    (``DIR/.trainer-token``, mode 0600) or generated (and written there, so a restarted server
+    and the operator's scripts use the same one); tabs never carry it."""
+    import os
+    from .config import MIN_TOKEN_CHARS
+    if directory:
+        path = os.path.join(directory, ".trainer-token")
+        try:
+            with open(path, encoding="ascii") as f:
+                tok = f.read().strip()
+            if len(tok) >= MIN_TOKEN_CHARS:
+                return tok
+        except (FileNotFoundError, UnicodeDecodeError):
+            pass
+    tok = secrets.token_urlsafe(24)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(tok + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    return tok
+
+
+def load_room_checkpoint(room: Room, assets: RoomAssets, directory: str | None, *, keep: int = 5) -> bool:
+    """(Re)read ``room``'s checkpoint history from ``directory`` (:class:`.checkpoint.CheckpointStore`:
+    only files of this job, of its parameter count and finite) and resume from the newest valid
+    one, unless what the room holds is newer; a room whose checkpoint reached ``steps`` is
+    stopped. Called at start, and by a cluster node when it acquires the room (the directory is
+    shared by the nodes).
+
+    Returns:
+        True if a checkpoint was loaded.
+    """
+    def fits(meta: dict, data: bytes, a: RoomAssets = assets) -> bool:   # this job's, and finite
+        return (meta.get("n") == a.bucket_len and meta.get("job_hash") == a.job_hash
+                and len(data) == a.checkpoint_bytes and ckpt.non_finite_f32(data)[0] == 0)
+    room.store = ckpt.CheckpointStore(directory, room.name, keep=keep, accept=fits)
+    got = room.store.latest()
+    if got is None:
+        return False
+    if room.checkpoint is not None and int(got[0].get("step") or 0) < int(room.checkpoint.get("step") or 0):
+        return False      # what this node holds is newer
+    room.checkpoint, assets.checkpoint_data = got
+    step = int(room.checkpoint.get("step") or 0)
+    room.resumed_from_step = step
+    room.resumed_from = {"id": got[0]["id"], "step": step, "accuracy": got[0].get("accuracy")}
+    room.trust_step(step, time.monotonic())
+    if room.job.steps and step >= room.job.steps and not room.stopped:  # already done: do not train on
+        room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
+    return True
 
 
 def _secret_key(directory: str | None) -> bytes:
@@ -175,12 +310,23 @@ def _secret_key(directory: str | None) -> bytes:
         pass
     os.makedirs(directory, exist_ok=True)
     key = secrets.token_bytes(32)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    try:   # link, not replace: on a directory shared by cluster nodes the first key wins
+        os.link(tmp, path)
+    except FileExistsError:
+        with open(path, "rb") as f:
+            key = f.read()
+    except OSError:   # a file system without hard links: the last writer wins, as before
+        os.replace(tmp, path)
+        return key
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return key
 
 
@@ -345,11 +491,17 @@ async def metrics(request: web.Request) -> web.Response:
     visible = {n for n, r in rooms.rooms.items() if _token_ok(r, given, op)}
     reg = CollectorRegistry()
     reg.register(RoomCollector(rooms, visible=visible, refused=request.app[REFUSED]))
+    from .cluster_web import CLUSTER
+    if CLUSTER in request.app:
+        reg.register(request.app[CLUSTER].collector())
     body = generate_latest(reg)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def list_rooms(request: web.Request) -> web.Response:
+    from .cluster_web import CLUSTER, list_rooms as cluster_rooms
+    if CLUSTER in request.app:   # every room of the cluster, with its owner
+        return await cluster_rooms(request)
     rooms = request.app[ROOMS].rooms
     return _json({"rooms": [{"room": r.name, "stopped": r.stopped, "token": r.job.token is not None,
                              **({"n_connected": len(r.connected)} if r.job.token is None else {})}
@@ -366,6 +518,27 @@ async def room_job(request: web.Request) -> web.Response:
     return web.Response(body=request.app[ASSETS][room.name].job_json, content_type="application/json")
 
 
+async def room_job_code(request: web.Request) -> web.Response:
+    """A module job's code bundle (``tabcohort.jobs.source_bundle``: a zip); 404 for the built-in job."""
+    return _job_blob(request, "job_code", "application/zip", "job.zip")
+
+
+async def room_job_data(request: web.Request) -> web.Response:
+    """A module job's data (``.npz``, ``tabcohort.jobs.arrays``); 404 for the built-in job."""
+    return _job_blob(request, "job_data", "application/octet-stream", "data.npz")
+
+
+def _job_blob(request: web.Request, attr: str, ctype: str, filename: str) -> web.Response:
+    room = _authorized_room(request)
+    a = request.app[ASSETS][room.name]
+    body = getattr(a, attr)
+    if body is None:
+        return _json({"error": "this room runs the built-in job (no job code or data)"}, status=404)
+    return web.Response(body=body, content_type=ctype, headers={
+        "X-Tabcohort-Sha256": a.job_sha256[attr], "Cache-Control": "no-cache",
+        "Content-Disposition": f'attachment; filename="{room.name}-{filename}"'})
+
+
 async def room_history(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     return _json(request.app[ASSETS][room.name].history.to_json())
@@ -374,6 +547,8 @@ async def room_history(request: web.Request) -> web.Response:
 async def room_dataset(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     a: RoomAssets = request.app[ASSETS][room.name]
+    if a.dataset is None:
+        return _json({"error": "this room runs a module job: its data is GET .../job/data"}, status=404)
     headers = {"Vary": "Accept-Encoding", "Cache-Control": "no-cache"}
     if "gzip" in request.headers.get("Accept-Encoding", "").lower():
         headers["Content-Encoding"] = "gzip"
@@ -387,19 +562,102 @@ async def stop_room(request: web.Request) -> web.Response:
     return _json({"stopped": True})
 
 
+#: bounds of a learning rate the operator sets (JobConfig.lr's)
+MAX_LR = 1e6
+
+
+async def set_room_lr(request: web.Request) -> web.Response:
+    """Set the room's learning rate (the operator token only; README "Trust model"): broadcast an
+    ``lr`` control; the leader applies it (``RankMachine.set_lr``) and its rounds carry it."""
+    room = _operator_room(request)
+    body, _why = parse_json(await request.text())
+    lr = body.get("lr") if isinstance(body, dict) else None
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr <= MAX_LR:
+        room.drop("bad_lr")
+        return _json({"error": f"lr must be a number in (0, {MAX_LR:g}]"}, status=400)
+    room.job.lr = float(lr)
+    room.broadcast_control({"type": "lr", "lr": float(lr)})
+    return _json({"lr": float(lr)})
+
+
 async def get_checkpoint(request: web.Request) -> web.Response:
+    """The newest checkpoint's parameters (float32 LE), with its id, step and digest."""
     room = _authorized_room(request)
     data = request.app[ASSETS][room.name].checkpoint_data
     meta = room.checkpoint
     if data is None or meta is None:
         return _json({"error": "no checkpoint yet"}, status=404)
+    return _checkpoint_response(room, meta, data)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """The newest checkpoint as a model export (README "Export and evaluate"): an ``.npz`` with
+    ``params.npy`` (float32, shape ``(bucket_len,)``: the stored bytes behind an ``.npy`` header,
+    never decoded here) and ``job.json`` (the job as ``GET .../job`` gives it, plus ``checkpoint``:
+    step, digest, accuracy). 404 if there is no checkpoint yet."""
+    import io
+    import zipfile
+
+    from tabcohort.jobs.arrays import npy_header_for
+
+    room = _authorized_room(request)
+    a: RoomAssets = request.app[ASSETS][room.name]
+    data, meta = a.checkpoint_data, room.checkpoint
+    if data is None or meta is None:
+        return _json({"error": "no checkpoint yet"}, status=404)
+    job = json.loads(a.job_json)
+    job["checkpoint"] = {k: meta.get(k) for k in ("id", "step", "digest", "accuracy", "final")}
+    buf = io.BytesIO()
+    date = (1980, 1, 1, 0, 0, 0)
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
+        params = data[:4 * a.bucket_len]          # the optimizer state after them stays out
+        z.writestr(zipfile.ZipInfo("params.npy", date), npy_header_for("<f4", (a.bucket_len,)) + params)
+        z.writestr(zipfile.ZipInfo("job.json", date), json.dumps(_clean(job), indent=1).encode())
+    return web.Response(body=buf.getvalue(), content_type="application/octet-stream", headers={
+        "X-Tabcohort-Step": str(meta["step"]), "X-Tabcohort-Digest": meta["digest"],
+        "Content-Disposition": f'attachment; filename="{room.name}-step{meta["step"]}.npz"'})
+
+
+def _checkpoint_response(room: Room, meta: dict, data: bytes) -> web.Response:
     return web.Response(body=data, content_type="application/octet-stream", headers={
         "X-Tabcohort-Step": str(meta["step"]), "X-Tabcohort-Digest": meta["digest"],
+        "X-Tabcohort-Checkpoint": str(meta.get("id", "")),
         "Content-Disposition": f'attachment; filename="{room.name}-step{meta["step"]}.f32"'})
 
 
+async def list_checkpoints(request: web.Request) -> web.Response:
+    """The room's kept checkpoints, newest first (``CheckpointStore.list``; the operator token)."""
+    room = _operator_room(request)
+    best = room.store.best_meta()
+    return _json(_clean({"room": room.name, "keep": room.store.keep,
+                         "best": None if best is None else best["id"], "checkpoints": room.store.list()}))
+
+
+async def get_checkpoint_by_id(request: web.Request) -> web.Response:
+    """One kept checkpoint's parameters (float32 LE) by id (the operator token); 404 if none."""
+    room = _operator_room(request)
+    cid = request.match_info["id"]
+    got = room.store.get(cid) if ckpt.ID_RE.match(cid) else None
+    if got is None:
+        return _json({"error": "no such checkpoint (GET .../checkpoints lists them)"}, status=404)
+    return _checkpoint_response(room, *got)
+
+
+def _refuse_upload(room: Room, reason: str, exc: type[web.HTTPException], text: str) -> web.HTTPException:
+    """Count a refused checkpoint upload (``checkpoint_<reason>`` in the room's drops)."""
+    room.drop(f"checkpoint_{reason}")
+    return exc(text=text)
+
+
 async def put_checkpoint(request: web.Request) -> web.Response:
-    """Store the leader's parameters (float32 LE) with step and digest; atomic on disk."""
+    """Store the room's leader's parameters (float32 LE) with step and digest; atomic on disk.
+
+    Accepted only from the room's current leader (``Room.may_upload``: a rank that may lead and
+    reports that it leads), with a step ``0 <= step < 2**63`` above the newest stored one (an
+    upload of the newest step and digest with ``X-Tabcohort-Final`` only marks it final),
+    exactly ``4 x (bucket_len + state_len)`` bytes (the parameters, then the optimizer state), every value finite, and the digest it names. Each refusal is
+    counted in the room's drops (``checkpoint_*``) and /metrics.
+    """
     room = _authorized_room(request)
     a: RoomAssets = request.app[ASSETS][room.name]
     h = request.headers
@@ -407,15 +665,33 @@ async def put_checkpoint(request: web.Request) -> web.Response:
         rank = int(h.get("X-Tabcohort-Rank", ""))
         step = int(h.get("X-Tabcohort-Step", ""))
     except ValueError:
-        raise web.HTTPBadRequest(text="X-Tabcohort-Rank and X-Tabcohort-Step must be integers")
+        raise _refuse_upload(room, "bad_step", web.HTTPBadRequest,
+                             "X-Tabcohort-Rank and X-Tabcohort-Step must be integers")
+    if not 0 <= step < 1 << 63:
+        raise _refuse_upload(room, "bad_step", web.HTTPBadRequest,
+                             f"X-Tabcohort-Step must be in [0, 2**63), got {step}")
     peer = room.peers.get(rank)
     if peer is None or not _same(peer.secret, h.get("X-Tabcohort-Secret", "")):
+        room.drop("checkpoint_bad_rank")
         raise _refuse_auth(request, "rank id and secret (only a registered rank may upload)")
-    want = 4 * a.bucket_len
+    if not room.may_upload(peer):
+        raise _refuse_upload(room, "not_leader", web.HTTPForbidden,
+                             "only the room's current leader (a rank that may lead and reports that it "
+                             "leads) may store a checkpoint")
+    if not room.plausible_step(step, time.monotonic()):
+        raise _refuse_upload(room, "step_implausible", web.HTTPConflict,
+                             f"step {step} is far ahead of the room's step {room.step()}")
+    final = h.get("X-Tabcohort-Final") == "1"
+    newest = room.store.latest_meta()
+    if newest is not None and step < newest["step"]:
+        raise _refuse_upload(room, "stale", web.HTTPConflict,
+                             f"step {step} does not follow the stored checkpoint's {newest['step']}")
+    want = a.checkpoint_bytes
     limit = min(want, request.app[CONFIG].limits.max_checkpoint_bytes)
     if request.content_length is not None and request.content_length != want:
         # checked before one byte of the body is read
-        text = f"expected {want} bytes (bucket_len float32), Content-Length is {request.content_length}"
+        room.drop("checkpoint_bad_length")
+        text = f"expected {want} bytes (bucket_len + state_len float32), Content-Length is {request.content_length}"
         if request.content_length > want:
             raise web.HTTPRequestEntityTooLarge(limit, request.content_length, text=text)
         raise web.HTTPBadRequest(text=text)
@@ -426,38 +702,69 @@ async def put_checkpoint(request: web.Request) -> web.Response:
         sha = hashlib.sha256()
         async for part in request.content.iter_chunked(1 << 16):   # streamed, capped at the size
             if len(buf) + len(part) > limit:
+                room.drop("checkpoint_bad_length")
                 raise web.HTTPRequestEntityTooLarge(limit, len(buf) + len(part),
-                                                    text=f"expected {want} bytes (bucket_len float32)")
+                                                    text=f"expected {want} bytes (bucket_len + state_len float32)")
             buf += part
             sha.update(part)
         data = bytes(buf)
         del buf
-    if len(data) != want:
-        raise web.HTTPBadRequest(text=f"expected {want} bytes (bucket_len float32), got {len(data)}")
-    n_bad, first_bad = ckpt.non_finite_f32(data)
-    if n_bad:  # a diverged model is never stored or served (README, "Checkpoints")
-        room.drop("checkpoint_non_finite")
-        raise web.HTTPUnprocessableEntity(text=f"refused: {n_bad} of {a.bucket_len} parameters are not finite "
-                                          f"(NaN or inf, first at index {first_bad}); training diverged; "
-                                          "nothing was stored")
-    digest = sha.hexdigest()
-    if digest != h.get("X-Tabcohort-Digest"):
-        raise web.HTTPBadRequest(text=f"digest mismatch: content is {digest}")
-    if room.checkpoint is not None and step < room.checkpoint["step"] and not h.get("X-Tabcohort-Final"):
-        return _json({"stored": False, "reason": "older than the stored checkpoint"}, status=409)
-    try:
-        loss = float(h.get("X-Tabcohort-Loss", "nan"))
-    except ValueError:
-        loss = math.nan
-    meta = {"step": step, "digest": digest, "n": a.bucket_len, "job_hash": a.job_hash, "rank": rank,
-            "loss": loss if math.isfinite(loss) else None, "final": bool(h.get("X-Tabcohort-Final")),
-            "time": time.time(), "accuracy": a.evaluate(data)}
-    cfg = request.app[CONFIG]
-    if cfg.checkpoint_dir:
-        await asyncio.get_running_loop().run_in_executor(None, ckpt.save, cfg.checkpoint_dir, room.name,
-                                                         meta, data)
+        if len(data) != want:
+            raise _refuse_upload(room, "bad_length", web.HTTPBadRequest,
+                                 f"expected {want} bytes (bucket_len + state_len float32), got {len(data)}")
+        n_bad, first_bad = ckpt.non_finite_f32(data)
+        if n_bad:  # a diverged model is never stored or served (README, "Checkpoints")
+            raise _refuse_upload(room, "non_finite", web.HTTPUnprocessableEntity,
+                                 f"refused: {n_bad} of {a.bucket_len + a.state_len} parameters and state values are not finite "
+                                 f"(NaN or inf, first at index {first_bad}); training diverged; nothing was stored")
+        digest = sha.hexdigest()
+        if digest != h.get("X-Tabcohort-Digest"):
+            raise _refuse_upload(room, "bad_digest", web.HTTPBadRequest, f"digest mismatch: content is {digest}")
+        loop = asyncio.get_running_loop()
+        newest = room.store.latest_meta()         # (again: an upload may have landed meanwhile)
+        if newest is not None and step <= newest["step"]:
+            if step == newest["step"] and digest == newest["digest"]:
+                if final and not newest.get("final"):  # the same model, now the run's final one
+                    m = await loop.run_in_executor(None, room.store.mark_final, newest["id"])
+                    room.checkpoint = m
+                return _json({"stored": False, "reason": "already stored", "id": newest["id"],
+                              "step": step})
+            raise _refuse_upload(room, "stale", web.HTTPConflict,
+                                 f"step {step} does not follow the stored checkpoint's {newest['step']}")
+        try:
+            loss = float(h.get("X-Tabcohort-Loss", "nan"))
+        except ValueError:
+            loss = math.nan
+        # the leader's own held-out evaluation: the server never decodes parameters
+        # (docs/INTERFACES.md); absent or out of [0, 1]: stored without an accuracy
+        accuracy = _header_fraction(h.get("X-Tabcohort-Accuracy"))
+        if h.get("X-Tabcohort-Accuracy") is not None and accuracy is None:
+            room.drop("bad_accuracy_header")
+        rep = peer.report or {}
+        term = rep.get("term")
+        meta = {"step": step, "digest": digest, "n": a.bucket_len, "job_hash": a.job_hash, "rank": rank,
+                "term": term if isinstance(term, int) and not isinstance(term, bool) else None,
+                "loss": loss if math.isfinite(loss) else None, "final": final,
+                "time": time.time(), "accuracy": accuracy,
+                "reported_accuracy": _json_num(rep.get("accuracy"))}
+        meta = await loop.run_in_executor(None, room.store.add, meta, data)
     room.checkpoint, a.checkpoint_data = meta, data
-    return _json({"stored": True, "step": step, "accuracy": meta["accuracy"]})
+    return _json({"stored": True, "id": meta["id"], "step": step, "accuracy": meta["accuracy"]})
+
+
+def _header_fraction(v: str | None) -> float | None:
+    """A header's number in [0, 1] (an accuracy), or None: absent, not a number, out of range."""
+    if v is None or len(v) > 32:
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) and 0.0 <= x <= 1.0 else None
+
+
+def _json_num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 # ---------------------------------------------------------------------- WebSocket relay
@@ -481,7 +788,7 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
     reg = None
     if first.type == WSMsgType.TEXT and len(first.data) <= limits.max_control_bytes:
         reg, _why = parse_json(first.data)   # (a bad register is counted below)
-    if not isinstance(reg, dict) or reg.get("type") != "register":
+    if not isinstance(reg, dict) or reg.get("type") != "register" or check_register(reg) is not None:
         room.drop("bad_register")
         await ws.close(code=CLOSE_BAD_REGISTER, message=b"first message must be a register")
         return ws
@@ -490,6 +797,14 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         auth.fail(request.remote, time.monotonic())
         request.app[REFUSED]["auth_failed"] += 1
         await ws.close(code=CLOSE_BAD_TOKEN, message=b"bad or missing room token")
+        return ws
+    given = reg.get("trainer_token")
+    trainer = given is not None and _same(request.app[TRAINER_TOKEN], given)
+    if given is not None and not trainer:   # a wrong credential is a configuration error: say so
+        room.drop("bad_trainer_token")
+        auth.fail(request.remote, time.monotonic())
+        request.app[REFUSED]["auth_failed"] += 1
+        await ws.close(code=CLOSE_BAD_TOKEN, message=b"bad trainer token")
         return ws
     resume = reg.get("resume")
     now = time.monotonic()
@@ -503,9 +818,9 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
             if isinstance(rid, bool) or not isinstance(rid, int):
                 raise RoomError(CLOSE_BAD_REGISTER, "resume.id must be an integer")
             peer = room.register(now=now, resume_id=rid, resume_secret=resume.get("secret"),
-                                 address=request.remote)
+                                 address=request.remote, trainer=trainer)
         else:
-            peer = room.register(now=now, address=request.remote)
+            peer = room.register(now=now, address=request.remote, trainer=trainer)
     except RoomError as e:
         room.drop("register_refused")
         await ws.close(code=e.code, message=e.reason.encode()[:120])

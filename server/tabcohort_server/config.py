@@ -74,6 +74,17 @@ class JobConfig:
         collect_rule: how a leader ends a round's collection: ``quorum`` (PROTOCOL.md, the
             default) or ``grace`` (docs/PROTOCOL-NOTES.md note 7: a short window after the
             quorum keeps equally fast ranks' buckets); every rank of the room uses it.
+        aggregate: how the leader combines buckets (PROTOCOL.md, "Untrusted ranks"): ``clip``
+            (norm clipping relative to the cohort, the default), ``trimmed-mean``, or ``mean``
+            (the plain sample-weighted mean, for trusted groups).
+        lr_max: the largest learning rate a round may carry; followers drop rounds above it
+            (>= ``lr``).
+        local_steps, inner_optimizer, inner_lr, outer_optimizer, outer_momentum: local steps
+            and the optimizers (``tabcohort.protocol.optim.TrainConfig``; PROTOCOL.md "Local
+            steps and optimizer state"); ``lr`` is then the outer learning rate. In the job
+            hash unless they are the default (one synchronous SGD step per round).
+        job: a module job, ``PATH_OR_MODULE[:FACTORY]`` (README "Write your own job"); ``None``
+            = the built-in MLP job over ``dataset`` with ``hidden`` and ``activation``.
     """
 
     dataset: str = "digits"
@@ -94,6 +105,14 @@ class JobConfig:
     report_interval_s: float = 1.0
     token: str | None = None
     collect_rule: str = "quorum"
+    aggregate: str = "clip"
+    lr_max: float = 10.0
+    local_steps: int = 1
+    inner_optimizer: str = "sgd"
+    inner_lr: float = 0.1
+    outer_optimizer: str = "sgd"
+    outer_momentum: float = 0.9
+    job: str | None = None
 
     def validate(self, room: str = "room") -> None:
         """Raises:
@@ -122,15 +141,26 @@ class JobConfig:
             raise bad("topology", f"expected one of {TOPOLOGIES}")
         if self.collect_rule not in ("quorum", "grace"):
             raise bad("collect_rule", "expected quorum or grace")
-        from tabcohort.wire.codecs import get_codec
+        from tabcohort.protocol.robust import AGGREGATES
+        if self.aggregate not in AGGREGATES:
+            raise bad("aggregate", f"expected one of {AGGREGATES}")
+        v = self.lr_max
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not self.lr <= v <= 1e6 or v <= 0:
+            raise bad("lr_max", f"must be a number in [lr ({self.lr:g}), 1e6], > 0")
+        from tabcohort.protocol.optim import TrainConfig
+        TrainConfig.from_job(self)          # ConfigError naming --local-steps etc.
+        from tabcohort.wire import get_codec
         get_codec(self.precision)
         if self.token is not None:
             check_token(f"{room}.token", self.token)
+        if self.job is not None and (not isinstance(self.job, str) or not self.job.strip()):
+            raise ConfigError("--job", self.job, "expected PATH_OR_MODULE[:FACTORY]")
 
     def public(self) -> dict[str, Any]:
         """The job without its token, as JSON-ready data."""
         d = asdict(self)
         d.pop("token")
+        d.pop("job")   # a server path: the job's name and hashes are in job_info
         d["hidden"] = list(self.hidden)
         d["timing"] = asdict(self.timing)
         d["batch"] = self.batch or self.global_batch      # a rank's cap unless it sets its own
@@ -169,6 +199,10 @@ class ServerLimits:
         pressure_stall_s: a rank whose socket has not accepted one write for this long stops
             counting in the room's pressure (it is not reading: a frozen tab, a stopped process),
             so the leader does not pace the whole room on it (its frames are shed instead).
+        pressure_report_s: a change of the room's pressure that does not cross 1 is told to
+            the ranks at most once per this long (leaders pace only above 1: crossing it is
+            told at once); without it a relay queue that fills and empties with every round
+            sends two controls per round to every rank.
         write_stall_s: a rank whose socket has not accepted one write for this long is a slow
             consumer (closed 4008).
         max_auth_failures: failed token checks one address may make per ``auth_window_s``;
@@ -177,6 +211,14 @@ class ServerLimits:
         register_rate_per_s, register_burst: the admission rate limit (a token bucket over all
             rooms) for WebSocket registrations, resumes included; one beyond it is closed with
             4029 and the client retries after a full-jitter backoff.
+        backlog_max_pressure: the most a rank's ``backlog`` claim (bytes it says it holds
+            unconsumed) can add to the room's pressure, in high-water marks; a larger claim is
+            clamped (``backlog_clamped``). At 1.0 no claim alone can make a leader pace (it
+            paces only above 1), so a forged claim cannot throttle the room.
+        max_steps_per_s, step_jump_slack: a leader report whose step is ahead of the room's
+            trusted step by more than ``step_jump_slack + max_steps_per_s x`` the seconds since
+            that step was trusted is not believed (``report_step_jump``): it neither moves the
+            room's step nor meets ``--steps``.
     """
 
     max_rooms: int = 64
@@ -201,8 +243,12 @@ class ServerLimits:
     rate_limit_close_s: float = 2.0
     write_stall_s: float = 10.0
     pressure_stall_s: float = 2.0
+    pressure_report_s: float = 0.25
     max_auth_failures: int = 20
     auth_window_s: float = 60.0
+    backlog_max_pressure: float = 1.0
+    max_steps_per_s: float = 20000.0
+    step_jump_slack: int = 2000
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -233,8 +279,23 @@ class ServerConfig:
     #: Origins (``scheme://host[:port]``) besides the server's own that may open a WebSocket or
     #: send a state-changing request; ``*`` allows any (not recommended)
     allowed_origins: tuple[str, ...] = ()
+    #: the trainer credential (docs/PROTOCOL.md, "Roles"): a rank that registers with it may
+    #: lead (run the optimizer, publish parameters, upload checkpoints); one without it only
+    #: contributes buckets. ``None``: generated at start, printed, and written to
+    #: ``checkpoint_dir/.trainer-token`` (mode 0600) when there is a checkpoint directory.
+    trainer_token: str | None = None
+    #: trusted groups: every rank may lead, credential or not (today's behaviour before roles;
+    #: README "Trust model" says what it gives up)
+    any_rank_may_lead: bool = False
+    #: checkpoints kept per room: the newest ``checkpoint_keep`` plus the best by held-out accuracy
+    checkpoint_keep: int = 5
+    #: one node of a cluster coordinated through Redis (``tabcohort serve --redis``; README
+    #: "Cluster"); ``None``: a single server, as without it
+    cluster: Any = None
 
     def validate(self) -> None:
+        if self.cluster is not None:
+            self.cluster.validate()
         if not self.rooms:
             raise ConfigError("rooms", self.rooms, "at least one room is needed")
         if len(self.rooms) > self.limits.max_rooms:
@@ -244,6 +305,13 @@ class ServerConfig:
             job.validate(name)
         if self.operator_token is not None:
             check_token("operator_token", self.operator_token)
+        if self.trainer_token is not None:
+            check_token("trainer_token", self.trainer_token)
+        if not isinstance(self.any_rank_may_lead, bool):
+            raise ConfigError("any_rank_may_lead", self.any_rank_may_lead, "must be true or false")
+        k = self.checkpoint_keep
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 1000:
+            raise ConfigError("checkpoint_keep", k, "must be an integer in [1, 1000]")
         for o in self.allowed_origins:
             if o != "*" and not re.match(r"https?://[^/\s]+\Z", o):
                 raise ConfigError("allowed_origins", o, "expected an origin like https://example.org[:port], or *")

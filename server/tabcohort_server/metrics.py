@@ -30,7 +30,8 @@ class RoomCollector(Collector):
         ranks = GaugeMetricFamily("tabcohort_ranks", "Connected ranks", labels=["room"])
         reserved = GaugeMetricFamily("tabcohort_ranks_reserved", "Disconnected ranks whose id is reserved",
                                      labels=["room"])
-        step = GaugeMetricFamily("tabcohort_step", "Highest step reported", labels=["room"])
+        step = GaugeMetricFamily("tabcohort_step", "The room's step: its current leader's last plausible "
+                                 "report", labels=["room"])
         loss = GaugeMetricFamily("tabcohort_loss", "Leader's last reduced loss", labels=["room"])
         acc = GaugeMetricFamily("tabcohort_accuracy", "Leader's held-out accuracy", labels=["room"])
         term = GaugeMetricFamily("tabcohort_term", "Leader's lineage term", labels=["room"])
@@ -41,9 +42,26 @@ class RoomCollector(Collector):
         nbytes = CounterMetricFamily("tabcohort_bytes_relayed", "Chunk bytes written to relay queues",
                                      labels=["room"])
         fin = CounterMetricFamily("tabcohort_frames_received", "Chunks received from ranks", labels=["room"])
-        drops = CounterMetricFamily("tabcohort_drops", "Relay drops by reason", labels=["room", "reason"])
+        drops = CounterMetricFamily("tabcohort_drops", "Relay drops and refusals by reason (bad controls, "
+                                    "clamped backlog claims, lead claims without the role, implausible "
+                                    "report steps, refused checkpoint uploads: checkpoint_*)",
+                                    labels=["room", "reason"])
+        leaders = GaugeMetricFamily("tabcohort_ranks_may_lead", "Connected ranks the server lets lead "
+                                    "(trainer credential, or a room where any rank may lead)", labels=["room"])
+        ckpts = GaugeMetricFamily("tabcohort_checkpoints", "Checkpoints kept (the newest K plus the best)",
+                                  labels=["room"])
+        ck_step = GaugeMetricFamily("tabcohort_checkpoint_step", "Step of the newest stored checkpoint",
+                                    labels=["room"])
+        ck_best = GaugeMetricFamily("tabcohort_checkpoint_best_accuracy", "Held-out accuracy of the best kept "
+                                    "checkpoint (the leader's own evaluation)", labels=["room"])
         rdrops = GaugeMetricFamily("tabcohort_rank_drops", "Drops the connected ranks report (validated), "
                                    "summed by layer and reason", labels=["room", "layer", "reason"])
+        npaths = GaugeMetricFamily("tabcohort_rank_paths", "Pairs of connected ranks by the path their "
+                                   "reports name (tcp: a direct TCP path, rtc: a data channel, relay, "
+                                   "connecting; each pair counted from both ends)", labels=["room", "path"])
+        pbytes = GaugeMetricFamily("tabcohort_rank_path_bytes", "Chunk bytes the connected ranks report "
+                                   "sent + received on each kind of path (from both ends)",
+                                   labels=["room", "path"])
         refused = CounterMetricFamily("tabcohort_server_refused", "Requests and connections refused "
                                       "server-wide, by reason", labels=["reason"])
         for reason, n in sorted(self.refused.items()):
@@ -58,12 +76,24 @@ class RoomCollector(Collector):
                 fam.add_metric([r.name], float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
                                and math.isfinite(v) else math.nan)
             pres.add_metric([r.name], r.pressure())
+            leaders.add_metric([r.name], sum(1 for p in r.connected.values() if p.may_lead))
+            if r.store is not None:
+                ckpts.add_metric([r.name], len(r.store.entries))
+                newest, best = r.store.latest_meta(), r.store.best_meta()
+                ck_step.add_metric([r.name], math.nan if newest is None else newest["step"])
+                ck_best.add_metric([r.name], math.nan if best is None else best["accuracy"])
             frames.add_metric([r.name], r.frames_relayed)
             nbytes.add_metric([r.name], r.bytes_relayed)
             fin.add_metric([r.name], r.frames_in)
             for reason, n in sorted(r.drops.items()):
                 drops.add_metric([r.name, reason], n)
+            paths, path_bytes = r.rank_paths()
+            for kind, n in sorted(paths.items()):
+                npaths.add_metric([r.name, kind], n)
+            for kind, n in sorted(path_bytes.items()):
+                pbytes.add_metric([r.name, kind], n)
             for layer, by in r.rank_drops().items():
                 for reason, n in sorted(by.items()):
                     rdrops.add_metric([r.name, layer, reason], n)
-        yield from (ranks, reserved, step, loss, acc, term, div, pres, frames, nbytes, fin, drops, rdrops, refused)
+        yield from (ranks, reserved, step, loss, acc, term, div, pres, frames, nbytes, fin, drops, rdrops, refused,
+                    leaders, ckpts, ck_step, ck_best, npaths, pbytes)

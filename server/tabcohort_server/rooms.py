@@ -16,8 +16,12 @@ a slow consumer (closed 4008) only when one write to it has not completed for ``
 or its queue is full of the server's own controls: what it reads, not what others send.
 
 Control messages (text) are validated by :mod:`.schema` before a field is read; invalid ones are
-dropped and counted by reason. The room's step and stop conditions trust the report of the rank
-most connected ranks name as their leader (:meth:`Room.leader_report`), never the highest claim.
+dropped and counted by reason. Roles (docs/PROTOCOL.md, "Roles"): the server binds to each link
+whether its rank may lead (it registered with the trainer credential, or the room lets any rank
+lead) and announces it in ``welcome`` and ``peer``. The room's step and stop conditions trust
+only the report of the room's current leader (:meth:`Room.leader_peer`: a rank that may lead and
+reports that it leads; the highest term wins), and of that only a plausible step; a ``backlog``
+claim adds at most ``backlog_max_pressure`` to the room's pressure.
 """
 
 from __future__ import annotations
@@ -64,9 +68,13 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "accuracy", "steps_per_s", "samples_per_s", "wire_bytes_per_s", "bucket_len",
                  "batch", "model", "backend", "precision", "lr", "fault", "policy", "digest", "pid",
                  "leaders", "first_loss", "start_step", "final", "wire_drops", "links", "link_bytes",
+                 "pair_bytes",
                  "counters", "gaps", "drops", "transport", "rejoins",
                  "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
-                 "shares", "speeds", "applied", "flaps", "probation", "round_gaps", "kind")
+                 "shares", "speeds", "applied", "flaps", "probation", "round_gaps", "kind",
+                 "backend_note", "adapter",
+                 "may_lead", "aggregate", "clipped", "quarantined", "silent", "page_inbox",
+                 "local_steps", "outer_optimizer")
 #: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
 OPERATOR_FIELDS = ("pid",)
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
@@ -116,9 +124,13 @@ class Peer:
         self.bytes_out = 0
         self.report: dict | None = None
         self.report_at: float | None = None
-        #: mesh rooms: the peers this rank reaches through the relay (``relay_peers`` control);
-        #: its broadcast chunks are relayed to those only (the others get them on a channel).
-        self.relay_peers: set[int] = set()
+        #: the role the server bound to this link at register (docs/PROTOCOL.md, "Roles"):
+        #: may it lead (trainer credential, or a room where any rank may lead)
+        self.may_lead = False
+        #: the peers this rank reaches through the relay (``relay_peers`` control): its broadcast
+        #: chunks are relayed to those only (the others get them on a channel or a direct TCP
+        #: path). ``None`` (never declared): every peer in a star room, none in a mesh room.
+        self.relay_peers: set[int] | None = None
         #: star rooms: the rank's WebRTC link, when it has one (set by rtc_relay); ``None`` = ws.
         self.rtc: Any = None
         #: set by the socket layer: wake the writer / close the socket with (code, reason)
@@ -128,6 +140,17 @@ class Peer:
     @property
     def queued_bytes(self) -> int:
         return self.queue.n_bytes
+
+    #: the most bytes a ``backlog`` claim can bring this rank's load to (set by the room)
+    backlog_cap_bytes = 1 << 62
+
+    @property
+    def load_bytes(self) -> int:
+        """What this rank adds to the room's pressure: its relay queue, raised by its claimed
+        receive backlog up to ``backlog_cap_bytes`` at most (a claim never lifts the load beyond
+        the cap; the server's own queue counts whole)."""
+        q = self.queue.n_bytes
+        return max(q, min(q + self.rx_backlog, self.backlog_cap_bytes))
 
     def pop(self) -> bytes | str:
         return self.queue.pop()
@@ -147,8 +170,13 @@ class Room:
     """
 
     def __init__(self, name: str, job: JobConfig, limits: ServerLimits,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 any_rank_may_lead: bool = False) -> None:
         self.name = name
+        #: trusted-group room: every rank may lead, credential or not (README "Trust model")
+        self.any_rank_may_lead = bool(any_rank_may_lead)
+        #: the room's checkpoint history (``checkpoint.CheckpointStore``; set by the app)
+        self.store: Any = None
         self.clock = clock
         self.job = job
         self.limits = limits
@@ -166,6 +194,7 @@ class Room:
         self.stop_reason: str | None = None
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
+        self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
         #: resume secrets are HMAC(secret_key, room:id) when set (the app sets it; it persists in
         #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
         #: id and secret although it never issued that id; ids released here are never re-seated.
@@ -173,12 +202,19 @@ class Room:
         self._released: set[int] = set()
         self._diverging: tuple[float, float, float] | None = None   # (since, step, diverged count)
         self._pressure_sent = 0.0
+        self._pressure_sent_at = -math.inf
+        self._pressure_dirty = False      # a change not yet told (within pressure_report_s)
+        self.n_pressure_coalesced = 0     # changes held back by pressure_report_s
         self._in_pressure = False
         #: max-heap of (-(queued + backlog), version, id), stale entries dropped lazily: the max
         #: load in O(log n) per relayed frame instead of a scan of every rank (200-rank profile)
         self._loads: list[tuple[int, int, int]] = []
-        #: the trusted leader's last step (``step()``); never the highest claim
+        #: the trusted leader's last step (``step()``); never the highest claim. ``_trusted_at``:
+        #: when it was trusted (None: no baseline yet; the first leader report sets it)
         self._trusted_step = 0
+        self._trusted_at: float | None = None
+        #: the id of the last rank that was the room's current leader (``leader_peer``)
+        self.last_leader_id: int | None = None
 
     # ------------------------------------------------------------------ membership
     def seats_of(self, address: str | None) -> int:
@@ -194,12 +230,14 @@ class Room:
                                                     f"the operator can raise --max-ranks-per-address)")
 
     def register(self, *, now: float, resume_id: int | None = None, resume_secret: str | None = None,
-                 address: str | None = None) -> Peer:
+                 address: str | None = None, trainer: bool = False) -> Peer:
         """Seat a rank: a fresh random uint32 id, or its old id when resuming within grace.
 
         Args:
             address: the client's network address; at most ``limits.max_ranks_per_address``
                 seats (connected or reserved) per address (``None``: not bounded).
+            trainer: the rank presented the trainer credential; it may lead (so may every rank
+                of a room with ``any_rank_may_lead``). Bound at every register, resumes included.
 
         Raises:
             RoomError: room full, too many seats from the address, or a resume with an unknown
@@ -231,6 +269,8 @@ class Room:
             p = self.peers[k] = Peer(k, self._secret(k), address)
         p.connected = True
         p.disconnected_at = None
+        p.backlog_cap_bytes = int(self.limits.backlog_max_pressure * self.limits.queue_high_water_bytes)
+        p.may_lead = bool(trainer) or self.any_rank_may_lead
         lim = self.limits
         p.msg_bucket = TokenBucket(lim.sender_max_msgs_per_s, 2 * lim.sender_max_msgs_per_s, now)
         p.byte_bucket = TokenBucket(lim.sender_max_bytes_per_s, lim.sender_max_bytes_per_s, now)
@@ -257,16 +297,24 @@ class Room:
                 and k not in self._released and secrets.compare_digest(self._secret(k), secret))
 
     def welcome(self, p: Peer, *, resumed: bool) -> dict:
+        """The ``welcome`` control: the rank's id, secret and role (``may_lead``), the peers
+        already connected and which of them may lead (``lead_peers``), and the checkpoint a
+        fresh cohort resumes from (``checkpoint``: id, step, accuracy; None if none)."""
+        newest = None if self.store is None else self.store.latest_meta()
         return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
                 "topology": self.job.topology,
                 "resumed": resumed, "stopped": self.stopped,
                 "peers": sorted(k for k in self.connected if k != p.id),
+                "may_lead": p.may_lead,
+                "lead_peers": sorted(k for k, q in self.connected.items() if k != p.id and q.may_lead),
+                "checkpoint": None if newest is None else {
+                    "id": newest["id"], "step": newest["step"], "accuracy": newest.get("accuracy")},
                 "high_water_bytes": self.limits.queue_high_water_bytes,
                 "max_message_bytes": self.limits.max_ws_message_bytes}
 
     def announce(self, p: Peer, up: bool) -> None:
-        """Tell the other connected ranks that ``p`` joined or left the relay."""
-        self.broadcast_control({"type": "peer", "id": p.id, "up": up}, exclude=p.id)
+        """Tell the other connected ranks that ``p`` joined or left the relay, and its role."""
+        self.broadcast_control({"type": "peer", "id": p.id, "up": up, "may_lead": p.may_lead}, exclude=p.id)
 
     def disconnect(self, p: Peer, now: float) -> None:
         """The socket of ``p`` ended; its id stays reserved for ``resume_grace_s``."""
@@ -277,7 +325,7 @@ class Room:
         p.connected = False
         p.disconnected_at = now
         self.connected.pop(p.id, None)
-        p.relay_peers = set()
+        p.relay_peers = None
         p.queue.clear()
         p.skip.clear()
         p.write_since = None
@@ -288,6 +336,14 @@ class Room:
             kick(*reason)
         self.announce(p, False)
         self._update_pressure()
+
+    def evict_all(self, code: int, reason: str, now: float) -> int:
+        """Close every connected rank's link with ``(code, reason)`` (their ids stay reserved);
+        a cluster node that lost the room sends its ranks to the owner this way. Returns how many."""
+        ps = list(self.connected.values())
+        for p in ps:
+            self._disconnect(p, now, reason=(code, reason))
+        return len(ps)
 
     def expire(self, now: float) -> list[int]:
         """Release the ids of ranks disconnected longer than the grace period."""
@@ -344,9 +400,11 @@ class Room:
                 return
             self._enqueue(p, chunk, sender, r.frame_id)
         else:
-            mesh = self.job.topology == "mesh"
+            only = sender.relay_peers
+            if only is None and self.job.topology == "mesh":
+                only = set()
             for p in list(self.connected.values()):
-                if p is not sender and (not mesh or p.id in sender.relay_peers):
+                if p is not sender and (only is None or p.id in only):
                     self._enqueue(p, chunk, sender, r.frame_id)
         self._update_pressure()
 
@@ -428,9 +486,9 @@ class Room:
 
     def _load_changed(self, p: Peer) -> None:
         p.load_version += 1
-        heapq.heappush(self._loads, (-(p.queued_bytes + p.rx_backlog), p.load_version, p.id))
+        heapq.heappush(self._loads, (-p.load_bytes, p.load_version, p.id))
         if len(self._loads) > 4 * len(self.connected) + 64:   # bound the stale entries
-            self._loads = [(-(q.queued_bytes + q.rx_backlog), q.load_version, q.id) for q in self.connected.values()]
+            self._loads = [(-q.load_bytes, q.load_version, q.id) for q in self.connected.values()]
             heapq.heapify(self._loads)
 
     def pressure(self) -> float:
@@ -454,7 +512,7 @@ class Room:
             if q is None or q.load_version != version:
                 heapq.heappop(loads)           # stale: a newer entry or a gone rank
                 continue
-            load = q.queued_bytes + q.rx_backlog
+            load = q.load_bytes
             if q.write_since is not None and now - q.write_since > self.limits.pressure_stall_s:
                 stalled.append(heapq.heappop(loads))
                 continue
@@ -468,19 +526,36 @@ class Room:
         return 0.0
 
     def _update_pressure(self) -> None:
-        """Tell every rank the relay pressure when it moved by >= 0.1, crossed 1, or went to 0."""
+        """Tell every rank the relay pressure: at once when it crossed 1 or left 1 (leaders pace
+        above 1, PROTOCOL.md "Bus contract"); otherwise when it moved by >= 0.1 or went to 0, at most
+        once per ``pressure_report_s`` (a later call, or :meth:`tick`, sends the newest)."""
         if self._in_pressure:
             return
         p = round(self.pressure(), 2)
         last = self._pressure_sent
-        if abs(p - last) < 0.1 and (p > 1) == (last > 1) and (p == 0) == (last == 0):
-            return
+        self._pressure_dirty = False
+        if (p > 1) == (last > 1) and (p >= 1) == (last >= 1):
+            if abs(p - last) < 0.1 and (p == 0) == (last == 0):
+                return
+            now = self.clock()
+            if now - self._pressure_sent_at < self.limits.pressure_report_s:
+                self._pressure_dirty = True
+                self.n_pressure_coalesced += 1
+                return
+            self._pressure_sent_at = now
+        else:
+            self._pressure_sent_at = self.clock()
         self._pressure_sent = p
         self._in_pressure = True
         try:
             self.broadcast_control({"type": "pressure", "p": p})
         finally:
             self._in_pressure = False
+
+    def flush_pressure(self) -> None:
+        """Tell a pressure change held back by ``pressure_report_s`` (called periodically)."""
+        if self._pressure_dirty:
+            self._update_pressure()
 
     def broadcast_control(self, obj: dict, exclude: int | None = None) -> None:
         text = json.dumps(obj, separators=(",", ":"))
@@ -513,7 +588,13 @@ class Room:
             self.signal(p, obj)
             return
         if t == "backlog":
-            p.rx_backlog = min(obj["bytes"], self.limits.queue_max_bytes)
+            cap = int(self.limits.backlog_max_pressure * self.limits.queue_high_water_bytes)
+            n = obj["bytes"]
+            if n > cap:   # a claim cannot pace the room (ServerLimits.backlog_max_pressure)
+                self.drop("backlog_clamped")
+                p.charge("backlog_clamped")
+                n = cap
+            p.rx_backlog = n
             self._load_changed(p)
             self._update_pressure()
             return
@@ -523,13 +604,62 @@ class Room:
         st = obj["state"]
         rep = {k: st[k] for k in REPORT_FIELDS if k in st}
         rep["id"] = p.id
+        if rep.get("is_leader") is True and not p.may_lead:
+            self.drop("lead_claim_refused")      # reported, shown, never trusted
+            p.charge("lead_claim_refused")
+        old, old_at = p.report, p.report_at
         p.report = rep
         p.report_at = now
+        if self.trusted_peer() is p and not self._trust_step(rep, now):
+            p.report, p.report_at = old, old_at  # an implausible step: the whole report is dropped
+            self.drop("report_step_jump")
+            p.charge("report_step_jump")
+            return
+        lead = self.leader_peer()
+        if lead is not None:
+            self.last_leader_id = lead.id
         self.check_stop(now)
 
+    def may_upload(self, p: Peer) -> bool:
+        """Whether ``p`` may store a checkpoint: it may lead and is the rank the room trusts
+        (:meth:`trusted_peer`: the current leader; or the last one, a leader that stopped at
+        ``--steps`` and reports so; or the one the ranks name), or no rank is trusted yet (a
+        leader so quick it stopped before its first report)."""
+        if not p.connected or not p.may_lead:
+            return False
+        t = self.trusted_peer()
+        return t is p or t is None    # (None: a leader so quick it stopped before it reported)
+
+    def trust_step(self, step: int, now: float) -> None:
+        """Set the room's trusted step baseline (a checkpoint the room resumes from)."""
+        self._trusted_step, self._trusted_at = int(step), now
+
+    def _trust_step(self, rep: dict, now: float) -> bool:
+        """Take the current leader's reported step as the room's step when it is plausible:
+        at most ``step_jump_slack + max_steps_per_s x`` the seconds since the last trusted step
+        ahead of it (a lower step is taken: it cannot meet a stop condition). False: refused."""
+        s = rep.get("step")
+        if isinstance(s, bool) or not isinstance(s, int):
+            return True                          # no step claimed: nothing to trust
+        if not self.plausible_step(s, now):
+            return False
+        self._trusted_step, self._trusted_at = s, now
+        return True
+
+    def plausible_step(self, step: int, now: float) -> bool:
+        """Whether ``step`` can follow the room's trusted step by now: at most
+        ``step_jump_slack + max_steps_per_s x`` the seconds since it was trusted ahead (always,
+        before the room has a baseline)."""
+        if self._trusted_at is None:
+            return True
+        lim = self.limits
+        return step <= self._trusted_step + lim.step_jump_slack + lim.max_steps_per_s * max(0.0, now - self._trusted_at)
+
     #: ``signal`` kinds the server forwards (WebRTC negotiation between two ranks).
-    #: ``backlog``: a tab tells a mesh peer how many of its bytes it holds unconsumed
-    SIGNAL_KINDS = ("offer", "answer", "candidate", "bye", "backlog")
+    #: ``backlog``: a tab tells a mesh peer how many of its bytes it holds unconsumed;
+    #: ``direct``: a native rank's TCP address and the pair's key (docs/PROTOCOL.md, "Direct TCP
+    #: path"; forwarded as strings of bounded length, never interpreted here)
+    SIGNAL_KINDS = ("offer", "answer", "candidate", "bye", "backlog", "direct")
     #: Set by the app when this server terminates WebRTC links (star over rtc): called with
     #: (peer, signal) for signals addressed to the server (``to == 0``).
     on_server_signal: Callable[[Peer, dict], None] | None = None
@@ -544,7 +674,7 @@ class Room:
         if isinstance(to, bool) or not isinstance(to, int) or kind not in self.SIGNAL_KINDS:
             self.drop("bad_signal")      # (parse_control checked this already; kept for callers)
             return
-        fwd = {k: obj[k] for k in ("kind", "sdp", "candidate", "bytes") if k in obj}
+        fwd = {k: obj[k] for k in ("kind", "sdp", "candidate", "bytes", "addr", "key") if k in obj}
         fwd.update(type="signal", to=to, **{"from": p.id})
         if to == 0:
             if self.on_server_signal is None:
@@ -559,32 +689,55 @@ class Room:
         self.send_control(q, fwd, src=p)
 
     # ------------------------------------------------------------------ state and stop
-    def leader_report(self) -> dict | None:
-        """The report the room trusts: that of the rank most connected ranks name as their
-        leader (the ``leader`` field of their reports); on a tie, the tied leader with the lower
-        step. ``None`` when no connected rank names a connected, reporting leader.
+    def leader_peer(self) -> Peer | None:
+        """The room's current leader: among the connected ranks that may lead (the role the
+        server bound to their links) and whose last report says they lead, the one whose lineage
+        wins (docs/PROTOCOL.md, "Lineage and terms": the highest term; in one term the lower id).
+        ``None`` when there is none.
 
-        A rank cannot make the room stop (``--steps``, ``--target-accuracy``) or show another
-        step by claiming one: only a majority's leader's own report counts (PROTOCOL.md,
-        "Leader": every rank of a cohort names the same leader).
+        A rank cannot make the room stop (``--steps``, ``--target-accuracy``), show another step
+        or upload a checkpoint by claiming to lead: without the role its claim is not counted.
         """
-        votes = Counter(p.report["leader"] for p in self.connected.values()
-                        if p.report and isinstance(p.report.get("leader"), int))
-        if not votes:
+        best, key = None, None
+        for p in self.connected.values():
+            rep = p.report
+            if not p.may_lead or not rep or rep.get("is_leader") is not True:
+                continue
+            term = rep.get("term")
+            k = (term if isinstance(term, int) and not isinstance(term, bool) else 0, -p.id)
+            if key is None or k > key:
+                best, key = p, k
+        return best
+
+    def trusted_peer(self) -> Peer | None:
+        """The rank whose reports the room trusts: the current leader (:meth:`leader_peer`), or
+        while no rank leads, the last one that did if it is still connected (a leader that stopped
+        at ``--steps`` reports its final step and uploads its final checkpoint as a non-leader)."""
+        p = self.leader_peer()
+        if p is not None:
+            return p
+        q = self.connected.get(self.last_leader_id) if self.last_leader_id is not None else None
+        if q is not None and q.may_lead:
+            return q
+        # no rank has said it leads yet: the one that may lead most connected ranks name as
+        # their leader (on a tie the lower step), never one without the role
+        votes = Counter(r.report["leader"] for r in self.connected.values()
+                        if r.report and isinstance(r.report.get("leader"), int))
+        named = [self.connected[k] for k in votes if k in self.connected and self.connected[k].may_lead
+                 and self.connected[k].report]
+        if not named:
             return None
-        top = max(votes.values())
-        tied = [self.connected[k].report for k, n in votes.items()
-                if n == top and k in self.connected and self.connected[k].report]
-        if not tied:
-            return None
-        return min(tied, key=lambda r: r.get("step", 0))
+        top = max(votes[c.id] for c in named)
+        return min((c for c in named if votes[c.id] == top), key=lambda c: _num(c.report.get("step")))
+
+    def leader_report(self) -> dict | None:
+        """The report the room trusts (:meth:`trusted_peer`'s), or None."""
+        p = self.trusted_peer()
+        return None if p is None else p.report
 
     def step(self) -> int:
-        """The trusted leader's step (:meth:`leader_report`); while no connected rank names a
-        leader, the last such step (never the highest any rank claimed)."""
-        lead = self.leader_report()
-        if lead is not None:
-            self._trusted_step = int(lead.get("step", 0))
+        """The room's trusted step: the current leader's last plausible step (never the highest
+        any rank claimed); while there is no leader, the last such step."""
         return self._trusted_step
 
     def check_stop(self, now: float) -> bool:
@@ -607,15 +760,20 @@ class Room:
         return self.stopped
 
     def _diverged(self, lead: dict, now: float) -> str | None:
-        """``diverged ...`` once the leader has refused updates that overflowed (its ``diverged``
-        count rising) for ``DIVERGED_AFTER_S`` without its step advancing; else None."""
+        """``diverged ...`` once the leader, over ``DIVERGED_AFTER_S``, refused more updates that
+        overflowed (its ``diverged`` count) than it applied (its step); else None. (Not "without
+        its step advancing": a leader that overflows in nearly every round still applies one now
+        and then, and on a slow machine that reset the window every few seconds for good.)"""
         step, n = _num(lead.get("step")), _num(lead.get("diverged"))
         since = self._diverging
-        if n <= 0 or since is None or since[1] != step or since[2] > n:
+        if n <= 0 or since is None or since[2] > n or since[1] > step:   # (none, or another leader's counts)
             self._diverging = (now, step, n)
             return None
-        if n > since[2] and now - since[0] >= DIVERGED_AFTER_S:
+        if now - since[0] < DIVERGED_AFTER_S:
+            return None
+        if n - since[2] > step - since[1]:
             return f"diverged at step {int(step)}: {str(lead.get('fault'))[:200]}"
+        self._diverging = (now, step, n)     # training goes on: a new window
         return None
 
     def stop(self, reason: str) -> None:
@@ -638,6 +796,25 @@ class Room:
                     out[kind][reason] = out[kind].get(reason, 0) + n
         return out
 
+    #: path names the metrics keep as labels (anything else a report says counts as ``other``)
+    PATH_LABELS = ("tcp", "rtc", "relay", "connecting", "ws")
+
+    def rank_paths(self) -> tuple[dict[str, int], dict[str, int]]:
+        """From the connected ranks' validated reports: pairs by path (``links``, peers only) and
+        chunk bytes by path kind (``link_bytes``), each summed over the ranks (both ends)."""
+        paths: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+        for p in self.connected.values():
+            rep = p.report or {}
+            for peer, kind in (rep.get("links") or {}).items():
+                if peer != "server":
+                    k = kind if kind in self.PATH_LABELS else "other"
+                    paths[k] = paths.get(k, 0) + 1
+            for kind, n in (rep.get("link_bytes") or {}).items():
+                k = kind if kind in self.PATH_LABELS else "other"
+                nbytes[k] = nbytes.get(k, 0) + n
+        return paths, nbytes
+
     def summary(self, now: float, *, operator: bool = False) -> dict[str, Any]:
         """The room as JSON-ready data (``GET /api/rooms/{room}``); ``operator`` adds the
         fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids)."""
@@ -648,6 +825,7 @@ class Room:
             if rep is not None and not operator:
                 rep = {k: v for k, v in rep.items() if k not in OPERATOR_FIELDS}
             ranks.append({"id": p.id, "id_hex": f"{p.id:08x}", "connected": p.connected,
+                          "may_lead": p.may_lead, "role": "may lead" if p.may_lead else "contributes",
                           "link": "rtc" if p.rtc is not None and p.rtc.up else "ws",
                           "queued_bytes": p.queued_bytes, "charged": dict(p.charged),
                           "report_age_s": None if p.report_at is None else round(now - p.report_at, 3),
@@ -662,7 +840,10 @@ class Room:
                 "diverged": None if lead is None else _json_int(lead.get("diverged")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
                 "resumed_from_step": self.resumed_from_step,
+                "resumed_from": self.resumed_from,
+                "lead_policy": "any rank may lead" if self.any_rank_may_lead else "trainer credential",
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
+                "checkpoints": [] if self.store is None else self.store.list(),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
                              "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},
                 "drops": dict(self.drops), "rank_drops": self.rank_drops(), "ranks": ranks}
@@ -690,9 +871,10 @@ class RoomRegistry:
     ``register_burst``)."""
 
     def __init__(self, jobs: dict[str, JobConfig], limits: ServerLimits, seed: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, any_rank_may_lead: bool = False) -> None:
         rng = random.Random(seed) if seed is not None else random.SystemRandom()
-        self.rooms = {name: Room(name, job, limits, rng, clock) for name, job in jobs.items()}
+        self.rooms = {name: Room(name, job, limits, rng, clock, any_rank_may_lead=any_rank_may_lead)
+                      for name, job in jobs.items()}
         self.admission = TokenBucket(limits.register_rate_per_s, limits.register_burst, time.monotonic())
 
     def get(self, name: str) -> Room | None:
@@ -703,4 +885,5 @@ class RoomRegistry:
         for room in self.rooms.values():
             room.expire(now)
             room.check_stalls(now)
+            room.flush_pressure()
             room.check_stop(now)

@@ -1,5 +1,5 @@
 """Validation of every JSON control a rank sends the server (docs/PROTOCOL.md, "State report";
-``tabcohort.bus.ws`` for the control messages), at the boundary, before the room reads a field.
+``tabcohort.bus.room`` for the control messages), at the boundary, before the room reads a field.
 
 A control is untrusted input exactly like a frame: :func:`parse_control` returns either the
 validated object or a drop reason (a short stable string the room counts in ``Room.drops``, shown
@@ -64,6 +64,8 @@ REPORT_STATE = {
         "steps_per_s": NUM_OR_NULL, "samples_per_s": NUM_OR_NULL, "wire_bytes_per_s": NUM_OR_NULL,
         "model": STR_OR_NULL, "backend": STR_OR_NULL, "precision": STR_OR_NULL, "fault": STR_OR_NULL,
         "digest": STR_OR_NULL, "transport": STR_OR_NULL,
+        # a tab's compute backend: why it is not the one asked for (a fallback), and the GPU adapter
+        "backend_note": STR_OR_NULL, "adapter": STR_OR_NULL,
         "pid": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
         # the leaders a rank has followed: [leader id, wall time of its first round, step]
         "leaders": {"type": "array", "maxItems": 64,
@@ -73,6 +75,9 @@ REPORT_STATE = {
         # drop and event counters by reason: non-negative integers
         "drops": _map(U63, REASON), "wire_drops": _map(U63, REASON), "counters": _map(U63, REASON),
         "gaps": _map(NUM), "links": _map(STR), "link_bytes": _map(U63),
+        # per peer: chunk bytes on its own channel (rtc, tcp) and through the relay
+        "pair_bytes": _ranks_map({"type": "object", "maxProperties": 4, "propertyNames": KEY,
+                                  "additionalProperties": U63}),
         # lineage, majority and shares (docs/PROTOCOL.md, "Lineage and terms", "Shares")
         "term": U63, "members": U32, "majority": BOOL, "diverged": U63, "rejoins": U63,
         "global_batch": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**32 - 1},
@@ -80,6 +85,14 @@ REPORT_STATE = {
         "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "flaps": _ranks_map(U63),
         "applied": _ranks_map(U63),
         "probation": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
+        # untrusted ranks (docs/PROTOCOL.md, "Untrusted ranks"): the rank's role, the leader's
+        # aggregation rule, buckets clipped by rank, quarantined ranks (seconds left), silent ranks
+        "may_lead": BOOL, "aggregate": STR_OR_NULL, "clipped": _ranks_map(U63),
+        # local steps and the outer optimizer (docs/PROTOCOL.md, "Local steps and optimizer state")
+        "local_steps": U32, "outer_optimizer": STR_OR_NULL,
+        "quarantined": _ranks_map(NUM), "silent": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
+        # a tab's page inbox: wake-ups, items, pauses while behind the round rate
+        "page_inbox": _map(U63),
         # gaps between rounds a rank received: count, median, the largest [gap ms, wall time]
         "round_gaps": {"type": "object", "maxProperties": 4, "properties": {
             "n": U63, "p50_ms": NUM_OR_NULL,
@@ -94,12 +107,42 @@ CONTROL_SCHEMAS: dict[str, dict] = {
     "relay_peers": {"type": "object", "required": ["ids"],
                     "properties": {"ids": {"type": "array", "maxItems": 4096, "items": U32}}},
     "signal": {"type": "object", "required": ["to", "kind"], "properties": {
-        "to": U32, "kind": {"enum": ["offer", "answer", "candidate", "bye", "backlog"]},
+        "to": U32, "kind": {"enum": ["offer", "answer", "candidate", "bye", "backlog", "direct"]},
         "sdp": {"type": "string", "maxLength": 16384}, "bytes": U63,
+        "addr": {"type": "string", "maxLength": 64}, "key": {"type": "string", "maxLength": 64},
         "candidate": {"type": "object", "maxProperties": 8, "propertyNames": KEY,
                       "additionalProperties": {"type": ["string", "integer", "null"], "maxLength": 1024}}}},
 }
 
+#: The first message on a rank's socket (docs/PROTOCOL.md, "Server controls"): the room token,
+#: the trainer credential (with it the server lets the rank lead: "Roles"), a resume.
+REGISTER = {"type": "object", "required": ["type"], "properties": {
+    "type": {"const": "register"}, "version": {"type": "integer", "minimum": 0, "maximum": 65535},
+    "token": {"type": ["string", "null"], "maxLength": 256},
+    "trainer_token": {"type": ["string", "null"], "maxLength": 256},
+    "resume": {"type": "object", "required": ["id", "secret"],
+               "properties": {"id": U32, "secret": {"type": "string", "maxLength": 256}}}}}
+
+#: What the server sends a rank (documentation and the server's own tests; ranks validate what
+#: they read field by field): ``welcome`` and ``peer`` carry the roles the server bound.
+SERVER_CONTROL_SCHEMAS: dict[str, dict] = {
+    "welcome": {"type": "object", "required": ["type", "id", "secret", "peers", "may_lead", "lead_peers"],
+                "properties": {"id": U32, "secret": STR, "room": STR, "topology": {"enum": ["star", "mesh"]},
+                               "resumed": BOOL, "stopped": BOOL, "may_lead": BOOL,
+                               "peers": {"type": "array", "items": U32}, "lead_peers": {"type": "array", "items": U32},
+                               "checkpoint": {"type": ["object", "null"], "properties": {
+                                   "id": STR, "step": U63, "accuracy": NUM_OR_NULL}},
+                               "high_water_bytes": U63, "max_message_bytes": U63}},
+    "peer": {"type": "object", "required": ["type", "id", "up", "may_lead"],
+             "properties": {"id": U32, "up": BOOL, "may_lead": BOOL}},
+    "pressure": {"type": "object", "required": ["type", "p"], "properties": {"p": {"type": "number", "minimum": 0}}},
+    "stop": {"type": "object", "required": ["type", "reason"], "properties": {"reason": STR_OR_NULL}},
+    "lr": {"type": "object", "required": ["type", "lr"],
+           "properties": {"lr": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}}},
+}
+
+_REGISTER = Draft202012Validator(REGISTER)
+_SERVER_VALIDATORS = {t: Draft202012Validator(s) for t, s in SERVER_CONTROL_SCHEMAS.items()}
 _VALIDATORS = {t: Draft202012Validator(s) for t, s in CONTROL_SCHEMAS.items()}
 for _v in _VALIDATORS.values():
     Draft202012Validator.check_schema(_v.schema)
@@ -171,6 +214,20 @@ def check_control(obj: Any) -> str | None:
     if t == "report" and len(path) >= 2:
         return f"bad_report.{path[1]}"
     return f"bad_{t}"
+
+
+def check_register(obj: Any) -> str | None:
+    """``None`` when ``obj`` is a valid ``register`` (``REGISTER``), else ``bad_register``."""
+    return None if _REGISTER.is_valid(obj) else "bad_register"
+
+
+def check_server_control(obj: Any) -> str | None:
+    """The first schema error of a control the server sends (``SERVER_CONTROL_SCHEMAS``), or None."""
+    v = _SERVER_VALIDATORS.get(obj.get("type")) if isinstance(obj, dict) else None
+    if v is None:
+        return "unknown server control"
+    err = next(iter(v.iter_errors(obj)), None)
+    return None if err is None else err.message
 
 
 def parse_control(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[dict | None, str | None]:

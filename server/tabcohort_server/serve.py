@@ -45,24 +45,51 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                       advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> None:
     from aiohttp import web
 
-    from .app import OPERATOR_TOKEN, ROOMS, create_app
+    import json
+
+    from .app import ASSETS, OPERATOR_TOKEN, ROOMS, TRAINER_TOKEN, create_app
 
     app = create_app(config)  # ConfigError before listening
     runner, site, actual = await start_site(app, host, port)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{actual}"
+    if config.cluster is not None:   # Redis answered at setup; now claim what nobody holds
+        from .cluster_web import start as start_cluster
+        node = await start_cluster(app, url)
+        owned = sorted(node.book.owned)
+        progress(f"cluster: node {node.config.node_id} at {node.config.advertise_url} (Redis "
+                 f"{node.config.redis_url}); owns {', '.join(owned) if owned else 'no room yet'}; lease "
+                 f"{node.timing.lease_ms:g} ms, failover within {node.timing.failover_bound_ms() / 1000:g} s")
     for name, job in config.rooms.items():
-        progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
+        assets = app[ASSETS].get(name)
+        if job.job and assets is not None:
+            info = json.loads(assets.job_json)["job_info"]
+            progress(f"tabcohort serve: {url}  room {name} (job {info['name']}: code {info['code_bytes']} bytes "
+                     f"sha256 {info['code_sha256'][:16]}, data {info['data_bytes']} bytes sha256 "
+                     f"{info['data_sha256'][:16]}; backends {', '.join(info['backends'])}; {job.topology})")
+        else:
+            progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
+        lead = "" if config.any_rank_may_lead else " --trainer-token ..."
         progress(f"  join: tabcohort rank --server {url} --room {name}"
-                 f"{' --token ...' if job.token else ''}")
+                 f"{' --token ...' if job.token else ''}{lead}")
         room = app[ROOMS].get(name)
-        if room is not None and room.resumed_from_step is not None and not room.stopped:
-            progress(f"  room {name} resumes from its checkpoint at step {room.resumed_from_step} "
+        if room is not None and room.resumed_from is not None and not room.stopped:
+            r = room.resumed_from
+            progress(f"  room {name} resumes from its checkpoint {r['id']} at step {r['step']} "
                      f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
         progress(f"  operate: {url}/operator?room={name}#operator=" + app[OPERATOR_TOKEN])
+    if config.any_rank_may_lead:
+        progress("roles: any rank may lead (--any-rank-may-lead: for trusted groups only)")
+    else:
+        where = (f"; also in {config.checkpoint_dir}/.trainer-token" if config.checkpoint_dir and
+                 config.trainer_token is None else "")
+        progress("roles: only ranks with the trainer token may lead; tabs and other ranks contribute buckets")
+        if config.trainer_token is None:
+            progress(f"trainer token (give native ranks --trainer-token or TABCOHORT_TRAINER_TOKEN{where}): "
+                     + app[TRAINER_TOKEN])
     if config.operator_token is None:
         progress("operator token (generated; set --operator-token or TABCOHORT_OPERATOR_TOKEN to keep one): "
                  + app[OPERATOR_TOKEN])

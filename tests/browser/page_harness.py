@@ -8,8 +8,8 @@
   (media permission, so Chromium offers loopback host candidates). Each call is one
   ``page.evaluate`` that posts ``{k: "conf", text}`` to the worker and resolves with its reply.
 - :class:`PageHarness`: the :class:`~tests.conformance.bus_harness.BusHarness` of one case,
-  kind ``star`` (:class:`~tabcohort.bus.browser.BrowserBus` over the page's WebSocket) or
-  ``mesh`` (:class:`~tabcohort.bus.browser.BrowserMeshBus`, the page's RTCPeerConnections).
+  kind ``star`` (:func:`~tabcohort.bus.page.page_star_bus` over the page's WebSocket) or
+  ``mesh`` (:func:`~tabcohort.bus.page.page_mesh_bus`, the page's RTCPeerConnections).
   Its buses are :class:`PageBus` proxies. Received messages are held in the worker and handed to
   the proxies' ``on_message`` by :meth:`PageHarness.settle`, once the network is quiet (the
   relay's counters against the buses' for the star; every data channel drained and every byte
@@ -95,8 +95,15 @@ class ConfServer:
 
         cfg = ServerConfig(rooms={"star": JobConfig(dataset="synthetic", topology="star"),
                                   "mesh": JobConfig(dataset="synthetic", topology="mesh")},
+                           # pressure_report_s 1 ms: the relay tells pressure changes almost at once (the
+                           # battery checks the bus contract; the relay's coalescing of sub-1 changes is
+                           # tests/integration/test_rooms.py's), and settle flushes a held-back one
+                           # backlog_max_pressure 4: a stalled page's backlog claim may pace the senders past 1
+                           # (the battery's back-pressure check; the cap against a hostile claim is tested in
+                           # tests/integration/test_hostile_server.py)
                            limits=ServerLimits(pressure_stall_s=3600.0, max_ranks_per_address=4096, queue_high_water_bytes=HIGH_WATER, queue_max_bytes=256 << 20,
-                                               queue_max_items=100_000),
+                                               queue_max_items=100_000, pressure_report_s=1e-3,
+                                               backlog_max_pressure=4.0),
                            rtc_host_addresses=["127.0.0.1"])   # the server's end of rtc-star links
         app = create_app(cfg)
         self.rooms = {k: app[ROOMS].get(k) for k in ("star", "mesh")}
@@ -269,6 +276,9 @@ class PageHarness(BusHarness):
         return None if p is None else (p.n_in, p.n_out, p.queued_bytes, len(p.queue), p.connected)
 
     def _quiet(self, snap: list[dict]) -> bool:
+        if self.room._pressure_dirty:   # a change held back by pressure_report_s: the relay's tick would tell it
+            self.session.server.loop.call_soon_threadsafe(self.room.flush_pressure)
+            return False
         for d in snap:
             p = self.room.peers.get(d["id"])
             n_sent, n_received, queued, _pressure, ws_stalled = d["ws"]

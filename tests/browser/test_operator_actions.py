@@ -14,7 +14,7 @@ ROOM_TOKEN = "room-token-operator-view-01"
 
 
 def test_the_operator_link_stops_the_room_and_the_room_token_does_not(cluster, tabs):
-    url = cluster.serve("--token", ROOM_TOKEN)
+    url = cluster.serve("--token", ROOM_TOKEN, "--any-rank-may-lead")  # tabs only: a trusted group
     serve_log = cluster.server.text()
     link = next(line.split("operate: ", 1)[1] for line in serve_log.splitlines() if "operate: " in line)
     assert link.endswith(f"#operator={cluster.operator_token}")

@@ -37,7 +37,8 @@ def check_both_sizes(tab, name: str) -> None:
 def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
     if not AXE.is_file():
         pytest.fail("node_modules/axe-core is missing: run npm ci")
-    url = cluster.serve("--token", "room-token-s3cret-0123", "--checkpoint-interval", "1")
+    url = cluster.serve("--token", "room-token-s3cret-0123", "--checkpoint-interval", "1",
+                        "--any-rank-may-lead")  # a lone tab leads only in a trusted-group room
     t = tabs(url, "?room=digits&token=room-token-s3cret-0123", viewport=MOBILE)
     wait_for(lambda: t.tc("tc.phase") in ("loading", "training"), 20, "the loading phase")
     if t.tc("tc.phase") == "loading":

@@ -1,10 +1,10 @@
 """The bus conformance battery (tests/conformance/test_bus_conformance.py, every case) against the
 browser buses in a real Chromium page's worker, through the page's own WebSocket and
 RTCPeerConnections (web/app.js), against a real tabcohort server: ``page-ws-star``
-(:class:`~tabcohort.bus.browser.BrowserBus`), ``page-rtc-star``
-(:class:`~tabcohort.bus.browser.BrowserRtcStarBus`: a page-owned data channel to the server,
+(:func:`~tabcohort.bus.page.page_star_bus`), ``page-rtc-star``
+(``page_star_bus(link="rtc")``: a page-owned data channel to the server,
 which ends it with aiortc) and ``page-rtc-mesh``
-(:class:`~tabcohort.bus.browser.BrowserMeshBus`; after each case, every link between open buses
+(:func:`~tabcohort.bus.page.page_mesh_bus`; after each case, every link between open buses
 must be a data channel that carried bytes, none on the relay). One server and one page for the
 module (Pyodide boots once); fresh buses per case. See page_harness.py."""
 

@@ -44,11 +44,11 @@ class HostileRank:
 
     async def _run(self) -> None:
         from tabcohort import PROTOCOL_VERSION
-        from tabcohort.bus.ws import WsBus, ws_url
+        from tabcohort.bus.aio import star_bus, ws_url
 
         with urllib.request.urlopen(f"{self.url}/api/rooms/{self.room}/job", timeout=5) as r:
             job = json.load(r)
-        bus = self.bus = WsBus(ws_url(self.url, self.room))
+        bus = self.bus = star_bus(ws_url(self.url, self.room))
         await bus.connect()
         bus.post({"t": "hello", "version": PROTOCOL_VERSION, "job": job["job_hash"], "batch": 8, "ready": False,
                   "running": False, "step": 0, "model": payload("model"), "backend": payload("backend")})
@@ -71,7 +71,7 @@ class HostileRank:
 
 
 def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster, tabs):
-    url = cluster.serve()
+    url = cluster.serve("--any-rank-may-lead")   # tabs only: a trusted group
     tab = tabs(url, "?room=digits")
     op = tabs(url, "operator?room=digits")
     requests: list[str] = []
@@ -117,7 +117,7 @@ def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster,
 
 
 def test_every_page_and_asset_carries_a_csp_that_blocks_inline_script(cluster, tabs):
-    url = cluster.serve()
+    url = cluster.serve("--any-rank-may-lead")   # tabs only: a trusted group
     paths = ["/", "/operator", "/web/app.js", "/web/rank-worker.js", "/web/style.css", "/api/boot",
              "/api/rooms/digits", "/pyodide/pyodide.mjs", "/vendor/uplot/uPlot.iife.min.js", "/healthz"]
     for p in paths:

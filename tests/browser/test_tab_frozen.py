@@ -44,7 +44,7 @@ def report(cluster, rank_id: int) -> dict | None:
 
 
 def test_frozen_tab_resumes_by_the_suspension_rule_without_rewinding_the_cohort(cluster, chromium):
-    url = cluster.serve()
+    url = cluster.serve("--any-rank-may-lead")   # tabs only: a trusted group
     page, st = open_ready_tab(chromium, url, cohort=1)   # alone: it bootstraps and leads
     tab_id = st["id"]
     # a native rank joins; the lower id leads (ids are random: the tab leads in about half the runs,

@@ -87,8 +87,10 @@ def test_a_tab_joins_a_star_room_over_a_data_channel_to_the_server(cluster, tabs
                                  and r["step"] >= st0["step"] + 40), None), 15, "the tab's report")
     assert rep["links"] == {"server": "rtc"}, rep["links"]
     lb = rep["link_bytes"]
-    # (before the channel opens a first hello may cross the socket)
-    assert lb["rtc"] >= 4 * rep["bucket_len"] * 20 and lb["ws"] <= 0.01 * lb["rtc"], lb
+    # (before the channel opens a first hello may cross the socket; the buckets are the tab's
+    # shares, so how many it sent in 40 rounds depends on its measured speed: at least 5 of them,
+    # 14 on a loaded host in CI)
+    assert lb["rtc"] >= 4 * rep["bucket_len"] * 5 and lb["ws"] <= 0.01 * lb["rtc"], lb
     st = tab.state()
     assert st["transport"] == "rtc-star" and all(ln["transport"] == "rtc-star" for ln in st["links"]), st["links"]
     server_side = {r["id"]: r["link"] for r in cluster.state()["ranks"] if r["connected"]}

@@ -1,6 +1,6 @@
 """A volunteer tab adds compute without slowing the native ranks (docs/PROTOCOL.md, "Shares"):
 two native ranks train in a WebSocket-star room with a global batch large enough that a round
-takes tens of milliseconds; a real Chromium tab (Pyodide, pure-Python backend) joins. The
+takes tens of milliseconds; a real Chromium tab (Pyodide, the pure-Python backend: ``?backend=python``, the slowest) joins. The
 leader gives the tab a share its speed can deliver in the round's time, its buckets enter the
 reduce (the leader's ``applied`` samples by rank), and the native ranks' round rate with the tab
 is not stalled by it: at least half its rate without it (before it joined, and while it is stopped: a shared
@@ -51,7 +51,7 @@ def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round
     wait_for(lambda: cluster.state()["step"] >= s0 + 10, 30, "native warm-up rounds")
     without = [round_rate(cluster)]
 
-    tab = tabs(url, f"?room=digits&batch={TAB_BATCH}")
+    tab = tabs(url, f"?room=digits&batch={TAB_BATCH}&backend=python")
     st = wait_tab(tab, lambda s: s["ready"] and s["cohort"] == 3, 60, "the tab ready in a cohort of 3")
     tab_hex = f"{st['id']:08x}"
     assert st["backend"] == "python"

@@ -41,6 +41,9 @@ if _ws_available():
 
     HARNESSES["ws-star"] = lambda p: WsHarness(p)
     HARNESSES["ws-star-chunked"] = lambda p: WsHarness(p, max_message_bytes=1024)
+    from .direct_harness import DirectHarness
+
+    HARNESSES["tcp-direct"] = lambda p: DirectHarness(p)
     try:
         import aiortc  # noqa: F401
     except ImportError:

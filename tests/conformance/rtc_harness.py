@@ -112,35 +112,35 @@ class RtcMeshHarness(_RtcHarness):
         room.signal = lambda p, obj: forward(p, self._capped(obj, n))
 
     async def amake(self, n: int) -> list[Bus]:
-        from tabcohort.bus.rtc import RtcMeshBus
+        from tabcohort.bus.aio import mesh_bus
 
         new = []
         for _ in range(n):
-            b = RtcMeshBus(self.url, precision=self.precision, host_addresses=LOOPBACK, idle_timeout_s=None,
+            b = mesh_bus(self.url, precision=self.precision, host_addresses=LOOPBACK, idle_timeout_s=None,
                            connect_timeout_s=20.0)
             await b.connect()
             new.append(b)
         self.buses += new
         live = [b for b in self.buses if not b.closed]
         ids = {b.id for b in live}
-        await self._until(lambda: all(set(b.links()) == ids - {b.id} and set(b.links().values()) <= {"rtc"}
+        await self._until(lambda: all(set(b.paths()) == ids - {b.id} and set(b.paths().values()) <= {"rtc"}
                                       for b in live), "every pair on a data channel")
         return new
 
     def _quiet(self) -> bool:
         live = {b.id: b for b in self.buses if not b.closed}
         for a in live.values():
-            for p, lk in a.links_.items():
+            for p, path in a.path_of.items():
                 b = live.get(p)
                 if b is None:
-                    continue  # a closed peer: its link may have moved to the relay, nothing to carry
-                if lk.kind != "rtc":
+                    continue  # a closed peer: its path may have moved to the relay, nothing to carry
+                if path.state.value != "rtc":
                     return False
-                if not b._stall_gate.is_set():
+                if b.stalled:
                     continue  # a stalled receiver cannot make progress: nothing to wait for
-                if lk.queue or lk.channel is None or lk.channel.bufferedAmount:
+                if path.queued_bytes or a.channel_of.get(p) is None or a.channel_buffered(p):
                     return False
-                if b.links_[a.id].received != lk.sent:
+                if b.path(a.id).received != path.sent:
                     return False
         return True
 
@@ -174,14 +174,14 @@ class RtcStarHarness(_RtcHarness):
         return sum(len(c) for ch in w.write(msg) for c in rechunk(ch, self.small_message_bytes))
 
     async def amake(self, n: int) -> list[Bus]:
-        from tabcohort.bus.rtc import RtcStarBus
+        from tabcohort.bus.aio import star_bus
 
         new = []
         for _ in range(n):
-            b = RtcStarBus(self.url, precision=self.precision, host_addresses=LOOPBACK, connect_timeout_s=20.0)
+            b = star_bus(self.url, link="rtc", precision=self.precision, host_addresses=LOOPBACK, connect_timeout_s=20.0)
             await b.connect()
-            if not b.rtc_up:
-                raise RuntimeError(f"star data channel did not open: {b.rtc_why}")
+            if b.paths()[0] != "rtc":
+                raise RuntimeError(f"star data channel did not open: {b.path.why}")
             if self.small_message_bytes is not None:    # the server's side of the channel is capped
                 await self._until(lambda b=b: (lk := self.room.peers[b.id].rtc) is not None and lk.up,
                                   "server channel up")
@@ -202,15 +202,15 @@ class RtcStarHarness(_RtcHarness):
             if b.closed:
                 continue
             p = room.peers.get(b.id)
-            if p is None or b.queued_bytes() or (b.channel is not None and b.channel.bufferedAmount):
+            if p is None or b.queued_bytes() or (b.channel is not None and b.channel.buffered_bytes()):
                 return False
             if p.rtc is None:
                 return False
-            gated = b._recv_gate is not None and not b._recv_gate.is_set()
+            gated = b.stalled
             if not gated and (p.queue or (p.rtc.channel is not None and p.rtc.channel.bufferedAmount)
-                              or p.rtc.bytes_out != b.rtc_received):
+                              or p.rtc.bytes_out != b.path.direct_received):
                 return False
-        sent = sum(x.rtc_sent for x in self.buses)
+        sent = sum(x.path.direct_sent for x in self.buses)
         got = sum(room.peers[x.id].rtc.bytes_in for x in self.buses if x.id in room.peers and room.peers[x.id].rtc)
         return sent == got
 

@@ -15,6 +15,11 @@
 #   train     bounded wait: /healthz answers, the room shows both ranks in a cohort of 2 completing
 #             rounds with falling loss; the page, Pyodide core and client wheel are served;
 #             the server runs as non-root and its HEALTHCHECK reports healthy
+#   cluster-build / cluster-up / cluster-train / cluster-failover
+#             the compose `cluster` profile: Redis (the Dockerfile's redis target), two server
+#             nodes and two ranks entering through node2; both nodes list the room with one owner,
+#             the ranks train on it; the owner is killed and the other node claims the room,
+#             resumes it from the shared checkpoint volume and trains on (bounded waits)
 #   down      compose down -v (always, via trap); dockerd is stopped only if this script started it
 #
 # Settings: TABCOHORT_IMAGE (default tabcohort:local), TABCOHORT_TRAIN_TIMEOUT (s, default 180),
@@ -258,3 +263,95 @@ done
 [ "$HEALTH" = healthy ] || die "server HEALTHCHECK status: $HEALTH"
 phase_end "(server uid $UID_IN, HEALTHCHECK $HEALTH)"
 echo "image size: $IMAGE $SIZE bytes ($(awk -v s="$SIZE" 'BEGIN{printf "%.0f MB", s/1e6}'))"
+
+# --------------------------------------------------------------------------------------- cluster
+# The compose `cluster` profile (docker-compose.yml): Redis from the Dockerfile's `redis` target,
+# two server nodes sharing one checkpoint volume, two native ranks entering through node2.
+phase_start cluster-build "docker build --target redis -t $IMAGE-redis"
+docker build ${BUILD_ARGS[@]+"${BUILD_ARGS[@]}"} --target redis -t "$IMAGE-redis" "$ROOT" >"$CACHE/build-redis.log" 2>&1 \
+  || { tail -40 "$CACHE/build-redis.log"; die "docker build --target redis failed (log: $CACHE/build-redis.log)"; }
+phase_end "(image $IMAGE-redis)"
+
+phase_start cluster-up "compose --profile cluster up: redis, node1, node2, 2 ranks through node2"
+NODE1_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+NODE2_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export TABCOHORT_NODE1_PORT=$NODE1_PORT TABCOHORT_NODE2_PORT=$NODE2_PORT TABCOHORT_OPERATOR_TOKEN=
+export COMPOSE_PROFILES=cluster     # (so the trap's `down` removes these services too)
+"${COMPOSE[@]}" up -d --no-build redis node1 node2 cluster-rank
+phase_end "(node1 on 127.0.0.1:$NODE1_PORT, node2 on 127.0.0.1:$NODE2_PORT)"
+
+phase_start cluster-train "the room listed on both nodes with one owner; 2 ranks train on the owner (bound ${TRAIN_TIMEOUT} s)"
+OWNER=$(python3 - "$NODE1_PORT" "$NODE2_PORT" "$TRAIN_TIMEOUT" <<'EOF'
+import json, sys, time, urllib.request
+ports = {"node1": int(sys.argv[1]), "node2": int(sys.argv[2])}
+bound = float(sys.argv[3])
+t0 = time.monotonic()
+
+def get(node, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports[node]}{path}", timeout=3) as r:
+        return json.loads(r.read())
+
+while True:
+    try:
+        views = {n: {r["room"]: r for r in get(n, "/api/rooms")["rooms"]} for n in ports}
+        owners = {n: v.get("digits", {}).get("owner") for n, v in views.items()}
+        owner = owners["node1"]
+        if owner in ports and owners["node2"] == owner:
+            room = get(owner, "/api/rooms/digits")
+            reps = [r["report"] or {} for r in room["ranks"] if r["connected"]]
+            print(f"[{time.monotonic() - t0:6.1f}s] owner {owner}  connected {room['n_connected']}  "
+                  f"step {room['step']}  loss {room['loss']}  checkpoint step "
+                  f"{(room.get('checkpoint') or {}).get('step')}", file=sys.stderr, flush=True)
+            # (and a checkpoint stored in the shared volume: what the next owner resumes from)
+            if room["n_connected"] >= 2 and len(reps) >= 2 and room["step"] >= 50 and \
+                    all(r.get("cohort") == 2 for r in reps) and room.get("checkpoint"):
+                break
+        else:
+            print(f"[{time.monotonic() - t0:6.1f}s] owners as the nodes list them: {owners}", file=sys.stderr, flush=True)
+    except (OSError, ValueError) as e:
+        print(f"[{time.monotonic() - t0:6.1f}s] not yet: {e}", file=sys.stderr, flush=True)
+    if time.monotonic() - t0 > bound:
+        sys.exit(f"the cluster's room did not train on 2 ranks within {bound:.0f} s")
+    time.sleep(2)
+print(owner)
+EOF
+)
+phase_end "(owner $OWNER)"
+
+phase_start cluster-failover "kill $OWNER: the other node takes the room and training resumes past the checkpoint (bound ${TRAIN_TIMEOUT} s)"
+"${COMPOSE[@]}" kill "$OWNER"
+python3 - "$NODE1_PORT" "$NODE2_PORT" "$TRAIN_TIMEOUT" "$OWNER" <<'EOF'
+import json, sys, time, urllib.request
+ports = {"node1": int(sys.argv[1]), "node2": int(sys.argv[2])}
+bound, dead = float(sys.argv[3]), sys.argv[4]
+alive = next(n for n in ports if n != dead)
+t0 = time.monotonic()
+
+def get(path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports[alive]}{path}", timeout=3) as r:
+        return json.loads(r.read())
+
+start = None
+while True:
+    try:
+        owner = {r["room"]: r for r in get("/api/rooms")["rooms"]}.get("digits", {}).get("owner")
+        if owner == alive:
+            room = get("/api/rooms/digits")
+            resumed = room.get("resumed_from") or {}   # the checkpoint it loaded from the shared volume
+            if start is None and room["step"]:
+                start = room["step"]
+            print(f"[{time.monotonic() - t0:6.1f}s] {alive} owns the room: connected {room['n_connected']}  "
+                  f"step {room['step']}  resumed from checkpoint step {resumed.get('step')}", flush=True)
+            if (room["n_connected"] >= 2 and resumed.get("step") is not None and start is not None
+                    and room["step"] >= max(start, resumed["step"]) + 30):
+                break
+        else:
+            print(f"[{time.monotonic() - t0:6.1f}s] owner as {alive} lists it: {owner}", flush=True)
+    except (OSError, ValueError) as e:
+        print(f"[{time.monotonic() - t0:6.1f}s] not yet: {e}", flush=True)
+    if time.monotonic() - t0 > bound:
+        sys.exit(f"{alive} did not take the room over and train on 2 ranks within {bound:.0f} s")
+    time.sleep(2)
+print(f"failover: {alive} owns the room and trains, {time.monotonic() - t0:.1f} s after {dead} was killed")
+EOF
+phase_end

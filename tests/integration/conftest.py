@@ -28,9 +28,10 @@ def _env() -> dict[str, str]:
                                          env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     for k in ("TABCOHORT_SERVER", "TABCOHORT_ROOM", "TABCOHORT_TOKEN", "TABCOHORT_BATCH", "TABCOHORT_LINK",
-              "TABCOHORT_OPERATOR_TOKEN",
+              "TABCOHORT_OPERATOR_TOKEN", "TABCOHORT_TRAINER_TOKEN",
               "TABCOHORT_DISCOVER", "TABCOHORT_DISCOVER_HOST", "TABCOHORT_DISCOVER_TIMEOUT",
-              "TABCOHORT_DISCOVER_INTERFACES"):
+              "TABCOHORT_DISCOVER_INTERFACES", "TABCOHORT_TRUST_JOB", "TABCOHORT_JOB", "TABCOHORT_DIRECT",
+              "TABCOHORT_DIRECT_HOST", "TABCOHORT_DIRECT_ANNOUNCE"):
         env.pop(k, None)
     return env
 
@@ -38,11 +39,11 @@ def _env() -> dict[str, str]:
 class Proc:
     """A subprocess whose output goes to a log file (read it on failure)."""
 
-    def __init__(self, args: list[str], log: pathlib.Path) -> None:
+    def __init__(self, args: list[str], log: pathlib.Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self.fh = open(log, "wb")
         self.p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", *args], stdout=self.fh,
-                                  stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
+                                  stderr=subprocess.STDOUT, env={**_env(), **(env or {})}, cwd=str(ROOT))
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -84,10 +85,14 @@ class Cluster:
         self.room = "digits"
         #: the operator token every serve gets here (state() and post() present it)
         self.operator_token = "operator-token-for-tests-0123"
+        #: the trainer credential every serve gets here and every rank carries unless told not
+        #: to (``rank(..., trainer=False)``: a volunteer that may only contribute)
+        self.trainer_token = "trainer-token-for-tests-4567"
 
     def serve(self, *args: str) -> str:
         op = () if "--operator-token" in args else ("--operator-token", self.operator_token)
-        self.server = Proc(["serve", "--port", "0", "--room", self.room, *op, *args], self.tmp / "serve.log")
+        tr = () if "--trainer-token" in args else ("--trainer-token", self.trainer_token)
+        self.server = Proc(["serve", "--port", "0", "--room", self.room, *op, *tr, *args], self.tmp / "serve.log")
         self.procs.append(self.server)
 
         def url() -> str | None:
@@ -100,9 +105,10 @@ class Cluster:
         self.url = wait_for(url, 30, "the server URL")
         return self.url
 
-    def rank(self, *args: str) -> Proc:
+    def rank(self, *args: str, trainer: bool = True) -> Proc:
         n = sum(1 for p in self.procs if p is not self.server)
-        p = Proc(["rank", "--server", self.url, "--room", self.room, *args], self.tmp / f"rank{n}.log")
+        env = {"TABCOHORT_TRAINER_TOKEN": self.trainer_token} if trainer else None
+        p = Proc(["rank", "--server", self.url, "--room", self.room, *args], self.tmp / f"rank{n}.log", env=env)
         self.procs.append(p)
         return p
 

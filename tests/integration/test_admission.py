@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tabcohort.bus.ws import CLOSE_RETRY_LATER, WsBus
+from tabcohort.bus.aio import star_bus
+from tabcohort.bus.room import CLOSE_RETRY_LATER
 from tabcohort_server import JobConfig, ServerConfig, ServerLimits, create_app
 from tabcohort_server.app import ROOMS
 from tabcohort_server.rooms import TokenBucket
@@ -59,7 +60,7 @@ async def test_a_bus_refused_for_the_rate_backs_off_and_joins_when_the_bucket_re
     held = [await register(client) for _ in range(BURST)]          # the bucket is empty now
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    bus = WsBus(str(client.make_url("/api/rooms/r/ws")).replace("http://", "ws://"))
+    bus = star_bus(str(client.make_url("/api/rooms/r/ws")).replace("http://", "ws://"))
     await asyncio.wait_for(bus.connect(), 30)
     took = loop.time() - t0
     room = client.server.app[ROOMS].get("r")

@@ -24,12 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 OP = "operator-token-0123456789"
 TOKEN = "room-token-0123456789"
+TRAINER = "trainer-token-0123456789"
 
 
 def config(**lim) -> ServerConfig:
     return ServerConfig(rooms={"r": JobConfig(dataset="synthetic", steps=40),
                                "t": JobConfig(dataset="synthetic", token=TOKEN)},
-                        operator_token=OP, allowed_origins=("https://lab.example.org",),
+                        operator_token=OP, trainer_token=TRAINER, allowed_origins=("https://lab.example.org",),
                         limits=ServerLimits(**lim))
 
 
@@ -90,7 +91,7 @@ async def test_failed_token_checks_are_limited_per_address(client):
 
 
 async def test_a_token_rooms_data_stays_behind_its_token(client):
-    ws, w = await join(client, "t", token=TOKEN)
+    ws, w = await join(client, "t", token=TOKEN, trainer_token=TRAINER)
     await ws.send_str(json.dumps({"type": "report", "state": {"step": 7, "leader": w["id"], "is_leader": True,
                                                               "loss": 0.25, "pid": 999}}))
     room = client.app[ROOMS].get("t")
@@ -115,7 +116,7 @@ async def test_a_token_rooms_data_stays_behind_its_token(client):
 
 async def test_malformed_reports_never_break_the_room_for_the_others(client, caplog):
     caplog.set_level(logging.WARNING)
-    (good, wg), (bad, wb) = await join(client), await join(client)
+    (good, wg), (bad, wb) = await join(client, trainer_token=TRAINER), await join(client)
     room = client.app[ROOMS].get("r")
     await good.send_str(json.dumps({"type": "report", "state": {"step": 5, "leader": wg["id"], "is_leader": True}}))
     end = time.monotonic() + 5
@@ -178,8 +179,19 @@ async def test_dataset_is_compressed_once_and_served_with_its_length(client):
     assert "Content-Encoding" not in plain.headers and await plain.read() == a.dataset_json
 
 
+async def lead(client, ws, w, room="r") -> None:
+    """Make the rank of ``ws`` the room's current leader (it may lead and reports that it leads)."""
+    await ws.send_str(json.dumps({"type": "report", "state": {"step": 0, "leader": w["id"], "is_leader": True}}))
+    r = client.app[ROOMS].get(room)
+    end = time.monotonic() + 5
+    while r.leader_peer() is None or r.leader_peer().id != w["id"]:
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+
+
 async def test_checkpoint_upload_is_checked_before_its_body_is_read(client):
-    _, w = await join(client)
+    ws, w = await join(client, trainer_token=TRAINER)
+    await lead(client, ws, w)
     a = client.app[ASSETS]["r"]
     host, port = client.server.host, client.server.port
     # a 250 MiB Content-Length from a registered rank: refused at once, without sending a byte of body
@@ -203,6 +215,31 @@ async def test_checkpoint_upload_is_checked_before_its_body_is_read(client):
     r = await client.put("/api/rooms/r/checkpoint", data=b"\0" * 8, headers={
         "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": "nope"})
     assert r.status == 403
+
+
+async def test_a_checkpoint_accuracy_is_the_leaders_header_and_a_bad_one_is_stored_without(client):
+    # docs/INTERFACES.md "The server never decodes parameters": the accuracy stored with a
+    # checkpoint is the uploading leader's own evaluation; one that is not a number in [0, 1] is
+    # dropped and counted, and the checkpoint is stored without an accuracy (nothing lost)
+    import hashlib
+    from array import array
+
+    ws, w = await join(client, trainer_token=TRAINER)
+    await lead(client, ws, w)
+    a = client.app[ASSETS]["r"]
+    room = client.app[ROOMS].get("r")
+    for step, header, want in ((1, "0.875", 0.875), (2, "2.5", None), (3, "nan", None), (4, None, None)):
+        data = array("f", [0.01 * step] * (a.bucket_len + a.state_len)).tobytes()
+        h = {"X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": str(step), "X-Tabcohort-Secret": w["secret"],
+             "X-Tabcohort-Digest": hashlib.sha256(data).hexdigest(), "X-Tabcohort-Loss": "0.5"}
+        if header is not None:
+            h["X-Tabcohort-Accuracy"] = header
+        await ws.send_str(json.dumps({"type": "report", "state": {"step": step, "leader": w["id"], "is_leader": True}}))
+        r = await client.put("/api/rooms/r/checkpoint", data=data, headers=h)
+        assert r.status == 200, await r.text()
+        got = await r.json()
+        assert got["stored"] and got["accuracy"] == want, (header, got)
+    assert room.drops["bad_accuracy_header"] == 2
 
 
 async def test_slowloris_connections_are_bounded_per_address_and_timed_out():
@@ -315,3 +352,23 @@ async def test_300_webrtc_offers_make_at_most_one_warning(client, caplog, sdp):
     await ws.close()
     if pc is not None:
         await pc.close()
+
+
+async def test_only_the_operator_sets_the_rooms_learning_rate(client):
+    ws, w = await join(client, trainer_token=TRAINER)
+    room = client.app[ROOMS].get("r")
+    for headers in ({}, bearer(TOKEN), bearer(TRAINER)):   # no token, the join token, the trainer's
+        r = await client.post("/api/rooms/r/lr", json={"lr": 10000.0}, headers=headers)
+        assert r.status == 403
+    for bad in ({"lr": 0}, {"lr": -1}, {"lr": 1e7}, {"lr": "1"}, {"lr": True}, {}, [1]):
+        r = await client.post("/api/rooms/r/lr", json=bad, headers=bearer(OP))
+        assert r.status == 400, bad
+    assert room.drops["bad_lr"] == 7 and room.job.lr == 0.5
+    r = await client.post("/api/rooms/r/lr", json={"lr": 0.25}, headers=bearer(OP))
+    assert r.status == 200 and room.job.lr == 0.25
+    while True:   # every rank is told (the leader applies it; its rounds carry it)
+        msg = json.loads((await ws.receive(5)).data)
+        if msg["type"] == "lr":
+            break
+    assert msg == {"type": "lr", "lr": 0.25}
+    await ws.close()

@@ -29,7 +29,8 @@ def _room(tag: str) -> str:
 
 def _rank(cluster, *args: str) -> Proc:
     n = sum(1 for p in cluster.procs if p is not cluster.server)
-    p = Proc(["rank", "--room", cluster.room, *args], cluster.tmp / f"rank{n}.log")
+    p = Proc(["rank", "--room", cluster.room, *args], cluster.tmp / f"rank{n}.log",
+             env={"TABCOHORT_TRAINER_TOKEN": cluster.trainer_token})   # the operator's ranks may lead
     cluster.procs.append(p)
     return p
 
@@ -148,7 +149,10 @@ def test_rank_that_cannot_hear_multicast_finds_the_server_by_unicast_query(two_h
     srv_ns, rank_ns = two_hosts
     room = _room("nat")
     logs = {k: tmp_path / f"{k}.log" for k in ("serve", "browse", "rank")}
-    procs = [_ns_proc(srv_ns, ["serve", "--host", "10.231.7.1", "--port", "0", "--room", room, "--advertise"],
+    # the operator's rank carries the trainer credential, so it may lead (README "Trust model")
+    tok = "trainer-token-for-the-unicast-test"
+    procs = [_ns_proc(srv_ns, ["serve", "--host", "10.231.7.1", "--port", "0", "--room", room, "--advertise",
+                               "--trainer-token", tok],
                       logs["serve"])]
     try:
         wait_for(lambda: "advertising" in logs["serve"].read_text(), 30, "the server to advertise")
@@ -159,7 +163,8 @@ def test_rank_that_cannot_hear_multicast_finds_the_server_by_unicast_query(two_h
         assert r.returncode == 1 and "no tabcohort server" in r.stderr, r.stderr
         # a unicast query to the server's host finds it, and the rank trains over the veth link
         t0 = time.monotonic()
-        procs.append(_ns_proc(rank_ns, ["rank", "--room", room, "--discover-host", "10.231.7.1"], logs["rank"]))
+        procs.append(_ns_proc(rank_ns, ["rank", "--room", room, "--discover-host", "10.231.7.1",
+                                        "--trainer-token", tok], logs["rank"]))
 
         def steps() -> int:
             import re

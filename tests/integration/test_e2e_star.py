@@ -59,8 +59,14 @@ def test_three_ranks_train_survive_leader_kill_sync_joiner_end_bit_identical(clu
     joiner = cluster.rank()
     # (a joiner whose random id is below the leader's is the leader id itself once ready: the
     # spec's "known cost" handover; it is synced all the same)
+    # (two survivors may both take over when their views of each other's step differ; the
+    # lineage rule resolves it within a round or two, PROTOCOL.md "Lineage and terms": the joiner
+    # follows whichever lead the survivors follow now)
+    def led_by_survivors() -> set:
+        return {r["leader"] for r in cluster.reports() if r["pid"] != joiner.p.pid and r.get("leader") is not None}
     synced = wait_for(lambda: next((r for r in cluster.reports() if r["pid"] == joiner.p.pid and r["ready"]
-                                    and r["step"] > step_at_join and r["leader"] in (new_id, r["id"])), None),
+                                    and r["step"] > step_at_join
+                                    and r["leader"] in ({new_id, r["id"]} | led_by_survivors())), None),
                       30, "the joiner to be synced")
     assert synced["cohort"] >= 2
 
@@ -79,7 +85,7 @@ def test_three_ranks_train_survive_leader_kill_sync_joiner_end_bit_identical(clu
     assert ck["accuracy"] >= 0.95
     print(f"final: step {ck['step']}, checkpoint accuracy {ck['accuracy']:.4f}, "
           f"3 ranks bit-identical ({ck['digest'][:16]})")
-    with urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}/model", timeout=5) as r:
+    with urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}/checkpoint", timeout=5) as r:
         assert len(r.read()) == 4 * finals[0]["bucket_len"]
 
 
@@ -107,7 +113,10 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     print(f"\nlast checkpoint loss {meta['loss']:.4f} at step {meta['step']}; "
           f"first loss after restart {first['first_loss']:.4f} (fresh init is ~2.3)")
     assert first["start_step"] == meta["step"]
-    reps = wait_for(lambda: (rs := cluster.reports()) and len(rs) == 3 and rs, 20, "3 reports")
+    # (every rank's last report, connected or not: a fast cohort covers 1500 steps in about a
+    # second and its ranks leave at the limit)
+    reps = wait_for(lambda: (rs := cluster.reports(connected_only=False)) and len(rs) == 3 and rs, 20,
+                    "3 reports")
     assert {r["policy"]["collect_rule"] for r in reps} == {"grace"}
     assert first["first_loss"] < 0.5 and abs(first["first_loss"] - meta["loss"]) < 0.4
     # the room stops itself at --steps; ranks exit cleanly and the final checkpoint is there

@@ -93,7 +93,7 @@ RAW_ATTACKS = [
 def test_a_malformed_control_is_dropped_by_reason_and_the_room_goes_on(attack, reason, caplog):
     caplog.set_level(logging.DEBUG)
     r, clock = make_room(steps=50)
-    lead, bad = r.register(now=0), r.register(now=0)
+    lead, bad = r.register(now=0, trainer=True), r.register(now=0)
     text = attack if isinstance(attack, str) else json.dumps(attack)
     r.control(bad, text, now=0.5)
     if reason is not None:
@@ -117,7 +117,7 @@ def test_a_malformed_control_is_dropped_by_reason_and_the_room_goes_on(attack, r
                                     max_leaves=12)))
 def test_fuzzed_reports_never_break_the_json_metrics_or_the_stop_check(state):
     r, clock = make_room(steps=5)
-    lead, bad = r.register(now=0), r.register(now=0)
+    lead, bad = r.register(now=0, trainer=True), r.register(now=0)
     r.control(bad, json.dumps({"type": "report", "state": state}), now=0.5)
     renders(r)
     r.control(lead, report(lead, step=5, leader=lead.id, is_leader=True), now=1)
@@ -129,12 +129,12 @@ def test_fuzzed_reports_never_break_the_json_metrics_or_the_stop_check(state):
 def test_a_forged_step_from_a_non_leader_neither_stops_the_room_nor_shows():
     r, clock = make_room(steps=1000)
     r.job.target_accuracy = 0.99
-    a, b, forger = (r.register(now=0) for _ in range(3))
+    a, b, forger = r.register(now=0, trainer=True), r.register(now=0, trainer=True), r.register(now=0)
     leader = min(a.id, b.id)
     for p in (a, b):
         r.control(p, report(p, step=20, leader=leader, is_leader=p.id == leader, accuracy=0.5), now=1)
     r.control(forger, report(forger, step=10**15, leader=forger.id, is_leader=True, accuracy=1.0), now=1)
-    assert not r.stopped and r.step() == 20
+    assert not r.stopped and r.step() == 20 and r.drops["lead_claim_refused"] == 1
     s = r.summary(1.0)
     assert s["step"] == 20 and s["accuracy"] == 0.5 and s["leader"] == leader
     for p in (a, b):
@@ -142,14 +142,20 @@ def test_a_forged_step_from_a_non_leader_neither_stops_the_room_nor_shows():
     assert r.stopped and r.stop_reason == "steps 1000 reached"
 
 
-def test_on_a_tie_of_named_leaders_the_lower_step_counts():
+def test_a_lead_claim_without_the_role_never_counts_whatever_its_term():
     r, clock = make_room(steps=1000)
-    honest, forger = r.register(now=0), r.register(now=0)
-    r.control(honest, report(honest, step=30, leader=honest.id, is_leader=True), now=1)
-    r.control(forger, report(forger, step=10**15, leader=forger.id, is_leader=True), now=1)
-    assert not r.stopped and r.step() == 30
-    r.control(forger, report(forger, step=10**15, leader=honest.id, is_leader=False), now=2)  # votes for honest
-    assert not r.stopped and r.step() == 30
+    honest, forger = r.register(now=0, trainer=True), r.register(now=0)
+    r.control(honest, report(honest, step=30, leader=honest.id, is_leader=True, term=1), now=1)
+    r.control(forger, report(forger, step=10**15, leader=forger.id, is_leader=True, term=2**62), now=1)
+    assert not r.stopped and r.step() == 30 and r.leader_peer() is honest
+    assert r.drops["lead_claim_refused"] == 1 and forger.charged["lead_claim_refused"] == 1
+    # in a trusted-group room the same claim makes it the leader, but its step jump is refused
+    t, _ = make_room(steps=1000)
+    t.any_rank_may_lead = True
+    honest, forger = t.register(now=0), t.register(now=0)
+    t.control(honest, report(honest, step=30, leader=honest.id, is_leader=True, term=1), now=1)
+    t.control(forger, report(forger, step=10**15, leader=forger.id, is_leader=True, term=2**62), now=1)
+    assert not t.stopped and t.step() == 30 and t.drops["report_step_jump"] == 1
 
 
 def test_rank_drop_reasons_reach_the_room_json_and_metrics():
@@ -288,6 +294,9 @@ def test_parse_control_never_raises_on_random_text():
     (["--room", ".."], {}, "--room"),
     (["--allow-origin", "evil"], {}, "--allow-origin"),
     (["--max-ranks-per-address", "0"], {}, "--max-ranks-per-address"),
+    (["--trainer-token", "short"], {}, "--trainer-token"),
+    ([], {"TABCOHORT_TRAINER_TOKEN": "short"}, "TABCOHORT_TRAINER_TOKEN"),
+    (["--checkpoint-keep", "0"], {}, "--checkpoint-keep"),
 ])
 def test_serve_refuses_bad_security_settings_naming_them_before_listening(args, env, named):
     import os

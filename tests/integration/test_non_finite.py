@@ -6,6 +6,7 @@ the ranks' exit codes)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -17,7 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tabcohort.bus.ws import WsBus, ws_url
+from tabcohort.bus.aio import star_bus, ws_url
 from tabcohort.model import load_dataset, make_worker
 from tabcohort.protocol import RankMachine, Timing
 from tabcohort.runtime.native import RankConfig, RankRun
@@ -55,14 +56,25 @@ def test_non_finite_f32_finds_nan_and_both_infinities_by_bit_pattern(monkeypatch
 @pytest_asyncio.fixture
 async def app_client(aiohttp_client, tmp_path):
     cfg = ServerConfig(rooms={"r": JobConfig(dataset="synthetic", hidden=(4,))}, limits=ServerLimits(),
-                       checkpoint_dir=str(tmp_path / "ck"))
+                       checkpoint_dir=str(tmp_path / "ck"), trainer_token=TRAINER)
     return await aiohttp_client(create_app(cfg))
 
 
+TRAINER = "trainer-token-for-non-finite"
+
+
 async def _register(client) -> tuple[aiohttp.ClientWebSocketResponse, dict]:
+    """A rank with the trainer credential that reports it leads: the room's current leader."""
     ws = await client.ws_connect("/api/rooms/r/ws")
-    await ws.send_str(json.dumps({"type": "register"}))
-    return ws, json.loads((await ws.receive()).data)
+    await ws.send_str(json.dumps({"type": "register", "trainer_token": TRAINER}))
+    w = json.loads((await ws.receive()).data)
+    await ws.send_str(json.dumps({"type": "report", "state": {"step": 0, "is_leader": True, "leader": w["id"]}}))
+    room = client.server.app[ROOMS].get("r")
+    for _ in range(500):
+        if room.leader_peer() is not None:
+            break
+        await asyncio.sleep(0.01)
+    return ws, w
 
 
 @pytest.mark.asyncio
@@ -95,7 +107,7 @@ async def test_a_rank_never_uploads_non_finite_parameters(app_client):
     base = str(app_client.make_url("/")).rstrip("/")
     lines: list[str] = []
     run = RankRun(RankConfig(server=base, room="r"), progress=lines.append)
-    bus = WsBus(ws_url(base, "r"))
+    bus = star_bus(ws_url(base, "r"))
     await bus.connect()
     worker = make_worker(load_dataset("synthetic", seed=job["seed"]), hidden=tuple(job["hidden"]),
                          batch=job["batch"], seed=job["seed"])
@@ -114,7 +126,7 @@ async def test_a_rank_never_uploads_non_finite_parameters(app_client):
 
 def _room_with_leader_reports() -> tuple[Room, dict]:
     room = Room("r", JobConfig(dataset="synthetic"), ServerLimits())
-    p = room.register(now=0.0)
+    p = room.register(now=0.0, trainer=True)
     return room, {"peer": p}
 
 
@@ -145,12 +157,21 @@ def test_a_room_stops_as_diverged_only_while_the_leader_keeps_refusing_updates()
     for k in range(60):
         _report(room, ps["peer"], k * 0.25, step=44 + k, diverged=k, fault=fault)
     assert not room.stopped
+    # overflows in nearly every round, one update applied every 4 s (seen on a loaded CI machine:
+    # the old rule, "without the step advancing", never stopped it)
+    room, ps = _room_with_leader_reports()
+    for k in range(1, 80):
+        _report(room, ps["peer"], k * 0.25, step=44 + k // 16, diverged=5 * k, fault=fault)
+        if room.stopped:
+            break
+    assert room.stopped and room.stop_reason.startswith("diverged at step"), room.stop_reason
+    assert k * 0.25 <= DIVERGED_AFTER_S + 0.5
 
 
 def test_a_diverging_cohort_stores_only_finite_checkpoints_and_ends_diverged(cluster, tmp_path):
     ckdir = str(tmp_path / "ck")
     cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "0.5", "--report-interval", "0.25",
-                  "--steps", "300", "--lr", "20", "--dataset", "synthetic", "--hidden", "16", "--batch", "16")
+                  "--steps", "300", "--lr", "20", "--lr-max", "20", "--dataset", "synthetic", "--hidden", "16", "--batch", "16")
     ranks = [cluster.rank() for _ in range(2)]
     # while it diverges (5 s before the room stops), the room's JSON and /metrics say so
     running = wait_for(lambda: (s := cluster.state())["diverged"] and s, 60, "the room to show divergence")

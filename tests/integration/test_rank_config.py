@@ -25,6 +25,12 @@ def cfg(env: dict, **args) -> RankConfig:
      "http://no-such-host.invalid:8080"),
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_LINK": "carrier-pigeon"},
      "TABCOHORT_LINK", "carrier-pigeon"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_DIRECT_HOST": "lan-host"},
+     "TABCOHORT_DIRECT_HOST", "lan-host"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_DIRECT_ANNOUNCE": "10.0.0.1"},
+     "TABCOHORT_DIRECT_ANNOUNCE", "10.0.0.1"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_DIRECT": "maybe"},
+     "TABCOHORT_DIRECT", "maybe"),
 ])
 def test_bad_environment_is_a_config_error_naming_the_variable(env, var, value):
     with pytest.raises(ConfigError) as e:
@@ -37,6 +43,22 @@ def test_arguments_win_and_are_named():
     with pytest.raises(ConfigError) as e:
         c.validate()
     assert e.value.variable == "--batch"
+
+
+@pytest.mark.integration
+def test_cli_names_a_bad_direct_host_before_connecting():
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank", "--server", "http://127.0.0.1:9",
+                        "--room", "d", "--direct-host", "999.1.1.1"], env=_env(), cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--direct-host='999.1.1.1'" in r.stderr, r.stderr
+
+
+def test_direct_paths_are_on_by_default_and_no_direct_turns_them_off():
+    on = cfg({}, server="http://127.0.0.1:1", room="d")
+    on.validate(resolve=False)
+    off = cfg({}, server="http://127.0.0.1:1", room="d", direct="0")
+    off.validate(resolve=False)
+    assert on.direct is True and off.direct is False
 
 
 @pytest.mark.integration
@@ -60,7 +82,8 @@ def test_rank_started_before_the_server_waits_for_it_then_joins(cluster):
     wait_for(lambda: "waiting for the server" in early.text(), 20, "the rank to report it is waiting")
     assert early.p.poll() is None
     from .conftest import Proc
-    srv = Proc(["serve", "--port", str(port), "--room", cluster.room], cluster.tmp / "serve-late.log")
+    srv = Proc(["serve", "--port", str(port), "--room", cluster.room, "--trainer-token", cluster.trainer_token],
+               cluster.tmp / "serve-late.log")
     cluster.procs.append(srv)
     wait_for(lambda: any(r["report"] and r["report"]["ready"] for r in _state(cluster.url, cluster.room)["ranks"]),
              45, "the early rank to join and become ready")
@@ -110,3 +133,15 @@ def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
         r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", cluster.room,
                             *extra], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_bad_trainer_token_is_named_and_never_shown():
+    with pytest.raises(ConfigError) as e:
+        cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d",
+             "TABCOHORT_TRAINER_TOKEN": "secret but short"[:10]}).validate()
+    assert e.value.variable == "TABCOHORT_TRAINER_TOKEN" and e.value.value == "<hidden>"
+    assert "secret" not in str(e.value)
+    ok = cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d",
+              "TABCOHORT_TRAINER_TOKEN": "a-long-enough-trainer-token"})
+    ok.validate()
+    assert ok.trainer_token == "a-long-enough-trainer-token"

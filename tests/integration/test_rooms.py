@@ -46,6 +46,30 @@ def test_ids_are_unique_uint32_and_resume_needs_the_secret():
         r.register(now=50.0, resume_id=a.id, resume_secret=a.secret)
 
 
+def test_a_star_rank_that_declares_relay_peers_is_relayed_to_those_only():
+    """Direct TCP paths (docs/PROTOCOL.md): a star rank's broadcast goes to every peer until it
+    declares ``relay_peers``, then to those only; a reconnect forgets the declaration."""
+    r = room()
+    a, b, c = (r.register(now=0) for _ in range(3))
+    for p in (a, b, c):
+        drain(p)
+    chunk = FrameWriter(a.id).write(beat())[0]
+    r.relay(a, chunk)
+    assert drain(b) == [chunk] and drain(c) == [chunk]
+    r.control(a, json.dumps({"type": "relay_peers", "ids": [c.id]}), now=0.5)
+    r.relay(a, chunk)
+    assert drain(b) == [] and drain(c) == [chunk]
+    r.control(a, json.dumps({"type": "relay_peers", "ids": []}), now=0.6)
+    r.relay(a, chunk)
+    assert drain(b) == [] and drain(c) == []
+    r.disconnect(a, 1.0)
+    assert r.register(now=1.5, resume_id=a.id, resume_secret=a.secret) is a and a.relay_peers is None
+    for p in (b, c):
+        drain(p)
+    r.relay(a, chunk)
+    assert drain(b) == [chunk] and drain(c) == [chunk]
+
+
 def test_broadcast_to_others_addressed_to_one_spoofed_dropped():
     r = room()
     a, b, c = (r.register(now=0) for _ in range(3))
@@ -80,7 +104,7 @@ def test_a_consumer_that_does_not_read_is_dropped_not_waited_for():
     assert kicked == [CLOSE_SLOW_CONSUMER] and not b.connected and r.drops["slow_consumer"] == 1
     assert r.pressure() < 1.0
     texts = [json.loads(x) for x in drain(a) if isinstance(x, str)]
-    assert {"type": "peer", "id": b.id, "up": False} in texts
+    assert {"type": "peer", "id": b.id, "up": False, "may_lead": False} in texts
     assert any(t["type"] == "pressure" and t["p"] > 1 for t in texts)
 
 
@@ -90,10 +114,11 @@ def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
     r = room(queue_high_water_bytes=1000, queue_max_bytes=50_000)
     a, b = r.register(now=0), r.register(now=0)
     drain(a), drain(b)
-    r.control(b, json.dumps({"type": "backlog", "bytes": 1500}), now=0)
-    assert 1.5 <= r.pressure() < 1.6   # (+ the pressure control now queued for b itself)
-    assert {"type": "pressure", "p": 1.5} in [json.loads(x) for x in drain(a) if isinstance(x, str)]
+    r.control(b, json.dumps({"type": "backlog", "bytes": 700}), now=0)
+    assert 0.7 <= r.pressure() < 0.8   # (+ the pressure control now queued for b itself)
+    assert {"type": "pressure", "p": 0.7} in [json.loads(x) for x in drain(a) if isinstance(x, str)]
     drain(b)
+    r._clock[0] = 1.0                # a change below 1 is told at most every pressure_report_s
     r.control(b, json.dumps({"type": "backlog", "bytes": 0}), now=0)
     assert {"type": "pressure", "p": 0.0} in [json.loads(x) for x in drain(a) if isinstance(x, str)]
     drain(b)
@@ -103,9 +128,15 @@ def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
     drain(a), drain(b)
     assert r.drops["bad_backlog"] == 4 and r.pressure() == 0
     r.control(b, json.dumps({"type": "backlog", "bytes": 10**12}), now=0)
-    assert r.pressure() >= 50.0   # bounded by the queue bound
+    # a claim alone never lifts the pressure over backlog_max_pressure (1: no leader paces on it)
+    assert r.drops["backlog_clamped"] == 1 and b.charged["backlog_clamped"] == 1
     drain(b)
-    assert r.pressure() == 50.0
+    assert r.pressure() == 1.0
+    r._enqueue(b, b"x" * 300)        # with bytes queued for b the claim still lifts it to 1 at most
+    assert r.pressure() == 1.0
+    r._enqueue(b, b"x" * 900)        # the server's own queue counts whole
+    assert r.pressure() == 1.2
+    drain(b)
     r.disconnect(b, now=1)
     drain(a)
     assert r.pressure() == 0   # a gone rank's backlog no longer counts
@@ -134,13 +165,13 @@ def test_pressure_is_the_max_load_over_connected_ranks_under_any_interleaving():
         elif not p.connected:
             q = r.register(now=i)
             peers[peers.index(p)] = q
-        scan = max((q.queued_bytes + q.rx_backlog for q in r.connected.values()), default=0) / 1000
+        scan = max((q.load_bytes for q in r.connected.values()), default=0) / 1000
         assert r.pressure() == scan, (i, op)
 
 
 def test_reports_drive_the_stop_condition():
     r = room()
-    a = r.register(now=0)
+    a = r.register(now=0, trainer=True)
     drain(a)
     r.control(a, json.dumps({"type": "report", "state": {"step": 5, "is_leader": True, "leader": a.id,
                                                          "junk": 1}}), now=1)
@@ -175,3 +206,95 @@ def test_a_rank_that_stopped_reading_does_not_pace_the_room():
     r.sent(c, c.pop())                         # c reads again: it counts again
     r.relay(a, chunk)
     assert r.pressure() > 1
+
+
+def test_pressure_below_1_is_told_at_most_once_per_report_period_and_crossing_1_at_once():
+    # a queue that fills and empties with every round must not send two controls per round to
+    # every rank (ServerLimits.pressure_report_s); leaders pace above 1, so crossing it is told
+    # at once (PROTOCOL.md "Bus contract": pressure)
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=50_000, pressure_report_s=0.25)
+    a, b = r.register(now=0), r.register(now=0)
+    drain(a), drain(b)
+
+    def told() -> list[float]:
+        return [json.loads(x)["p"] for x in drain(a) if isinstance(x, str) and '"pressure"' in x]
+
+    def empty_b() -> None:
+        while b.queue:
+            r.sent(b, b.pop())
+
+    r.control(b, json.dumps({"type": "backlog", "bytes": 500}), now=0)
+    assert told() == [0.5]
+    for i in range(200):                      # 200 fill/drain swings within one period
+        r._clock[0] = 0.001 * (i + 1)
+        r.control(b, json.dumps({"type": "backlog", "bytes": 0 if i % 2 == 0 else 500}), now=0)
+    empty_b()
+    assert told() == [] and r.n_pressure_coalesced > 0
+    big = FrameWriter(a.id).write({"t": "grad", "term": 1, "step": 1, "loss": 0.1, "samples": 1,
+                                   "g": [0.5] * 400})[0]
+    r.relay(a, big)                           # b's relay queue over the high-water mark
+    assert [p > 1 for p in told()] == [True]  # crossing 1: at once, inside the period
+    empty_b()                                 # and back below it, at once
+    assert [p <= 1 for p in told()] == [True]
+    r.control(b, json.dumps({"type": "backlog", "bytes": 300}), now=0)
+    empty_b()
+    assert told() == []                       # held back ...
+    r._clock[0] = 1.0
+    r.flush_pressure()
+    assert told() == [0.3]                    # ... and told by the periodic flush
+
+def report(r, p, now, **state):
+    r.control(p, json.dumps({"type": "report", "state": state}), now=now)
+
+
+def test_roles_are_bound_by_the_server_and_announced_never_self_declared():
+    r = room()
+    t = r.register(now=0, trainer=True)
+    v = r.register(now=0)
+    assert t.may_lead and not v.may_lead
+    w = r.welcome(v, resumed=False)
+    assert w["may_lead"] is False and w["lead_peers"] == [t.id]
+    assert r.welcome(t, resumed=False)["may_lead"] is True
+    assert {"type": "peer", "id": v.id, "up": True, "may_lead": False} in [
+        json.loads(x) for x in (r.announce(v, True), drain(t))[1] if isinstance(x, str)]
+    from tabcohort_server.schema import check_register, check_server_control
+    assert check_server_control(w) is None and check_server_control(r.welcome(t, resumed=True)) is None
+    assert check_server_control({"type": "peer", "id": v.id, "up": True, "may_lead": False}) is None
+    assert check_server_control({"type": "peer", "id": v.id, "up": True}) is not None
+    assert check_register({"type": "register", "trainer_token": "x" * 20}) is None
+    assert check_register({"type": "register", "trainer_token": 5}) == "bad_register"
+    assert check_register({"type": "register", "resume": {"id": "1", "secret": "s"}}) == "bad_register"
+    trusted = Room("r", JobConfig(dataset="synthetic"), ServerLimits(), any_rank_may_lead=True)
+    assert trusted.register(now=0).may_lead
+    # a rank without the role that claims to lead is shown, counted, and never trusted
+    report(r, v, 1, step=10, is_leader=True, leader=v.id, term=99, accuracy=1.0)
+    assert r.drops["lead_claim_refused"] == 1 and r.leader_peer() is None and r.step() == 0
+    assert not r.stopped and not r.may_upload(v)
+    report(r, t, 1, step=3, is_leader=True, leader=t.id, term=1)
+    assert r.leader_peer() is t and r.step() == 3 and r.may_upload(t)
+    s = r.summary(1.0)
+    assert {x["id"]: x["role"] for x in s["ranks"]} == {t.id: "may lead", v.id: "contributes"}
+    assert s["lead_policy"] == "trainer credential"
+
+
+def test_the_highest_term_leads_and_a_stopped_leader_may_still_upload_its_final_checkpoint():
+    r = room()
+    a, b = r.register(now=0, trainer=True), r.register(now=0, trainer=True)
+    report(r, a, 1, step=5, is_leader=True, term=1)
+    report(r, b, 1, step=2, is_leader=True, term=2)     # a takeover's new term wins
+    assert r.leader_peer() is b and r.step() == 2
+    report(r, a, 2, step=2, is_leader=False, term=2)    # a stood down and follows b
+    report(r, b, 2, step=4, is_leader=False, term=2)    # stopped at the limit: reports so
+    assert r.leader_peer() is None and r.may_upload(b) and not r.may_upload(a)
+
+
+def test_an_implausible_step_jump_of_the_leader_is_dropped_and_counted():
+    r = room()   # steps=10: a forged step would stop the room at once
+    a = r.register(now=0, trainer=True)
+    report(r, a, 1.0, step=1, is_leader=True, term=1)
+    slack = r.limits.step_jump_slack
+    report(r, a, 1.0, step=10**15, is_leader=True, term=1, accuracy=1.0)
+    assert r.drops["report_step_jump"] == 1 and a.charged["report_step_jump"] == 1
+    assert r.step() == 1 and not r.stopped and a.report["step"] == 1   # the report was dropped whole
+    report(r, a, 1.0, step=1 + slack, is_leader=True, term=1)          # within the bound: taken
+    assert r.step() == 1 + slack and r.stopped

@@ -121,3 +121,29 @@ async def test_report_callback_error_does_not_kill_the_rank():
     await wait_for(lambda: m.step >= 5, timeout_s=10)
     await d.close()
     assert not d.tasks
+
+
+async def test_local_steps_of_a_superseded_round_are_abandoned_between_inner_steps():
+    from tabcohort.protocol.optim import TrainConfig
+
+    loop = asyncio.get_running_loop()
+    net = MemoryNetwork(AsyncioScheduler(loop), seed=1)
+    train = TrainConfig(local_steps=8, outer_optimizer="nesterov", inner_lr=0.05)
+    drivers = []
+    for k, compute_ms in ((1, 2.0), (2, 2.0), (3, 2.0), (4, 40.0)):   # rank 4: 20x slower steps
+        w = ToyWorker(bucket_len=6, batch=3, compute_ms=compute_ms)
+        bus = net.attach(k)
+        m = RankMachine(k, w, bus, job="t", now_ms=RankDriver.clock_ms(loop), lr=0.7, ready=True, train=train)
+        drivers.append(RankDriver(m, w, bus))
+    for d in drivers[1:] + drivers[:1]:
+        d.start()
+    slow = drivers[3]
+    # a quorum of 3 finishes each round without the slow rank, whose 8 steps are superseded
+    await wait_for(lambda: drivers[0].machine.step >= 20 and slow.machine.counters["abandoned_bucket"] >= 3,
+                   timeout_s=60)
+    for d in drivers:
+        d.stop()
+    await wait_for(lambda: len({digest(d.worker.params()) for d in drivers}) == 1, timeout_s=10)
+    assert not any(d.errors for d in drivers)
+    for d in drivers:
+        await d.close()

@@ -14,6 +14,7 @@ import pytest
 
 from tabcohort.model.toy import ToyWorker
 from tabcohort.protocol import Timing, policy
+from tabcohort.protocol.robust import clip_to_median_norm
 from tabcohort.runtime.sim import SimCohort
 from tabcohort.vec import digest, weighted_mean
 
@@ -67,7 +68,7 @@ def check_updates_use_only_buckets_of_their_step(sim, lr=0.05):
             if r1["step"] != r0["step"] + 1:
                 continue
             grads = [(s, m) for w, s, rc, m in entries(sim, "grad", t0, t1) if rc == leader]
-            valid = [m for s, m in grads if m["step"] == r0["step"]]
+            valid = [(s, m) for s, m in grads if m["step"] == r0["step"]]
             scratch = ToyWorker(bucket_len=N_PARAMS, batch=3)
             scratch.set_params(r0["params"])
             own_share = r0["shares"][leader]
@@ -76,7 +77,12 @@ def check_updates_use_only_buckets_of_their_step(sim, lr=0.05):
             found = False
             for k in range(len(valid) + 1):
                 for subset in itertools.combinations(valid, k):
-                    buckets = [(own_share, own_g)] + [(m["samples"], m["g"]) for m in subset]
+                    # the leader's default aggregation (PROTOCOL.md "Untrusted ranks"): norms
+                    # bounded relative to the round's median before the sample-weighted mean
+                    got = {leader: (own_loss, own_share, own_g)}
+                    got.update({s: (m["loss"], m["samples"], m["g"]) for s, m in subset})
+                    got, _ = clip_to_median_norm(got, leader)
+                    buckets = [(n, g) for _, n, g in got.values()]
                     tot = sum(s for s, _ in buckets)
                     avg = weighted_mean([g for _, g in buckets], [s / tot for s, _ in buckets])
                     w = ToyWorker(bucket_len=N_PARAMS, batch=3)

@@ -54,6 +54,10 @@ class Rig:
 def rig(rank_id=5, *, now=0.0, ready=False, timing=Timing(), bucket_len=4, batch=2, **kw) -> Rig:
     w = ToyWorker(bucket_len=bucket_len, batch=batch)
     link = LinkReadouts()
+    # peers' buckets here are fixed synthetic vectors (grad() below), not gradients that shrink
+    # with the leader's as training converges: the rules other than robust aggregation are
+    # tested with the plain sample-weighted mean; tests/unit/test_robust.py tests the default
+    kw.setdefault("aggregate", "mean")
     m = RankMachine(rank_id, w, link, job=JOB, now_ms=now, timing=timing, ready=ready, **kw)
     r = Rig(m, w, link)
     r.drain()

@@ -15,6 +15,9 @@ if sys.platform == "emscripten":
     pytest.skip("import-linter is a test extra run natively", allow_module_level=True)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+#: the bus's sans-I/O cores (docs/INTERFACES.md, "Bus"): no event loop, socket or transport
+CORES = ("room.py", "path.py", "direct.py")
+IO_MODULES = {"asyncio", "socket", "selectors", "aiohttp", "aiortc", "aioice", "js", "pyodide", "time"}
 
 
 def lint(root: pathlib.Path) -> subprocess.CompletedProcess:
@@ -24,6 +27,16 @@ def lint(root: pathlib.Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def lint_with_breach(tmp_path: pathlib.Path, module: str, line: str) -> subprocess.CompletedProcess:
+    """Lint a copy of the tree whose ``module`` (a path under the repository) has ``line`` appended."""
+    for d in ("client_py", "server"):
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    m = tmp_path / module
+    m.write_text(m.read_text() + "\n" + line + "\n")
+    return lint(tmp_path)
+
+
 def test_the_layers_hold():
     r = lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -31,10 +44,37 @@ def test_the_layers_hold():
 
 
 def test_a_forbidden_import_breaks_a_contract(tmp_path):
-    for d in ("client_py", "server"):
-        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    m = tmp_path / "client_py" / "tabcohort" / "protocol" / "machine.py"
-    m.write_text(m.read_text() + "\nfrom ..runtime import driver as _layer_breach  # noqa\n")
-    r = lint(tmp_path)
+    r = lint_with_breach(tmp_path, "client_py/tabcohort/protocol/machine.py", "from ..runtime import driver as _layer_breach  # noqa")
     assert r.returncode != 0 and "the protocol knows no runtime, bus or server BROKEN" in r.stdout, r.stdout
+
+
+def io_imports(source: str) -> set[str]:
+    """Top-level module names imported anywhere in ``source`` that do I/O or read a clock."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & IO_MODULES
+
+
+def test_the_bus_cores_do_no_io_and_read_no_clock():
+    for name in CORES:
+        src = (REPO / "client_py" / "tabcohort" / "bus" / name).read_text()
+        assert io_imports(src) == set(), name
+    assert io_imports("import asyncio\nfrom time import monotonic\n") == {"asyncio", "time"}
+
+
+def test_a_core_that_imports_a_transport_breaks_the_bus_layers(tmp_path):
+    r = lint_with_breach(tmp_path, "client_py/tabcohort/bus/path.py", "from . import star as _layer_breach  # noqa")
+    assert r.returncode != 0 and "the bus is layered" in r.stdout and "BROKEN" in r.stdout, r.stdout
+
+
+def test_a_server_that_decodes_parameters_breaks_its_contract(tmp_path):
+    # docs/INTERFACES.md: the server never decodes parameters (it relays routing headers and
+    # stores checkpoints as bytes; their accuracy is the leader's own evaluation)
+    r = lint_with_breach(tmp_path, "server/tabcohort_server/app.py", "from tabcohort.vec import to_vector as _decodes  # noqa")
+    assert r.returncode != 0 and "the server never decodes parameters BROKEN" in r.stdout, r.stdout

@@ -127,3 +127,25 @@ def test_bad_config_is_a_config_error():
         MemoryNetwork(SimScheduler(), precision="fp4")
     with pytest.raises(ConfigError):
         MemoryNetwork(SimScheduler(), high_water_bytes=0)
+
+
+def test_bandwidth_serialises_frames_on_a_link_after_its_delay():
+    s, net, (a, b, c), box = rig(high_water_bytes=1000)
+    net.set_link(a.id, b.id, symmetric=False, delay_ms=50.0, bandwidth_bytes_per_s=10_000.0)
+    msg = {"t": "grad", "step": 1, "term": 1, "loss": 0.5, "samples": 1, "g": [0.0] * 2000}
+    size = sum(map(len, a.writer.write(dict(msg, **{"from": a.id}))))
+    tx_ms = 1000.0 * size / 10_000.0
+    a.post(dict(msg, to=b.id))
+    a.post(dict(msg, to=b.id))
+    a.post(dict(msg, to=c.id))                    # another link: not slowed by a -> b
+    s.run_until(1)
+    assert len(box[c.id]) == 1 and box[b.id] == []
+    assert a.pressure() > 1                        # two frames still on the link
+    s.run_until(tx_ms + 50 - 0.01)
+    assert box[b.id] == []
+    s.run_until(tx_ms + 50)
+    assert len(box[b.id]) == 1                     # the first after its transmission and the delay
+    s.run_until(2 * tx_ms + 50 - 0.01)
+    assert len(box[b.id]) == 1
+    s.run_until(2 * tx_ms + 50)
+    assert len(box[b.id]) == 2 and a.pressure() == 0   # the second waited for the first

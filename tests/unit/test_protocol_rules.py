@@ -11,6 +11,7 @@ import math
 import pytest
 
 from tabcohort.protocol import Compute, Post, Report, Timing, assignment, policy
+from tabcohort.protocol.machine import Phase
 from tabcohort.vec import to_vector
 
 from .machine_helpers import beat, grad, hello, rig, round_msg
@@ -331,6 +332,19 @@ def test_leader_paces_on_pressure_then_drives_anyway():
     assert len(r.posts(t="round")) == 1 and r.m.counters["paced"] == 20
 
 
+def test_a_pacing_leader_checks_pressure_again_within_25_ms_not_a_beat():
+    r = leader_rig()
+    r.link.pressure_value = 2.0
+    r.m.start(now_ms=0)
+    r.drain()
+    assert r.m.counters["paced"] == 1 and r.m.next_deadline_ms() <= 25
+    r.m.on_timer(now_ms=25)
+    assert r.posts(t="round") == [] and r.m.counters["paced"] == 2
+    r.link.pressure_value = 0.5
+    r.m.on_timer(now_ms=50)
+    assert len(r.posts(t="round")) == 1
+
+
 def test_pressure_pacing_stops_when_pressure_falls():
     r = leader_rig()
     r.link.pressure_value = 2.0
@@ -531,6 +545,23 @@ def test_one_bucket_in_flight_and_stale_bucket_dropped():
     assert r.m.counters["stale_bucket"] == 1
     c2 = r.computes(acts)[0]
     assert (c2.step, c2.offset) == (4, 20)
+
+
+def test_a_bucket_superseded_by_rounds_without_a_share_is_still_sent_for_its_turnaround():
+    # PROTOCOL.md "Contribute": newer rounds gave rank 5 no share (a probe outlived by the rounds
+    # a follower without a share is sent), so its bucket still goes to the leader, late, where its
+    # arrival measures the rank ("Shares")
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.handle(round_msg(1, 3, assign={5: 10}), now_ms=1)
+    c1 = r.computes(r.drain())[0]
+    r.m.handle(round_msg(1, 4, assign={}), now_ms=2)
+    r.m.handle(round_msg(1, 5, assign={}), now_ms=3)
+    r.m.bucket_ready(c1.token, *r.w.grads_sync(c1.offset), now_ms=4)
+    g = r.posts(r.drain(), "grad")
+    assert [(x["step"], x["to"]) for x in g] == [(3, 1)]
+    assert r.m.counters["stale_bucket_sent"] == 1 and r.m.counters["stale_bucket"] == 0
 
 
 # ---------------------------------------------------------------- joining
@@ -963,6 +994,50 @@ def test_a_rank_that_left_leaves_the_membership_at_once_and_frees_the_survivor()
     assert f.m.looping and f.m.counters["takeover"] == 1
 
 
+def test_a_welcome_is_a_roll_call_members_it_omits_left_while_the_rank_was_away():
+    # PROTOCOL.md "Membership and majority", the witness's roll call: rank 2 (following 1, with 3)
+    # loses its link; meanwhile 1 leaves, and the up: false is never heard. The welcome that
+    # resumes 2 lists only 3: 1 leaves 2's membership at once. Without the roll call 1 stays a
+    # member for policy.forget (60 s), and a rank alone with it (1 vs 1, 1 the lowest id) has no
+    # majority and cannot take over for that long
+    r = follower_of(1, rank_id=2, peers=[3])
+    tick(r, 500, peers=[3])
+    assert r.m.members(500) == {1, 2, 3}
+    r.m.roll_call([3], now_ms=600)
+    assert r.m.members(600) == {2, 3} and r.m.counters["left_by_roll_call"] == 1
+    alone = follower_of(1, rank_id=2)
+    silence(alone, 3000)
+    assert not alone.m.has_majority(3000)               # 1 vs 1: 1's side
+    alone.m.roll_call([], now_ms=3001)                   # it reconnected: nobody else is connected
+    assert alone.m.members(3001) == {2} and alone.m.has_majority(3001)
+    tick(alone, 3500)
+    assert alone.m.looping and alone.m.counters["takeover"] == 1
+    alone.m.roll_call([True, "x", 2], now_ms=3600)       # (not ids: ignored; itself: kept)
+    assert 2 in alone.m.members(3600)
+
+
+def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_left():
+    from tabcohort.runtime.session import RankSession
+
+    class Recorder:                                      # the driver's two witness entry points
+        def __init__(self):
+            self.calls = []
+
+        def roll_call(self, peers):
+            self.calls.append(("roll_call", peers))
+
+        def peer_left(self, k):
+            self.calls.append(("peer_left", k))
+
+        machine = None
+
+    s = RankSession()
+    s.driver = Recorder()
+    s.on_control({"type": "welcome", "id": 2, "secret": "x", "peers": [3, 4], "may_lead": True, "lead_peers": []})
+    s.on_control({"type": "peer", "id": 4, "up": False})
+    assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4)]
+
+
 def test_a_round_with_non_finite_parameters_is_never_adopted():
     r = follower_of(1, rank_id=2)
     r.m.handle(round_msg(1, 6, term=1, params=[1.0, math.inf, 1.0, 1.0]), now_ms=1)
@@ -994,7 +1069,7 @@ def test_an_evicted_rank_that_returns_is_assigned_but_not_awaited_until_it_keeps
 
     def run(until, responders, t):
         while t < until:
-            if r.m._phase == "own":
+            if r.m._phase is Phase.OWN:
                 col = r.m._collection
                 seen.append((set(col.awaited), set(col.wanted)))
                 own = [a for a in r.computes(r.drain()) if a.own][-1]
@@ -1031,7 +1106,7 @@ def test_a_round_in_flight_stops_waiting_for_a_rank_that_left():
     own = r.computes(r.drain())[0]
     r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
     r.m.handle(grad(2, 1, 0, term=r.m.term), now_ms=2)          # quorum 3: 3's bucket awaited
-    assert r.m.step == 0 and r.m._phase == "collect"
+    assert r.m.step == 0 and r.m._phase is Phase.COLLECT
     r.m.peer_left(3, now_ms=3)                                   # the server saw 3's link close
     assert r.m.step == 1 and r.m.counters["released_left"] == 1  # not after the collect window
     r2 = leader_rig([2, 3])                                      # a rank that already delivered

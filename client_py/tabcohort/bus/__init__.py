@@ -1,6 +1,7 @@
-"""Buses: one implementation per transport behind the bus contract (PROTOCOL.md)."""
+"""Buses: the bus contract (PROTOCOL.md, "Bus contract") over each transport; the layers are in
+docs/INTERFACES.md, "Bus" (the room buses live in ``star``, ``mesh``, ``aio`` and ``page``)."""
 
-from .base import Bus, LinkBytes, sum_link_bytes
+from .base import Bus, LinkBytes, RoomBus, sum_link_bytes
 from .memory import Delivery, LinkKnobs, MemoryBus, MemoryNetwork
 
-__all__ = ["Bus", "Delivery", "LinkBytes", "LinkKnobs", "MemoryBus", "MemoryNetwork", "sum_link_bytes"]
+__all__ = ["Bus", "Delivery", "LinkBytes", "LinkKnobs", "MemoryBus", "MemoryNetwork", "RoomBus", "sum_link_bytes"]

@@ -13,6 +13,7 @@ from one ``random.Random(seed)``, so a run is reproducible.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, NamedTuple
@@ -21,7 +22,7 @@ from ..errors import ConfigError
 from ..sched import Scheduler
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits
 from ..wire.codecs import DEFAULT_INT8_BLOCK
-from .base import LinkBytes
+from .base import ByteCounts, LinkBytes, merge_counts
 
 DEFAULT_HIGH_WATER_BYTES = 1 << 20
 
@@ -46,6 +47,10 @@ class LinkKnobs:
         duplicate: probability a frame is delivered twice.
         reorder: probability a frame is held back by ``2 * delay_ms + jitter_ms + 1`` ms, so
             frames sent after it overtake it.
+        bandwidth_bytes_per_s: the link's capacity, encoded bytes per second (0: unlimited).
+            Frames are serialised onto it in order: a frame starts when the one before it has
+            left, takes ``size / bandwidth`` seconds to leave, then ``delay_ms`` (and jitter)
+            to arrive; bytes not yet arrived count in the sender's ``pressure()``.
     """
 
     delay_ms: float = 0.0
@@ -53,15 +58,17 @@ class LinkKnobs:
     loss: float = 0.0
     duplicate: float = 0.0
     reorder: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
 
 
 class _Link:
-    __slots__ = ("knobs", "queued_bytes", "held")
+    __slots__ = ("knobs", "queued_bytes", "held", "free_at_ms")
 
     def __init__(self, knobs: LinkKnobs) -> None:
         self.knobs = knobs
         self.queued_bytes = 0
         self.held: list[_Entry] = []
+        self.free_at_ms = -math.inf     # when the link has sent everything handed to it
 
 
 class _Entry:
@@ -86,8 +93,7 @@ class MemoryBus:
                                   max_message_bytes=network.max_message_bytes,
                                   int8_block=network.int8_block, use_numpy=network.use_numpy)
         self.reader = FrameReader(network.limits, use_numpy=network.use_numpy)
-        self._sent: dict[int, int] = {}
-        self._received: dict[int, int] = {}
+        self.counts = ByteCounts()
         self._drops: dict[str, int] = {}
 
     def post(self, msg: dict) -> None:
@@ -104,11 +110,10 @@ class MemoryBus:
         self._net._post(self, msg)
 
     def bytes(self) -> dict[int, LinkBytes]:
-        peers = set(self._sent) | set(self._received)
-        return {p: LinkBytes(self._sent.get(p, 0), self._received.get(p, 0)) for p in sorted(peers)}
+        return self.counts.links()
 
     def total_bytes(self) -> int:
-        return sum(self._sent.values()) + sum(self._received.values())
+        return self.counts.total()
 
     def pressure(self) -> float:
         return self._net._pressure(self)
@@ -123,10 +128,7 @@ class MemoryBus:
             self._net._closed(self)
 
     def drops(self) -> dict[str, int]:
-        out = dict(self.reader.drops)
-        for k, v in self._drops.items():
-            out[k] = out.get(k, 0) + v
-        return out
+        return merge_counts(self.reader.drops, self._drops)
 
     def _count(self, reason: str) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + 1
@@ -266,7 +268,7 @@ class MemoryNetwork:
             dsts = [b]
         rng = self.rng
         for dst in dsts:
-            src._sent[dst.id] = src._sent.get(dst.id, 0) + size
+            src.counts.add_sent((dst.id,), size)
             if not self._connected(src.id, dst.id):
                 self._drop("partition")
                 continue
@@ -278,6 +280,12 @@ class MemoryNetwork:
             copies = 2 if k.duplicate and rng.random() < k.duplicate else 1
             for _ in range(copies):
                 delay = k.delay_ms
+                if k.bandwidth_bytes_per_s > 0:
+                    # serialised onto the link after what it still has to send
+                    now = self.scheduler.now_ms()
+                    start = max(now, link.free_at_ms)
+                    link.free_at_ms = start + 1000.0 * size / k.bandwidth_bytes_per_s
+                    delay += link.free_at_ms - now
                 if k.jitter_ms:
                     delay += rng.uniform(0.0, k.jitter_ms)
                 if k.reorder and rng.random() < k.reorder:
@@ -303,7 +311,7 @@ class MemoryNetwork:
         dst, src_id = e.dst, e.src.id
         log_reader = self._log_readers[dst.id] if self.log_enabled else None
         for chunk in e.chunks:
-            dst._received[src_id] = dst._received.get(src_id, 0) + len(chunk)
+            dst.counts.add_received(src_id, len(chunk))
             msgs = dst.reader.feed(chunk, now_ms=now)
             if log_reader is not None:
                 for m in log_reader.feed(chunk, now_ms=now):

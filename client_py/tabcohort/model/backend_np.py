@@ -128,8 +128,24 @@ class NumpyMLPWorker(MLPWorker):
             LocalProtocolError: wrong length.
         """
         check_len("avg", avg, self.bucket_len)
-        g = np.asarray(avg, dtype=np.float64).reshape(-1)
-        self._set(self._p64 - float(lr) * g)
+        # blocked: the same operations per element as float32(p64 - lr * float64(avg)), without
+        # full-length float64 temporaries; new arrays (a gradient being computed between its
+        # slices keeps reading the parameters it started with)
+        g = np.asarray(avg).reshape(-1)
+        p64, lr = self._p64, float(lr)
+        n, blk = len(p64), 1 << 16
+        out = np.empty(n, dtype=np.float32)
+        tmp = np.empty(min(n, blk), dtype=np.float64)
+        for a in range(0, n, blk):
+            b = min(n, a + blk)
+            t = tmp[:b - a]
+            t[...] = g[a:b]
+            t *= lr
+            np.subtract(p64[a:b], t, out=t)
+            out[a:b] = t
+        self._p = out
+        self._p64 = out.astype(np.float64)
+        self._layers = unpack(self.mlp, self._p64)
 
     def _grad_slices(self, offset: int, n: int) -> Generator[None, None, tuple[float, Any]]:
         n_train = self.dataset.train_len

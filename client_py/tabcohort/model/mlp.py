@@ -219,6 +219,64 @@ class MLPWorker:
         """:meth:`grads` without yielding to the event loop (same result)."""
         return run_slices(self._grad_slices(check_offset(offset), _check_samples(samples, self.batch)))
 
+    async def local_grads(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                          lr: float = 0.1, should_stop: Any = None) -> tuple[float, Any] | None:
+        """H inner steps from the current parameters and their pseudo-gradient, yielding to the
+        event loop between slices (docs/PROTOCOL.md, "Local steps and optimizer state").
+
+        The steps run on a scratch copy of the model (:mod:`tabcohort.model.local`): this
+        worker's parameters are captured when the call starts and never changed by it.
+
+        Args:
+            offset: the window's first sample (an int, normally a uint32).
+            samples: samples per inner step (the share), >= 1; the window is ``steps * samples``.
+            steps: H, >= 1.
+            optimizer: ``sgd`` or ``adam``; lr: its learning rate.
+            should_stop: optional callable checked between inner steps; True abandons the work.
+
+        Returns:
+            ``(mean inner loss, pseudo-gradient)``: float32, shape ``(bucket_len,)``: the captured
+            parameters minus the parameters after the H steps; or None when abandoned.
+
+        Raises:
+            LocalProtocolError: a bad offset, share, H, optimizer or lr.
+        """
+        slices = self._local(offset, samples, steps, optimizer, lr, should_stop)
+        while True:
+            try:
+                next(slices)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
+
+    def local_grads_sync(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                         lr: float = 0.1) -> tuple[float, Any]:
+        """:meth:`local_grads` without yielding (same result)."""
+        return run_slices(self._local(offset, samples, steps, optimizer, lr, None))
+
+    def _local(self, offset: Any, samples: Any, steps: Any, optimizer: str, lr: float,
+               should_stop: Any) -> Generator[None, None, Any]:
+        from .local import check_steps, local_slices
+
+        off, n, h = check_offset(offset), _check_samples(samples, self.batch), check_steps(steps)
+        scratch = self._take_scratch()
+        try:
+            return (yield from local_slices(scratch, self.params(), off, n, h, optimizer, lr,
+                                            lambda w, o, k: w._grad_slices(o, k), should_stop))
+        finally:
+            self._scratch_pool.append(scratch)
+
+    def _take_scratch(self) -> "MLPWorker":
+        """A scratch worker of the same model (one per concurrent local computation)."""
+        pool = self.__dict__.setdefault("_scratch_pool", [])
+        return pool.pop() if pool else self._scratch_worker()
+
+    def _scratch_worker(self) -> "MLPWorker":
+        """A new instance of this model over the same dataset (overridden where the
+        constructor needs more, e.g. the js kernels)."""
+        return type(self)(self.dataset, hidden=self.mlp.layers[1:-1], activation=self.mlp.activation,
+                          batch=self.batch, seed=self.seed)
+
     def set_params(self, vec: Any) -> None:
         """Replace the parameters (a copy is stored, rounded to float32).
 

@@ -83,6 +83,45 @@ class ToyWorker:
             await asyncio.sleep(self.compute_ms / 1000.0)
         return result
 
+    def local_grads_sync(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                         lr: float = 0.1) -> tuple[float, Any]:
+        """H inner steps on a scratch copy from the current parameters; returns the mean inner
+        loss and the pseudo-gradient (docs/PROTOCOL.md, "Local steps and optimizer state")."""
+        from .mlp import run_slices
+        return run_slices(self._local(offset, samples, steps, optimizer, lr, None))
+
+    async def local_grads(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                          lr: float = 0.1, should_stop: Any = None) -> tuple[float, Any] | None:
+        """H inner steps (each costs ``compute_ms`` of loop time when it is set), abandoned
+        between steps when ``should_stop()`` is true."""
+        import asyncio
+        slices = self._local(offset, samples, steps, optimizer, lr, should_stop)
+        pause_s = self.compute_ms / 1000.0
+        while True:
+            try:
+                next(slices)
+            except StopIteration as done:
+                result = done.value
+                break
+            await asyncio.sleep(pause_s)        # between inner steps: one step's compute time
+        if pause_s > 0 and result is not None:
+            await asyncio.sleep(pause_s)        # the last step's
+        return result
+
+    def _local(self, offset: int, samples: int, steps: int, optimizer: str, lr: float, should_stop: Any) -> Any:
+        from .local import local_slices
+
+        scratch = ToyWorker(self.bucket_len, self.batch, train_len=self.train_len, backend=self.backend)
+        scratch.nan_offsets = self.nan_offsets
+        self.calls += 1
+
+        def grad_slices(w: "ToyWorker", o: int, n: int) -> Any:
+            return w.grads_sync(o, n)
+            yield  # pragma: no cover - a generator without slices
+
+        return local_slices(scratch, self.params(), offset, samples, steps, optimizer, lr, grad_slices,
+                            should_stop)
+
     def apply(self, avg: Any, lr: float) -> None:
         p = self._p
         for j in range(self.bucket_len):

@@ -28,6 +28,7 @@ import asyncio
 import threading
 from typing import Any, Coroutine, Mapping
 
+from .._alloc import hold_allocator
 from .config import PGConfig, load_config
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupSetupError, MemoryBoundError,
                      PeerLostError, PGError)
@@ -56,6 +57,7 @@ async def init_process_group(*, env: Mapping[str, str] | None = None, **options:
             ``connect_timeout_s``; or another process claims this rank.
     """
     cfg = load_config(env=env, **options)
+    hold_allocator(env)
     return await ProcessGroup.connect(cfg)
 
 
@@ -114,6 +116,7 @@ class SyncProcessGroup:
 def init_process_group_sync(*, env: Mapping[str, str] | None = None, **options: Any) -> SyncProcessGroup:
     """Blocking :func:`init_process_group`; returns a :class:`SyncProcessGroup`."""
     cfg = load_config(env=env, **options)  # before the loop exists: no network activity
+    hold_allocator(env)
     loop = asyncio.new_event_loop()
     if cfg.transport == "rtc":
         thread = threading.Thread(target=loop.run_forever, name=f"tabcohort-pg-{cfg.rank}", daemon=True)

@@ -1,7 +1,7 @@
 """WebRTC links for a process group: data channels negotiated through a ``tabcohort serve``.
 
 Used when a server is given (``PG_SERVER`` + ``PG_ROOM``): every rank joins the room's WebSocket
-and :class:`~tabcohort.bus.rtc.RtcMeshBus` opens an aiortc data channel (ordered, reliable) to
+and :class:`~tabcohort.bus.mesh.MeshBus` opens an aiortc data channel (ordered, reliable) to
 every other rank in the room, signalled through the server. The server assigns bus ids
 (random uint32); :class:`RtcGroupBus` maps them to group ranks with a hello exchange and then
 looks to :class:`~tabcohort.pg.group.ProcessGroup` like :class:`~tabcohort.pg.tcp.TcpBus`:
@@ -18,7 +18,7 @@ connecting. A room peer of another group (another ``job``) is ignored; a second 
 of this group fails bring-up at once.
 
 Paths: a pair whose channel is not open within :data:`CHANNEL_OPEN_TIMEOUT_S` (or fails later)
-goes through the server relay (RtcMeshBus's fallback), so the group still works; the rank logs
+goes through the server relay (the mesh bus's fallback), so the group still works; the rank logs
 it and :meth:`RtcGroupBus.links` / :meth:`RtcGroupBus.transport_bytes` show it. Idle links are
 never moved to the relay (a group may sit between collectives for any time).
 
@@ -26,7 +26,7 @@ Loss: the server announces a peer whose WebSocket closed (a crashed or killed pr
 it at once) as ``{"type": "peer", "up": false}``; a known rank announced so is reported through
 ``on_peer_lost`` (the group raises :class:`~tabcohort.pg.errors.PeerLostError`). A rank whose
 socket merely blipped is reported too: a fixed group does not wait for it. So is a data channel
-that fails after bring-up (RtcMeshBus then moves the pair to the relay, but what was queued or
+that fails after bring-up (the mesh bus then moves the pair to the relay, but what was queued or
 in flight on the channel is lost, and a collective would otherwise wait for its timeout).
 """
 
@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from ..bus.base import LinkBytes
-from ..wire import FrameReader, FrameWriter, WireLimits
+from ..bus.path import PathState
+from ..wire import FrameWriter, WireLimits
 from .config import PGConfig
 from .errors import GroupSetupError
 from .tcp import PG_VERSION
@@ -63,27 +64,24 @@ class RtcGroupBus:
             ``rtc_host_addresses``, ``ice_servers``).
 
     Attributes:
-        mesh: the :class:`~tabcohort.bus.rtc.RtcMeshBus` underneath (bus ids, paths, bytes).
+        mesh: the :class:`~tabcohort.bus.mesh.MeshBus` underneath (bus ids, paths, bytes).
         id_of: bus id of each other rank, once known.
         on_message, on_peer_lost: as on :class:`~tabcohort.pg.tcp.TcpBus`.
     """
 
     def __init__(self, cfg: PGConfig) -> None:
-        from ..bus.rtc import RtcMeshBus
-        from ..bus.ws import ws_url
+        from ..bus.aio import mesh_bus, ws_url
 
         self.cfg = cfg
         self.rank = cfg.rank
         self.tag = group_tag(cfg)
-        self.mesh = RtcMeshBus(ws_url(cfg.server, cfg.room), token=cfg.token, ice_servers=list(cfg.ice_servers),
-                               host_addresses=None if cfg.rtc_host_addresses is None else list(cfg.rtc_host_addresses),
-                               connect_timeout_s=CHANNEL_OPEN_TIMEOUT_S, idle_timeout_s=None,
-                               on_control=self._on_control)
-        self.mesh.reader = FrameReader(WireLimits(max_frame_bytes=(1 << 30) + 4096, max_vector_len=1 << 28,
-                                                  max_incomplete_bytes=1 << 31))
+        self.mesh = mesh_bus(ws_url(cfg.server, cfg.room), token=cfg.token, ice_servers=list(cfg.ice_servers),
+                             host_addresses=None if cfg.rtc_host_addresses is None else list(cfg.rtc_host_addresses),
+                             connect_timeout_s=CHANNEL_OPEN_TIMEOUT_S, idle_timeout_s=None,
+                             limits=WireLimits(max_frame_bytes=(1 << 30) + 4096, max_vector_len=1 << 28,
+                                               max_incomplete_bytes=1 << 31),
+                             on_control=self._on_control, on_fallback=self._on_fallback)
         self.mesh.on_message = self._on_mesh_message
-        self._mesh_fallback = self.mesh._fallback
-        self.mesh._fallback = self._on_fallback  # type: ignore[method-assign]
         self.on_message: Callable[[dict], None] | None = None
         self.on_peer_lost: Callable[[int, str], None] | None = None
         self.id_of: dict[int, int] = {}
@@ -108,7 +106,7 @@ class RtcGroupBus:
                 of this group, a rank left during bring-up, or not every rank was ready by the
                 deadline (the message names the missing ranks and the links' states).
         """
-        from ..bus.ws import LinkFailed
+        from ..bus.room import LinkFailed
 
         loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
@@ -133,23 +131,23 @@ class RtcGroupBus:
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, HELLO_RESEND_S))
             except asyncio.TimeoutError:
-                links = self.mesh.links()
+                links = self.mesh.paths()
                 for bus_id in list(self.mesh.peers):
                     if bus_id not in self.acked and links.get(bus_id) != "connecting":
                         self._hello(bus_id)
         self.ready = True
-        relayed = {r: self.mesh.links_[i].why for r, i in self.id_of.items() if self.mesh.links().get(i) == "relay"}
+        relayed = {r: self.mesh.path(i).why for r, i in self.id_of.items() if self.mesh.paths().get(i) == "relay"}
         if relayed:
             log.warning("rank %d: links to rank(s) %s use the server relay: %s", self.rank, sorted(relayed), relayed)
 
     def _complete(self) -> bool:
         if len(self.id_of) != self.cfg.world - 1:
             return False
-        links = self.mesh.links()
+        links = self.mesh.paths()
         return all(i in self.acked and links.get(i) in ("rtc", "relay") for i in self.id_of.values())
 
     def _missing_text(self) -> str:
-        links = self.mesh.links()
+        links = self.mesh.paths()
         missing = sorted(set(range(self.cfg.world)) - set(self.id_of) - {self.rank})
         state = {r: links.get(i, "gone") + ("" if i in self.acked else ", no ack")
                  for r, i in sorted(self.id_of.items())}
@@ -211,14 +209,12 @@ class RtcGroupBus:
             if self._changed is not None:
                 self._changed.set()
 
-    def _on_fallback(self, lk: Any, why: str) -> None:
-        """RtcMeshBus moves a pair to the relay. Before bring-up ends that is only a slower path;
+    def _on_fallback(self, peer: int, was: PathState, why: str) -> None:
+        """The mesh moved a pair to the relay. Before bring-up ends that is only a slower path;
         after, chunks queued or in flight on the channel are gone, so the peer is lost to this
         rank's collectives (a peer that said goodbye first is not reported by the group)."""
-        was = lk.kind
-        self._mesh_fallback(lk, why)
-        r = self.rank_of.get(lk.peer)
-        if self.ready and was == "rtc" and r is not None and not self.closed and self.on_peer_lost is not None:
+        r = self.rank_of.get(peer)
+        if self.ready and was is PathState.DIRECT and r is not None and not self.closed and self.on_peer_lost is not None:
             self.on_peer_lost(r, f"its data channel failed ({why}); data in flight on it is lost")
 
     # -- the bus contract, by rank ---------------------------------------------------------
@@ -239,17 +235,13 @@ class RtcGroupBus:
             targets = [self.id_of[to]] if to in self.id_of else []
         else:
             targets = list(self.id_of.values())
-        mesh = self.mesh
-        saved, mesh.writer = mesh.writer, self.writer_for(precision)
-        try:
-            links = mesh.links()
-            if to is None and set(links) == set(targets) and all(links[i] == "rtc" for i in targets):
-                mesh.post({k: v for k, v in msg.items() if k != "to"})  # encoded once for every channel
-            else:  # addressed (the relay forwards a broadcast to every room peer)
-                for i in targets:
-                    mesh.post(dict(msg, to=i))
-        finally:
-            mesh.writer = saved
+        mesh, w = self.mesh, self.writer_for(precision)
+        paths = mesh.paths()
+        if to is None and set(paths) == set(targets) and all(paths[i] == "rtc" for i in targets):
+            mesh.post({k: v for k, v in msg.items() if k != "to"}, writer=w)  # encoded once for every channel
+        else:  # addressed (the relay forwards a broadcast to every room peer)
+            for i in targets:
+                mesh.post(dict(msg, to=i), writer=w)
 
     def bytes(self) -> dict[int, LinkBytes]:
         """Chunk bytes sent/received per rank."""
@@ -264,25 +256,15 @@ class RtcGroupBus:
         return self.mesh.transport_bytes()
 
     def links(self) -> dict[int, str]:
-        """Each other rank's path: ``rtc``, ``relay`` or ``connecting``."""
-        lk = self.mesh.links()
-        return {r: lk.get(i, "gone") for r, i in sorted(self.id_of.items())}
-
-    def _flushed(self) -> bool:
-        for lk in self.mesh.links_.values():
-            if lk.buffered():
-                return False
-            sctp = getattr(lk.pc, "sctp", None) if lk.pc is not None else None
-            queues = ("_data_channel_queue", "_outbound_queue", "_sent_queue")
-            if sctp is not None and any(getattr(sctp, q, None) for q in queues):
-                return False  # not yet acknowledged by the peer: closing would abort it
-        return not self.mesh.ws.queued_bytes()
+        """Each other rank's path: ``rtc``, ``relay`` or ``connecting`` (``gone``: left the room)."""
+        p = self.mesh.paths()
+        return {r: p.get(i, "gone") for r, i in sorted(self.id_of.items())}
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until everything posted is acknowledged by its receiver."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
-        while not self._flushed() and loop.time() < end:
+        while not self.mesh.flushed() and loop.time() < end:
             await asyncio.sleep(0.01)  # aiortc exposes no event for SCTP acknowledgements
 
     async def aclose(self) -> None:

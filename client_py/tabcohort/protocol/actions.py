@@ -23,7 +23,13 @@ class Compute:
         step: the round's step.
         offset: the assigned dataset offset (uint32).
         own: True for the leader's own bucket, False for a follower's contribution.
-        samples: the share: how many consecutive samples from ``offset`` (PROTOCOL.md, "Shares").
+        samples: the share: how many consecutive samples from ``offset`` per inner step
+            (PROTOCOL.md, "Shares").
+        local_steps: H (PROTOCOL.md, "Local steps and optimizer state"): 1 asks for the mean
+            gradient of the share (``worker.grads``); H > 1 for the pseudo-gradient of H inner
+            steps over ``H * samples`` consecutive samples (``worker.local_grads``).
+        inner_optimizer: ``sgd`` or ``adam`` (H > 1 only).
+        inner_lr: the inner optimizer's learning rate (H > 1 only).
     """
 
     token: int
@@ -31,6 +37,9 @@ class Compute:
     offset: int
     own: bool
     samples: int = 1
+    local_steps: int = 1
+    inner_optimizer: str = "sgd"
+    inner_lr: float = 0.0
 
 
 @dataclass(frozen=True)

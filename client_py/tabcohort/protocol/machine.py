@@ -13,26 +13,46 @@ local caller raises :class:`~tabcohort.errors.LocalProtocolError`.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from .. import PROTOCOL_VERSION
 from ..errors import LocalProtocolError
-from ..vec import all_finite, weighted_mean
+from ..vec import all_finite, to_vector, weighted_mean
 from .actions import Action, Compute, Post, Report
 from .assign import windows
-from .shares import PROBE_EVERY, SpeedTable, plan_shares
+from .optim import TrainConfig, empty, outer_step
+from .optim import zeros as _zeros
+from .robust import AGGREGATES, clip_to_median_norm, trimmed_mean
+from .shares import FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, SpeedTable, plan_shares
 from .policy import Policy, Timing, policy
 from .roster import Roster
 
 _U32 = (1 << 32) - 1
-_MAX_PACE_TRIES = 20  # "The leader loop": wait one beat at most 20 times
+_MAX_PACE_TRIES = 20  # "The leader loop": pace for at most 20 beats in all
+_PACE_RETRY_MS = 25.0  # "The leader loop": pressure is checked again this often while pacing
 _RATE_WINDOW_MS = 2000.0
 _SPREAD_ALPHA = 0.25  # grace rule: weight of the newest round in the typical arrival spread
 _GRACE_SKIP_MISSES = 2  # grace rule: a rank that missed this many rounds in a row is not awaited
 _PROBATION_BUCKETS = 3  # "Flapping ranks": in-time buckets per eviction before a rank is awaited again
 _PROBATION_MAX = 24
+#: "Shares": probe shares kept per rank for matching late answers to their send time
+_PROBES_KEPT = 4
+#: "Untrusted ranks": a rank with this many probes outstanding, none answered, is silent
+_PROBES_SILENT = 3
+#: "Shares": the wait before a rank's next probe doubles per probe outstanding up to
+#: PROBE_INTERVAL_MS * 2 ** this (8 s)
+_PROBE_BACKOFF_MAX_EXP = 5
+#: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
+#: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine
+_CLIP_WINDOW = 8
+_CLIP_QUARANTINE = 4
+_QUARANTINE_MS = 60_000.0
+#: the largest step a round may carry (a u64 beyond this is no step any lineage reached)
+_MAX_STEP = 2**63 - 1
 
 # Required keys and their types, per message type (see docs/INTERFACES.md).
 _INT = int
@@ -74,7 +94,7 @@ class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
-                 "first_ms", "last_ms", "grace_until_ms")
+                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -90,6 +110,7 @@ class _Collection:
         self.first_ms: float | None = None      # first bucket arrival (own included)
         self.last_ms: float | None = None       # latest arrival of a bucket of this step
         self.grace_until_ms: float | None = None
+        self.window_end_ms: float | None = None  # the collect window's end, once it is armed
 
 
 class _Spread:
@@ -106,11 +127,32 @@ class _Spread:
         self.last_ms = col.last_ms
 
 
+def _opt_len(msg: dict) -> int:
+    """Length of a round's optimizer state (``opt``; absent: none). -1 when it is no vector."""
+    opt = msg.get("opt")
+    if opt is None:
+        return 0
+    try:
+        return len(opt)
+    except TypeError:
+        return -1
+
+
 def _arrived(col: _Collection, now_ms: float) -> None:
     """Record a bucket arrival time on the collection (first and latest)."""
     if col.first_ms is None:
         col.first_ms = now_ms
     col.last_ms = now_ms if col.last_ms is None else max(col.last_ms, now_ms)
+
+
+class Phase(enum.Enum):
+    """Where the leader loop is ("The leader loop"); None when no loop runs."""
+
+    PACE = "pace"          # deadline: the next try (paced on back-pressure)
+    YIELD = "yield"        # due now: the FIFO yield between rounds
+    OWN = "own"            # awaiting its own bucket
+    COLLECT = "collect"    # deadline: the collect window
+    FAULT = "fault"        # deadline: one beat after a failed round
 
 
 class RankMachine:
@@ -146,6 +188,14 @@ class RankMachine:
             leader whose step reached it drives no further round: it stops (``running`` false)
             and publishes, so the cohort ends at exactly this step; a follower that adopts a
             round at the limit stops too and computes nothing for it.
+        may_lead: this rank's role as the server bound it to its link (docs/PROTOCOL.md,
+            "Roles"): True if it may lead (run the optimizer, publish parameters); False if it
+            may only contribute buckets.
+        train: local steps and the optimizers (:class:`~.optim.TrainConfig`; PROTOCOL.md,
+            "Local steps and optimizer state"); default: one synchronous SGD step per round.
+        opt_state: the leader's optimizer state to start from (a checkpoint's): float32,
+            shape (``train.state_len(bucket_len)``,), or None (zeros).
+        start_step: the step this rank starts at (the checkpoint it loaded), >= 0.
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -155,11 +205,15 @@ class RankMachine:
                  timing: Timing = Timing(), lr: float = 0.1, ready: bool = False,
                  eval_every: int = 10, precision: str = "f32", collect_rule: str = "quorum",
                  grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0,
-                 global_batch: int | None = None, step_limit: int | None = None) -> None:
+                 global_batch: int | None = None, step_limit: int | None = None,
+                 may_lead: bool = True, lr_max: float = 10.0, aggregate: str = "clip",
+                 train: TrainConfig | None = None, opt_state: Any = None, start_step: int = 0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
             raise LocalProtocolError("worker.batch and worker.bucket_len must be positive")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or not 0 <= start_step <= _MAX_STEP:
+            raise LocalProtocolError(f"start_step must be an integer in [0, 2^63), got {start_step!r}")
         if collect_rule not in ("quorum", "grace"):
             raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
         if not 0 <= grace_fraction <= 1:
@@ -169,7 +223,42 @@ class RankMachine:
         if step_limit is not None and (isinstance(step_limit, bool) or not isinstance(step_limit, int)
                                        or step_limit < 1):
             raise LocalProtocolError(f"step_limit must be an integer >= 1 or None, got {step_limit!r}")
+        if aggregate not in AGGREGATES:
+            raise LocalProtocolError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+        if isinstance(lr_max, bool) or not isinstance(lr_max, (int, float)) or not lr_max > 0 \
+                or not math.isfinite(lr_max):
+            raise LocalProtocolError(f"lr_max must be a positive finite number, got {lr_max!r}")
         self.step_limit = step_limit
+        # "Local steps and optimizer state": the room's setting, and the leader's optimizer
+        # state, which travels with every round (one source of truth, like the parameters)
+        self.train = train if train is not None else TrainConfig()
+        self.state_len = self.train.state_len(worker.bucket_len)
+        if opt_state is not None and len(opt_state) not in (0, self.state_len):
+            raise LocalProtocolError(f"opt_state has length {len(opt_state)}, expected {self.state_len}")
+        if opt_state is not None and not all_finite(opt_state):
+            raise LocalProtocolError("opt_state is not all finite")
+        self.opt_state: Any = to_vector(opt_state) if opt_state is not None and len(opt_state) else None
+        # with local steps a round comes once per H inner steps: the observed time per round
+        # (an EWMA over adopted rounds) extends the takeover window ("Local steps")
+        self.round_period_ms: float | None = None
+        self._last_adopted: tuple[float, int] | None = None
+        self.contribution_ms: float | None = None     # how long this rank's last bucket took
+        self._inflight_since_ms = 0.0
+        # "Untrusted ranks": who may lead (bound to each link by the server), the bound on a
+        # round's learning rate, and how the leader aggregates buckets
+        self.may_lead = bool(may_lead)
+        self.lead_roles: dict[int, bool] = {}
+        self.roles_enforced = False
+        self.lr_max = float(lr_max)
+        self.aggregate = aggregate
+        self.clipped: Counter[int] = Counter()             # rank -> buckets clipped
+        self._clip_recent: dict[int, deque[bool]] = {}
+        self.quarantined: dict[int, float] = {}            # rank -> quarantined until (ms)
+        self._quarantines: Counter[int] = Counter()
+        self._silent: set[int] = set()       # gave no bucket within a whole collect window
+        self._silences: Counter[int] = Counter()
+        self._passed_over: dict[int, float] = {}   # takeover candidate -> since when it is owed a round
+        self._skipped_leads: set[int] = set()      # candidates that never drove: not deferred to
         self.collect_rule = collect_rule
         self.grace_fraction = float(grace_fraction)
         self.grace_margin = float(grace_margin)
@@ -189,7 +278,7 @@ class RankMachine:
         self.ready = bool(ready)
         self.running = False
         self.disposed = False
-        self.step = 0
+        self.step = start_step
         self.loss = math.nan          # last reduced loss (leader) or the leader's (follower)
         self.samples = 0              # samples in the last reduce
         self.accuracy: float | None = None
@@ -223,8 +312,17 @@ class RankMachine:
         self.applied_by: dict[int, int] = {}
         self.cursor = 0                     # samples assigned before the current step
         self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
+        # the last round this rank drove as a broadcast: when, in which term ("Shares")
+        self._broadcast_ms = -math.inf
+        self._broadcast_term = -1
+        self._probe_ms = -math.inf          # when this rank last probed ranks with no share
         # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
         self._sent_rounds: dict[tuple[int, int], tuple[float, dict[int, int]]] = {}
+        # each rank's last probe shares, oldest first: rank -> [(term, step, sent at, samples)],
+        # at most _PROBES_KEPT. A probe is answered many rounds later in a fast cohort, long
+        # after its round left _sent_rounds ("Shares")
+        self._probe_sent: dict[int, list[tuple[int, int, float, int]]] = {}
+        self._probes_outstanding: dict[int, int] = {}   # probes sent since the rank's last answer
         self.diverged = 0                   # rounds whose update made the parameters non-finite
         self._round_params: Any = None      # the parameters of the round being driven
         self.last_open_ms = now_ms
@@ -239,12 +337,11 @@ class RankMachine:
         # Heartbeat ("Heartbeat and takeover")
         self._next_beat_ms = now_ms + self.policy.beat_ms
 
-        # Leader loop ("The leader loop"): phase is None when no loop runs, else one of
-        # "pace" (deadline: next try), "yield" (due now), "own" (awaiting own bucket),
-        # "collect" (deadline: collect window), "fault" (deadline: one beat).
-        self._phase: str | None = None
+        # Leader loop ("The leader loop"): phase is None when no loop runs, else a Phase
+        self._phase: Phase | None = None
         self._phase_deadline_ms: float | None = None
         self._pace_tries = 0
+        self._pace_since_ms: float | None = None   # when this pacing began
         self._collection: _Collection | None = None
         self._round_step = 0
         self._own_token: int | None = None
@@ -362,7 +459,7 @@ class RankMachine:
         self.joining = False
         self._leading = False
         if was_leader and self.ready:
-            if self._phase in ("own", "collect"):
+            if self._phase in (Phase.OWN, Phase.COLLECT):
                 self._stopping_publish = True      # the loop publishes when it drains
             else:
                 self._end_loop()
@@ -374,10 +471,13 @@ class RankMachine:
         """Control ``set_lr(lr)``.
 
         Raises:
-            LocalProtocolError: lr is not a finite, non-negative number.
+            LocalProtocolError: lr is not a finite number in ``[0, lr_max]`` (followers drop a
+                round above ``lr_max``: PROTOCOL.md, "Untrusted ranks").
         """
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise LocalProtocolError(f"learning rate must be finite and >= 0, got {lr!r}")
+        if lr > self.lr_max:
+            raise LocalProtocolError(f"learning rate {lr:g} is above the room's lr_max {self.lr_max:g}")
         self.lr = float(lr)
 
     def dispose(self, *, now_ms: float) -> None:
@@ -387,6 +487,26 @@ class RankMachine:
         self.running = False
         self.joining = False
         self._actions.clear()
+
+    def peer_role(self, peer_id: int, may_lead: bool) -> None:
+        """The room's server says whether ``peer_id`` may lead (it holds the trainer credential)
+        (PROTOCOL.md, "Untrusted ranks"). Once the server has named any role, a rank it has
+        not named may not lead."""
+        if isinstance(peer_id, bool) or not isinstance(peer_id, int) or not 0 <= peer_id <= _U32:
+            return
+        self.roles_enforced = True
+        self.lead_roles[peer_id] = bool(may_lead)
+
+    def set_roles(self, *, may_lead: bool, enforced: bool = True) -> None:
+        """This rank's own role, from the server's welcome (PROTOCOL.md, "Untrusted ranks")."""
+        self.may_lead = bool(may_lead)
+        self.roles_enforced = self.roles_enforced or bool(enforced)
+
+    def may_lead_rank(self, rank_id: int) -> bool:
+        """Whether ``rank_id`` may lead, as far as this rank knows from the server."""
+        if rank_id == self.id:
+            return self.may_lead
+        return self.lead_roles.get(rank_id, not self.roles_enforced)
 
     def peer_left(self, rank_id: int, *, now_ms: float) -> None:
         """The room's witness (the server, which sees every rank's link) says ``rank_id``'s link
@@ -402,6 +522,7 @@ class RankMachine:
         self.membership.pop(rank_id, None)
         self.roster.members.pop(rank_id, None)
         self._probation.pop(rank_id, None)
+        self._silent.discard(rank_id)
         if self.following == rank_id and not self._leading:
             self.last_open_ms = min(self.last_open_ms, now_ms - self.policy.takeover_ms)
         col = self._collection
@@ -412,8 +533,24 @@ class RankMachine:
             col.awaited.discard(rank_id)
             col.quorum = max(1, min(col.quorum, len(col.awaited)))
             self.counters["released_left"] += 1
-            if self._phase == "collect" and len(col.received) >= col.quorum:
+            if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
                 self._quorum_reached(col, now_ms)
+
+    def roll_call(self, connected: Iterable[int], *, now_ms: float) -> None:
+        """The witness's roll call: a ``welcome`` from the server lists every other rank whose
+        link to the room is open (``peers``). A member it does not list has no link: it left
+        while this rank was away, and is treated as :meth:`peer_left` (the ``up: false`` this
+        rank missed). Why: a rank that reconnected, or moved to the server node that took the
+        room over, never hears of the ranks that left meanwhile; their ids stayed members for
+        ``policy.forget`` (60 s) and, when lower, took its majority, so a tab that moved with
+        it waited a minute to train (PROTOCOL.md, "Membership and majority")."""
+        if self._input(now_ms):
+            return
+        listed = {k for k in connected if isinstance(k, int) and not isinstance(k, bool)}
+        for k in sorted(self.membership):
+            if k != self.id and k not in listed:
+                self.counters["left_by_roll_call"] += 1
+                self.peer_left(k, now_ms=now_ms)
 
     def handle(self, msg: Any, *, now_ms: float) -> None:
         """Feed one decoded peer message. Never raises for bad peer input."""
@@ -437,11 +574,19 @@ class RankMachine:
         if t == "round" and len(msg["params"]) != self.worker.bucket_len:
             self.drops["round_bad_length"] += 1
             return
+        if t == "round" and _opt_len(msg) not in (0, self.state_len):
+            self.drops["round_bad_state_length"] += 1   # the room's optimizer state, or none
+            return
         if t == "grad" and len(msg["g"]) != self.worker.bucket_len:
             self.drops["grad_bad_length"] += 1
             return
         returning = sender not in self.roster.members and self.flaps.get(sender, 0) > 0
         m = self.roster.refresh(msg, now_ms)
+        if m.term > self.term and not self.may_lead_rank(sender):
+            # "Untrusted ranks": only a rank that may lead starts a term; a higher term from
+            # any other is a false claim (it must not push the next takeover's term up)
+            self.drops["term_claim_not_trainer"] += 1
+            m.term = self.term
         if returning:
             # an evicted rank comes back: awaited again only once it keeps up ("Flapping ranks")
             self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * self.flaps[sender])
@@ -466,12 +611,13 @@ class RankMachine:
             self._join_tick(now_ms)
         if self._phase_deadline_ms is not None and now_ms >= self._phase_deadline_ms:
             self._phase_deadline_ms = None
-            if self._phase == "collect":
+            if self._phase is Phase.COLLECT:
                 self._finish_round(now_ms)
-            elif self._phase in ("pace", "yield", "fault"):
-                if self._phase != "pace":
+            elif self._phase in (Phase.PACE, Phase.YIELD, Phase.FAULT):
+                if self._phase is not Phase.PACE:
                     self._pace_tries = 0
-                self._phase = "pace"
+                    self._pace_since_ms = None
+                self._phase = Phase.PACE
                 self._loop_step(now_ms)
 
     def bucket_ready(self, token: int, loss: float, g: Any, *, now_ms: float,
@@ -488,23 +634,70 @@ class RankMachine:
             return
         if token == self._own_token:
             self._own_token = None
-            share = self.shares.get(self.id, self.worker.batch)
+            share = self.train.local_steps * self.shares.get(self.id, self.worker.batch)
             self._on_own_bucket(float(loss), share if samples is None else int(samples), g, now_ms)
         elif self._inflight is not None and token == self._inflight[0]:
             _, seq, step, to, term, share = self._inflight
             samples = share if samples is None else int(samples)
             self._inflight = None
-            if seq != self._adopt_seq:
-                self.counters["stale_bucket"] += 1      # a newer round was adopted meanwhile
+            self.contribution_ms = now_ms - self._inflight_since_ms
+            if seq != self._adopt_seq and self._pending is not None:
+                self.counters["stale_bucket"] += 1      # a newer round gave this rank a share
             elif not all_finite(g) or not math.isfinite(loss) or len(g) != self.worker.bucket_len:
                 self.drops["own_bucket_invalid"] += 1  # never send what the leader must drop
             else:
+                if seq != self._adopt_seq:
+                    # superseded by rounds with no share for this rank: too late to count, sent
+                    # for the leader's turnaround model ("Contribute"; "Shares", probes)
+                    self.counters["stale_bucket_sent"] += 1
                 self._actions.append(Post({"t": "grad", "from": self.id, "to": to, "step": step,
                                            "term": term, "loss": float(loss), "samples": samples,
                                            "g": g}))
             self._start_pending_contribution()
         else:
             self.counters["unknown_token"] += 1
+
+    def compute_current(self, token: int) -> bool:
+        """True while the Compute ``token`` can still count or be measured: the leader's own
+        bucket of the round it drives, or a follower's bucket until a newer adopted round gives
+        the rank a share of its own (rounds without one leave it to finish: it is sent, and the
+        leader measures the rank by it). A driver running H inner steps checks it between steps
+        and abandons superseded work (:meth:`bucket_abandoned`; PROTOCOL.md, "Local steps and
+        optimizer state")."""
+        if token == self._own_token:
+            return True
+        inflight = self._inflight
+        return (inflight is not None and token == inflight[0]
+                and (inflight[1] == self._adopt_seq or self._pending is None))
+
+    def bucket_abandoned(self, token: int, *, now_ms: float) -> None:
+        """The driver gave up the Compute ``token`` because it no longer counts (a newer round
+        was adopted, or the lead was lost): nothing is sent; the next contribution starts."""
+        if self._input(now_ms):
+            return
+        self.counters["stale_bucket"] += 1
+        self.counters["abandoned_bucket"] += 1
+        if self._inflight is not None and token == self._inflight[0]:
+            self._inflight = None
+            self._start_pending_contribution()
+
+    def runtime_fault(self, error: str, *, now_ms: float) -> None:
+        """A fault outside the machine (a task of its driver died): ``fault`` in the state report."""
+        if self._input(now_ms):
+            return
+        self.fault = str(error)
+        self._report(now_ms)
+
+    def set_precision(self, precision: str, *, now_ms: float) -> None:
+        """The wire precision this rank now sends at (the bus already switched), for the state report."""
+        if self._input(now_ms):
+            return
+        self.precision = str(precision)
+
+    @property
+    def applied_samples(self) -> int:
+        """Samples of every reduce this rank applied (its own rounds and adopted ones)."""
+        return self._applied_samples
 
     def bucket_failed(self, token: int, error: str, *, now_ms: float) -> None:
         """A requested :class:`Compute` raised; ``error`` becomes ``fault`` in the report."""
@@ -522,11 +715,10 @@ class RankMachine:
     # ------------------------------------------------------------------ state report
     def state(self, now_ms: float) -> dict:
         """The state report (PROTOCOL.md, "State report"); rates over about 2 s."""
+        # a pure query: the rate window is sampled by the heartbeat (_sample_rates), never here
         total_bytes = int(self.link.total_bytes())
-        self._rates.append((now_ms, self._applied_steps, self._applied_samples, total_bytes))
-        while len(self._rates) > 2 and now_ms - self._rates[1][0] >= _RATE_WINDOW_MS:
-            self._rates.popleft()
-        t0, s0, n0, b0 = self._rates[0]
+        t0, s0, n0, b0 = self._rates[0] if self._rates else (now_ms, self._applied_steps,
+                                                               self._applied_samples, total_bytes)
         dt = (now_ms - t0) / 1000.0
         rate = (lambda a, b: (a - b) / dt) if dt > 0 else (lambda a, b: 0.0)
         pol = self.policy
@@ -548,8 +740,15 @@ class RankMachine:
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
-            "speeds": {f"{k:08x}": round(sp.samples_per_s, 1) for k, sp in sorted(self.speeds.speeds.items())},
+            "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
+                       for k, sp in sorted(self.speeds.speeds.items())},
+            "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
             "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
+            "may_lead": self.may_lead, "aggregate": self.aggregate,
+            "clipped": {f"{k:08x}": v for k, v in sorted(self.clipped.items())},
+            "quarantined": {f"{k:08x}": round(max(0.0, t - now_ms) / 1000.0, 1)
+                            for k, t in sorted(self.quarantined.items())},
+            "silent": sorted(f"{k:08x}" for k in self._silent),
             "policy": {"n": pol.n, "quorum": pol.quorum, "beat_ms": pol.beat_ms, "collect_rule": self.collect_rule},
             "drops": dict(self.drops), "counters": dict(self.counters),
         }
@@ -638,10 +837,18 @@ class RankMachine:
         self._actions.append(Report(self.state(now_ms)))
 
     # --- heartbeat and takeover
+    def _sample_rates(self, now_ms: float) -> None:
+        """One sample of the rate window ("State report": rates over about 2 s), at each beat."""
+        self._rates.append((now_ms, self._applied_steps, self._applied_samples, int(self.link.total_bytes())))
+        while len(self._rates) > 2 and now_ms - self._rates[1][0] >= _RATE_WINDOW_MS:
+            self._rates.popleft()
+
     def _heartbeat(self, now_ms: float) -> None:
+        self._sample_rates(now_ms)
         for k in self.roster.prune(now_ms, self.policy.drop_ms):
             if k in self.membership:
                 self.flaps[k] += 1                   # evicted without leaving ("Flapping ranks")
+            self._silent.discard(k)                  # it returns under the flapping rule
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
             self._probation.pop(k, None)
@@ -654,27 +861,64 @@ class RankMachine:
                 if self.has_majority(now_ms):         # a lead paused without a majority resumes
                     self.counters["lead_resumed"] += 1
                     self._maybe_start_loop(now_ms)
-            elif now_ms - self.last_open_ms > self.policy.takeover_ms and self._may_take_lead(now_ms):
+            elif now_ms - self.last_open_ms > self.policy.takeover_ms + self._round_slack_ms(now_ms) \
+                    and self._may_take_lead(now_ms):
                 self.counters["takeover"] += 1
                 self._take_lead(now_ms)
         self._report(now_ms)
+
+    def _observe_round_period(self, step: int, now_ms: float) -> None:
+        """"Local steps": fold the time per step between two adopted rounds into the EWMA."""
+        last = self._last_adopted
+        self._last_adopted = (now_ms, step)
+        if last is None or step <= last[1]:
+            return
+        sample = (now_ms - last[0]) / (step - last[1])
+        ewma = self.round_period_ms
+        self.round_period_ms = sample if ewma is None else ewma + 0.3 * (sample - ewma)
+
+    def _round_slack_ms(self, now_ms: float) -> float:
+        """How much longer than ``policy.takeover`` a follower waits for the next round with local
+        steps: the observed time per round, or the time its own last bucket (H inner steps) took
+        if longer (a round is due once per H inner steps, which may take longer than the
+        takeover window; the leader's own bucket takes about as long: "Shares", equal finish),
+        and while its own bucket is still being computed, the time that has taken so far; none
+        without local steps ("Local steps and optimizer state")."""
+        if self.train.local_steps == 1:
+            return 0.0
+        running = now_ms - self._inflight_since_ms if self._inflight is not None else 0.0
+        slack = max(self.round_period_ms or 0.0, self.contribution_ms or 0.0, running)
+        return min(slack, self.policy.forget_ms)   # a round is never waited for longer than a member
 
     def _may_take_lead(self, now_ms: float) -> bool:
         """Takeover eligibility (PROTOCOL.md, "Heartbeat and takeover"): past ``deferUntil``,
         a majority in view, and this rank is the lowest id among itself and the live ready
         running members whose (term, step) is the most advanced: a rank whose lineage is
         behind must adopt, not lead."""
-        if now_ms < self.defer_until_ms or not self.has_majority(now_ms):
+        if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms):
             return False
-        cands = [(m.term, m.step, m.id) for m in self.roster.live(now_ms, self.policy.drop_ms)
-                 if m.ready and m.running]
-        cands.append((self.term, self.step, self.id))
-        best = max((t, st) for t, st, _ in cands)
-        return min(k for t, st, k in cands if (t, st) == best) == self.id
+        while True:
+            cands = [(m.term, m.step, m.id) for m in self.roster.live(now_ms, self.policy.drop_ms)
+                     if m.ready and m.running and self.may_lead_rank(m.id) and m.id not in self._skipped_leads]
+            cands.append((self.term, self.step, self.id))
+            best = max((t, st) for t, st, _ in cands)
+            chosen = min(k for t, st, k in cands if (t, st) == best)
+            if chosen == self.id:
+                return True
+            # "Untrusted ranks": a candidate this rank has deferred to for a whole takeover
+            # window without a round from it is not deferred to again until it drives
+            since = self._passed_over.setdefault(chosen, now_ms)
+            if now_ms - since <= self.policy.takeover_ms:
+                return False
+            self._skipped_leads.add(chosen)
+            self.counters["lead_candidate_skipped"] += 1
 
     def _take_lead(self, now_ms: float) -> None:
         """Start a new term (one above every term this rank has seen) and lead it."""
-        seen = [m.term for m in self.roster.members.values()]
+        if not self.may_lead:
+            self.counters["lead_refused_no_role"] += 1    # "Untrusted ranks": contributes only
+            return
+        seen = [m.term for m in self.roster.members.values() if self.may_lead_rank(m.id)]
         self.term = max([self.term] + seen) + 1
         self._leading = True
         self.following = self.id
@@ -697,7 +941,8 @@ class RankMachine:
         if any(m.ready for m in live):
             return
         self._join_attempts += 1
-        if self._join_attempts >= 2 and self.id == min([self.id] + [m.id for m in live if m.running]):
+        if self._join_attempts >= 2 and self.may_lead and self.id == min(
+                [self.id] + [m.id for m in live if m.running and self.may_lead_rank(m.id)]):
             self.counters["bootstrap"] += 1
             self.ready = True
             self.joining = False
@@ -713,6 +958,18 @@ class RankMachine:
         (term, lower sender id) ("Lineage and terms")."""
         sender = msg["from"]
         term = msg["term"]
+        # "Untrusted ranks": a round is adopted only from a rank the server says may lead, with
+        # a finite learning rate within the room's bound and a step no lineage can exceed
+        if not self.may_lead_rank(sender):
+            self.drops["round_not_trainer"] += 1
+            return
+        lr = msg["lr"]
+        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 <= lr <= self.lr_max:
+            self.drops["round_bad_lr"] += 1
+            return
+        if msg["step"] > _MAX_STEP:
+            self.drops["round_bad_step"] += 1
+            return
         if self._leading or self.looping or self._collection is not None:
             # a rank holding the lead yields only to a winning lineage, and then adopts it
             if (term, -sender) < (self.term, -self.id):
@@ -730,8 +987,8 @@ class RankMachine:
         elif term == self.term and sender == self.following and msg["step"] < self.step:
             self.drops["stale_round"] += 1            # an out-of-order duplicate of this lead
             return
-        if not all_finite(msg["params"]):
-            self.drops["round_non_finite"] += 1       # never adopt non-finite parameters
+        if not all_finite(msg["params"]) or (_opt_len(msg) and not all_finite(msg["opt"])):
+            self.drops["round_non_finite"] += 1       # never adopt non-finite parameters or state
             return
         self.last_open_ms = now_ms
         # adopt: idempotent and order-independent
@@ -741,13 +998,18 @@ class RankMachine:
             self.fault = f"set_params: {exc!r}"
             self.drops["round_rejected_by_worker"] += 1
             return
+        if _opt_len(msg):
+            # the leader's optimizer state travels with its round: a takeover resumes from it
+            self.opt_state = to_vector(msg["opt"])
+        if self.train.local_steps > 1:
+            self._observe_round_period(int(msg["step"]), now_ms)
         self.following = sender
+        self._passed_over.pop(sender, None)
+        self._skipped_leads.discard(sender)
         self.term = int(term)
         became_ready = not self.ready
         self.step = int(msg["step"])
-        lr = msg["lr"]
-        if isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0:
-            self.lr = float(lr)
+        self.lr = float(lr)
         self.ready = True
         self.joining = False
         self.loss = float(msg["loss"])
@@ -760,7 +1022,7 @@ class RankMachine:
             self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
         shares = msg["shares"]
         self.shares = dict(shares)
-        self.cursor = int(msg["cursor"]) + sum(shares.values())
+        self.cursor = int(msg["cursor"]) + self.train.local_steps * sum(shares.values())
         if self.at_step_limit and self.running:
             # the cohort ends at the job's step limit (note 13): nothing to compute
             self.counters["step_limit"] += 1
@@ -783,8 +1045,9 @@ class RankMachine:
         if seq != self._adopt_seq:
             return
         self._tokens += 1
-        self._inflight = (self._tokens, seq, step, to, term, share)
-        self._actions.append(Compute(token=self._tokens, step=step, offset=offset, own=False, samples=share))
+        self._inflight = (self._tokens, seq, step, to, term, self.train.local_steps * share)
+        self._inflight_since_ms = self._last_input_ms
+        self._actions.append(self._compute(step, offset, share, own=False))
 
     def _stand_down(self, now_ms: float) -> None:
         """Give up the lead to a winning lineage; the caller adopts its round."""
@@ -799,8 +1062,9 @@ class RankMachine:
     def _maybe_start_loop(self, now_ms: float) -> None:
         if self._phase is not None or not self.is_leader(now_ms):
             return
-        self._phase = "pace"
+        self._phase = Phase.PACE
         self._pace_tries = 0
+        self._pace_since_ms = None
         self._loop_step(now_ms)
 
     def _end_loop(self) -> None:
@@ -837,12 +1101,17 @@ class RankMachine:
             self.counters["paused_no_majority"] += 1
             self._end_loop()
             return
+        # beats spent pacing so far (the bound counts time, the retries come every 25 ms)
+        if self._pace_since_ms is not None:
+            self._pace_tries = int((now_ms - self._pace_since_ms) // self.policy.beat_ms)
         if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:
-            self._pace_tries += 1
+            if self._pace_since_ms is None:
+                self._pace_since_ms = now_ms
             self.counters["paced"] += 1
-            self._phase = "pace"
-            self._phase_deadline_ms = now_ms + self.policy.beat_ms
+            self._phase = Phase.PACE
+            self._phase_deadline_ms = now_ms + min(self.policy.beat_ms, _PACE_RETRY_MS)
             return
+        self._pace_since_ms = None
         self._drive_round(now_ms)
 
     def _drive_round(self, now_ms: float) -> None:
@@ -852,15 +1121,42 @@ class RankMachine:
             m = self.roster.members.get(k)
             batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch
         probing: set[int] = set()
+        # "Untrusted ranks": quarantined ranks get no share; silent ones only a probe
+        for k, until in list(self.quarantined.items()):
+            if now_ms >= until:
+                del self.quarantined[k]
+                self._clip_recent.pop(k, None)
+                self.counters["quarantine_ended"] += 1
+        held_back = {k for k in ids if k != self.id and (k in self.quarantined or k in self._silent)}
+        ids = [k for k in ids if k not in held_back]
         if self.global_batch is None:
             shares = {k: int(batches[k]) for k in ids}
         else:
             # "Shares": the global batch in proportion to measured throughput, within caps
-            shares, probing = plan_shares(self.global_batch, ids, batches, self.speeds,
-                                          probe=self.step % PROBE_EVERY == 0)
+            probe = self.step % PROBE_EVERY == 0 and now_ms - self._probe_ms >= PROBE_INTERVAL_MS
+            # a rank with no history is probed again while its probes are unanswered only after
+            # PROBE_INTERVAL_MS, doubled for each one outstanding (a silent newcomer would get a
+            # share every round; a slow one's answer must find its probe still kept)
+            unanswered = {k for k in ids if k != self.id and k not in self.speeds.speeds
+                          and self._probe_backing_off(k, now_ms)}
+            shares, probing = plan_shares(self.global_batch, [k for k in ids if k not in unanswered],
+                                          batches, self.speeds, probe=probe)
+            if probing:
+                self._probe_ms = now_ms
             if self.id not in shares:
                 shares[self.id] = 1                 # the leader's own bucket is always reduced
-        assign = windows(shares, self.cursor)
+            if sum(v for k, v in shares.items() if k not in probing) < self.global_batch:
+                # "Shares": ranks still being measured (or silent) hold the caps that would
+                # cover the rest; the round is smaller than the global batch, and says so
+                self.counters["rounds_below_global_batch"] += 1
+        for k in sorted(held_back - self.quarantined.keys()):
+            if self._probe_backing_off(k, now_ms):
+                continue                             # its last probes are unanswered: back off
+            shares[k] = 1
+            probing.add(k)
+        # "Local steps": a rank's window covers H consecutive inner batches of its share
+        h = self.train.local_steps
+        assign = windows({k: h * s for k, s in shares.items()}, self.cursor)
         self.shares = shares
         self._round_step = self.step
         if len(shares) > 1:
@@ -875,24 +1171,85 @@ class RankMachine:
         self._sent_rounds[(self.term, self.step)] = (now_ms, dict(shares))
         while len(self._sent_rounds) > 4:
             del self._sent_rounds[next(iter(self._sent_rounds))]
+        for k in probing:
+            q = self._probe_sent.setdefault(k, [])
+            q.append((self.term, self.step, now_ms, shares[k]))
+            del q[:-_PROBES_KEPT]
+            self._probes_outstanding[k] = self._probes_outstanding.get(k, 0) + 1
+            if len(q) >= _PROBES_SILENT and k not in self._silent:
+                # "Untrusted ranks", silent members: probes keep going unanswered
+                self._silent.add(k)
+                self._silences[k] += 1
+                self.drops["probe_unanswered"] += 1
+        if len(self._probe_sent) > len(shares) + len(held_back):
+            live = set(ids) | held_back              # ranks that left: forget their probes
+            for k in [k for k in self._probe_sent if k not in live]:
+                del self._probe_sent[k]
+                self._probes_outstanding.pop(k, None)
         self._round_params = self.worker.params()
-        self._actions.append(Post({
+        msg = {
             "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr,
             "assign": assign, "shares": dict(shares), "cursor": self.cursor,
             "params": self._round_params, "loss": self.loss, "samples": self.samples,
-            "cohort": len(ids)}))
-        self.cursor += sum(shares.values())
+            "cohort": len(ids), "opt": self._carried_state()}
+        to = self._round_recipients(shares, now_ms)
+        if to is None:
+            self._actions.append(Post(msg))
+        else:
+            self.counters["rounds_addressed"] += 1
+            for k in to:
+                self._actions.append(Post({**msg, "to": k}))
+        self.cursor += h * sum(shares.values())
         self.last_open_ms = now_ms
-        self._phase = "own"
+        self._phase = Phase.OWN
         self._phase_deadline_ms = None
         self._own_bucket = None
         self._tokens += 1
         self._own_token = self._tokens
-        self._actions.append(Compute(token=self._tokens, step=self.step, offset=assign[self.id], own=True,
-                                     samples=shares[self.id]))
+        self._actions.append(self._compute(self.step, assign[self.id], shares[self.id], own=True))
+
+    def _compute(self, step: int, offset: int, share: int, *, own: bool) -> Compute:
+        """The Compute action for a bucket of ``share`` samples per inner step ("Local steps")."""
+        t = self.train
+        return Compute(token=self._tokens, step=step, offset=offset, own=own, samples=share,
+                       local_steps=t.local_steps, inner_optimizer=t.inner_optimizer,
+                       inner_lr=float(t.inner_lr))
+
+    def _carried_state(self) -> Any:
+        """What a round carries of the leader's optimizer state: all of it (zeros before the
+        first outer step), or the empty vector when the optimizer has none."""
+        if self.state_len == 0:
+            return empty()
+        if self.opt_state is None:
+            self.opt_state = _zeros(self.state_len)
+        return self.opt_state
+
+    def optimizer_state(self) -> Any:
+        """A copy of the leader's optimizer state (float32, shape (state_len,)), or None when
+        the room's optimizer has none (PROTOCOL.md, "Local steps and optimizer state")."""
+        if self.state_len == 0:
+            return None
+        return to_vector(self.opt_state) if self.opt_state is not None else _zeros(self.state_len)
+
+    def _round_recipients(self, shares: dict[int, int], now_ms: float) -> list[int] | None:
+        """Who this round is sent to: ``None`` for everyone (a broadcast), else the ranks with
+        a share, each addressed (PROTOCOL.md, "Shares": followers without a share).
+
+        Everyone gets it when the last broadcast is ``FOLLOW_INTERVAL_MS`` old, in a term's
+        first round, and whenever the ranks with a share are more than half of the peers (a
+        broadcast is one send through a relay; addressed copies cost one send each)."""
+        holders = sorted(k for k in shares if k != self.id)
+        peers = [m.id for m in self.roster.live(now_ms, self.policy.drop_ms) if m.id != self.id]
+        due = (self._broadcast_term != self.term
+               or now_ms - self._broadcast_ms >= FOLLOW_INTERVAL_MS or now_ms < self._broadcast_ms)
+        if due or not peers or 2 * len(holders) > len(peers):
+            self._broadcast_ms = now_ms
+            self._broadcast_term = self.term
+            return None
+        return holders
 
     def _on_own_bucket(self, loss: float, samples: int, g: Any, now_ms: float) -> None:
-        if self._phase != "own":
+        if self._phase is not Phase.OWN:
             self.counters["late_own_bucket"] += 1
             return
         if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:
@@ -907,8 +1264,9 @@ class RankMachine:
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
             _arrived(col, now_ms)
-        self._phase = "collect"
+        self._phase = Phase.COLLECT
         self._phase_deadline_ms = now_ms + self.policy.collect_ms
+        col.window_end_ms = self._phase_deadline_ms
         if len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
 
@@ -940,12 +1298,19 @@ class RankMachine:
         loss = msg["loss"]
         if not all_finite(g) or not math.isfinite(loss):
             self.drops["grad_non_finite"] += 1
+            self._rejected(col, sender, now_ms)
             return
-        if msg["samples"] != col.shares[sender]:
+        if msg["samples"] != self.train.local_steps * col.shares[sender]:
             self.drops["grad_bad_samples"] += 1        # a bucket must cover exactly its share
+            self._rejected(col, sender, now_ms)
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
         _arrived(col, now_ms)
+        if sender in self._silent:
+            # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
+            self._silent.discard(sender)
+            self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * 2 ** min(4, self._silences[sender]))
+            self.counters["silent_delivered"] += 1
         self._observe_turnaround(sender, col.term, col.step, msg["samples"], now_ms)
         owed = self._probation.get(sender)
         if owed is not None:                           # one more bucket in time
@@ -954,16 +1319,54 @@ class RankMachine:
                 self.counters["readmitted"] += 1
             else:
                 self._probation[sender] = owed - 1
-        if self._phase == "collect" and len(col.received) >= col.quorum:
+        if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
+
+    def _rejected(self, col: _Collection, sender: int, now_ms: float) -> None:
+        """"Untrusted ranks": a rank whose bucket for this round was rejected has no other in
+        flight (one bucket per rank), so the round stops waiting for it at once, and it is
+        treated as silent (a probe share until it delivers a bucket in time)."""
+        if sender in col.awaited and sender != self.id:
+            col.awaited.discard(sender)
+            col.quorum = max(1, min(col.quorum, len(col.awaited)))
+            self._silent.add(sender)
+            self._silences[sender] += 1
+            self.counters["released_rejected"] += 1
+            if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
+                self._quorum_reached(col, now_ms)
+
+    def _probe_backing_off(self, rank: int, now_ms: float) -> bool:
+        """"Shares", no history: True while ``rank``'s last probe is unanswered and younger than
+        PROBE_INTERVAL_MS doubled per probe outstanding (at most 2 ** _PROBE_BACKOFF_MAX_EXP
+        times). Why the cap is not the probes kept: a rank whose probe takes longer than the
+        last wait is given the next probe, which supersedes the one it is computing; with the
+        wait capped at 2 s a tab needing 3 s for a probe was never measured, so never given a share."""
+        q = self._probe_sent.get(rank)
+        if not q:
+            return False
+        n = self._probes_outstanding.get(rank, 1)   # (at least 1 while any probe is kept)
+        return now_ms - q[-1][2] < PROBE_INTERVAL_MS * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP)
 
     def _observe_turnaround(self, rank: int, term: int, step: int, samples: int, now_ms: float) -> None:
         """"Shares": a bucket of a round this rank drove arrived; fold its turnaround into the
         sender's throughput estimate (only a bucket that covers its share counts)."""
         sent = self._sent_rounds.get((term, step))
-        if sent is None or sent[1].get(rank) != samples:
+        q = self._probe_sent.get(rank) or []
+        pr = next((x for x in q if x[:2] == (term, step)), None)
+        if sent is None:
+            if pr is None:
+                return
+            sent = (pr[2], {rank: pr[3]})
+        share = sent[1].get(rank)
+        if share is None or self.train.local_steps * share != samples:
             return
-        self.speeds.observe(rank, samples, now_ms - sent[0])
+        if pr is not None:                       # answered: this rank's earlier probes are moot
+            del q[:q.index(pr) + 1]
+            if not q:
+                del self._probe_sent[rank]
+            self._probes_outstanding[rank] = len(q)
+        # per sample of the share, so the shares are planned in the round's own units
+        self.speeds.observe(rank, share, now_ms - sent[0])
 
     def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
         """Received buckets (own included) reached the quorum while collecting."""
@@ -1016,7 +1419,18 @@ class RankMachine:
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection
         if col is not None:
-            buckets = list(col.received.values())
+            if col.window_end_ms is not None and now_ms >= col.window_end_ms:
+                # "Untrusted ranks": an awaited rank that gave nothing in a whole collect window
+                # is not waited for again until it delivers (every rule, every cohort size)
+                for k in sorted(col.awaited - col.received.keys() - {self.id}):
+                    if k not in self.roster.members:
+                        continue                     # evicted meanwhile: "Flapping ranks" applies
+                    self._silent.add(k)
+                    self._silences[k] += 1
+                    self.counters["silent_marked"] += 1
+                    self.drops["bucket_missing"] += 1      # a share given, nothing delivered
+            received = self._robust(col.received, now_ms)
+            buckets = list(received.values())
             for k in col.wanted & self._probation.keys():
                 if k not in col.received:              # missed again: owes the full run anew
                     self._probation[k] = min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k]))
@@ -1045,21 +1459,53 @@ class RankMachine:
             self._round_fault(f"{type(exc).__name__}: {exc}", now_ms)
             return
         # yield between rounds: due now, and the driver yields unclamped before on_timer
-        self._phase = "yield"
+        self._phase = Phase.YIELD
         self._phase_deadline_ms = now_ms
+
+    def _robust(self, received: dict[int, tuple[float, int, Any]], now_ms: float) -> dict[int, tuple[float, int, Any]]:
+        """"Untrusted ranks": bound every bucket's norm relative to the cohort's (clip rule), and
+        quarantine a rank whose buckets keep being clipped."""
+        if self.aggregate != "clip" or len(received) < 2:
+            return received
+        out, clipped = clip_to_median_norm(received, self.id)
+        for k in received:
+            if k == self.id:
+                continue
+            hist = self._clip_recent.setdefault(k, deque(maxlen=_CLIP_WINDOW))
+            hist.append(k in clipped)
+            if k in clipped:
+                self.clipped[k] += 1
+                self.counters["buckets_clipped"] += 1
+            if sum(hist) >= _CLIP_QUARANTINE and k not in self.quarantined:
+                self._quarantines[k] += 1
+                self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
+                self.counters["quarantined"] += 1
+                hist.clear()
+        return out
 
     def _reduce_and_apply(self, buckets: list[tuple[float, int, Any]], now_ms: float) -> None:
         total = sum(s for _, s, _ in buckets)
         weights = [s / total for _, s, _ in buckets]
         loss = sum(w * l for w, (l, _, _) in zip(weights, buckets))
-        avg = weighted_mean([g for _, _, g in buckets], weights)
+        if self.aggregate == "trimmed-mean":
+            avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
+        else:
+            avg = weighted_mean([g for _, _, g in buckets], weights)
         if not all_finite(avg):
             self.drops["reduce_non_finite"] += 1
             self.counters["empty_round"] += 1
             return
-        self.worker.apply(avg, self.lr)
-        after = self.worker.params()
-        if not all_finite(after):
+        state = None
+        if self.train.stateful:
+            # "Local steps and optimizer state": the outer step with the carried state
+            after, state = outer_step(self.worker.params(), avg, self.lr, self.opt_state,
+                                      self.train.outer_momentum)
+            if all_finite(after):
+                self.worker.set_params(after)
+        else:
+            self.worker.apply(avg, self.lr)
+            after = self.worker.params()
+        if not all_finite(after) or (state is not None and not all_finite(state)):
             # the update overflowed float32: keep the round's (finite) parameters, publish
             # nothing new and say so ("Leader: driving one round", step 8)
             self.diverged += 1
@@ -1073,6 +1519,10 @@ class RankMachine:
         q = self.link.quantize(after)
         if q is not None:
             self.worker.set_params(q)
+        if state is not None:
+            # the state too is held as peers decode it, so a new leader resumes from the same bits
+            qs = self.link.quantize(state)
+            self.opt_state = qs if qs is not None else state
         self.step += 1
         self.loss = float(loss)
         self.samples = int(total)
@@ -1087,7 +1537,7 @@ class RankMachine:
         self.counters["round_fault"] += 1
         self._collection = None
         self._own_bucket = None
-        self._phase = "fault"
+        self._phase = Phase.FAULT
         self._phase_deadline_ms = now_ms + self.policy.beat_ms
         self._report(now_ms)
 
@@ -1098,4 +1548,4 @@ class RankMachine:
             "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
             "shares": {}, "cursor": self.cursor,
             "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
-            "cohort": len(self.cohort_ids(self._last_input_ms))}))
+            "cohort": len(self.cohort_ids(self._last_input_ms)), "opt": self._carried_state()}))

@@ -22,8 +22,14 @@ SPEED_ALPHA = 0.3
 #: a rank whose one-sample bucket is predicted later than this factor of the round's time gets
 #: no share in that round
 SLOW_MARGIN = 1.05
-#: a rank with no share is probed with one sample every this many rounds
+#: a rank with no share is probed with one sample every this many rounds, and at most once per
+#: PROBE_INTERVAL_MS (milliseconds): a fast cohort would otherwise probe a slow tab hundreds of
+#: times a second, each probe a bucket the tab computes for nothing
 PROBE_EVERY = 8
+PROBE_INTERVAL_MS = 250.0
+#: a rank with no share in a round is sent it only if the leader's last broadcast round is
+#: this old (milliseconds): it follows at most about 1000 / FOLLOW_INTERVAL_MS rounds per second
+FOLLOW_INTERVAL_MS = 50.0
 
 
 @dataclass
@@ -92,7 +98,9 @@ class SpeedTable:
 def _equal_finish(total: float, ranks: Sequence[int], caps: Mapping[int, int],
                   models: Mapping[int, tuple[float, float]]) -> tuple[dict[int, float], set[int]]:
     """Fractional shares with ``a_k + b_k s_k`` equal for every rank not capped, summing to
-    ``total``; ranks whose fixed cost exceeds the common time are excluded."""
+    ``min(total, sum of caps)``; a rank whose fixed cost exceeds the common time is excluded
+    while the others' caps still cover ``total`` (a fixed global batch is never cut short to
+    leave a slow rank out)."""
     active = list(ranks)
     fixed: dict[int, float] = {}
     excluded: set[int] = set()
@@ -100,8 +108,11 @@ def _equal_finish(total: float, ranks: Sequence[int], caps: Mapping[int, int],
         left = total - sum(fixed.values())
         inv = sum(1.0 / models[k][1] for k in active)
         T = (left + sum(models[k][0] / models[k][1] for k in active)) / inv
-        # a rank whose one-sample bucket would arrive well after T: no share
+        # a rank whose one-sample bucket would arrive well after T: no share, if the others
+        # can cover the round without it
         late = [k for k in active if models[k][0] + models[k][1] > SLOW_MARGIN * T or models[k][0] >= T]
+        room = sum(caps[j] for j in active) + sum(fixed.values())
+        late = [k for k in late if room - caps[k] >= total]
         if late and len(active) + len(fixed) > 1:
             worst = max(late, key=lambda k: (models[k][0] + models[k][1], k))
             active.remove(worst)
@@ -151,8 +162,9 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
 
     Returns:
         ``(shares, probing)``: samples per rank, each >= 1 (ranks with no share are left
-        out), summing to ``min(total, sum of caps)`` (plus one per probe); and the ranks given a
-        one-sample probe, which are not to be awaited.
+        out), summing to ``min(total, sum of caps)`` (plus one per probe); and the ranks on a
+        probe share (one sample for a rank that was given no share; a first share for a rank with
+        no history), which are not to be awaited.
     """
     ids = sorted(ids)
     caps = {k: max(1, int(caps[k])) for k in ids}
@@ -175,13 +187,16 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
                 frac[k] += extra / len(rest)
         ints = _round_shares(frac, caps, left)
         return {k: v for k, v in ints.items() if v > 0}, set()
-    # a rank with no history gets a small probe share first
+    # a rank with no history gets a small probe share first, not awaited: a new rank (a
+    # silent one too, rejoining under a fresh id) never holds a round up before it is measured
+    probing: set[int] = set()
     probe_share = max(1, left // (4 * len(ids)))
     for k in unknown:
         if left <= 0:
             break
         shares[k] = min(caps[k], probe_share, left)
         left -= shares[k]
+        probing.add(k)
     models = {k: table.speeds[k].model() for k in known}
     frac, excluded = _equal_finish(left, known, caps, models)
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
@@ -190,7 +205,6 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
             shares[k] = v
         else:
             excluded.add(k)
-    probing: set[int] = set()
     if probe:
         for k in sorted(excluded):
             shares[k] = 1

@@ -1,12 +1,12 @@
 """Bus conformance agent: the tab's worker runs this instead of the rank (page ``?mode=conformance``).
 
 It lets the bus conformance battery (``tests/conformance``) drive real browser buses
-(:class:`~tabcohort.bus.browser.BrowserBus`, :class:`~tabcohort.bus.browser.BrowserMeshBus`)
+(:func:`~tabcohort.bus.page.page_star_bus`, :func:`~tabcohort.bus.page.page_mesh_bus`)
 living in this worker, through the page's own sockets and peer connections (``web/app.js``).
 The native side is ``tests/browser/page_harness.py``: each harness call becomes one request.
 
 Requests arrive as page messages ``{k: "conf", text}`` (``text``: JSON ``{id, op, ...}``) through
-the worker's :class:`~tabcohort.bus.browser.PortHub` (``on_other``); each reply goes back as
+the worker's :class:`~tabcohort.bus.page.PortHub` (``on_other``); each reply goes back as
 ``{k: "conf-reply", text}`` (JSON ``{id, ok, result}`` or ``{id, ok: false, error}``). Values that
 JSON would change (int dict keys, tuples, sets, ``array``, bytes) travel tagged (:func:`encode` /
 :func:`decode`); floats are exact (JSON float text is the shortest round-trip form).
@@ -30,7 +30,7 @@ from typing import Any
 
 #: Bus methods the harness may call (``call`` op).
 METHODS = {"post", "bytes", "total_bytes", "pressure", "queued_bytes", "drops", "quantize", "close",
-           "stall", "transport_bytes", "links"}
+           "stall", "transport_bytes", "paths"}
 #: Bus attributes the harness may read (``call`` op, no args).
 ATTRS = {"peers", "closed", "precision"}
 MAKE_TIMEOUT_S = 30.0
@@ -122,16 +122,16 @@ class Agent:
         return "pong"
 
     async def op_make(self, kind: str, url: str, n: int, kw: dict, others: list | None = None) -> list[dict]:
-        from ..bus.browser import BrowserBus, BrowserMeshBus, BrowserRtcStarBus
+        from ..bus.page import page_mesh_bus, page_star_bus
 
         new = []
         for _ in range(n):
             if kind == "mesh":
-                b = BrowserMeshBus(self.hub, url, idle_timeout_s=None, connect_timeout_s=20.0, **kw)
+                b = page_mesh_bus(self.hub, url, idle_timeout_s=None, connect_timeout_s=20.0, **kw)
             elif kind == "rtc-star":
-                b = BrowserRtcStarBus(self.hub, url, connect_timeout_s=20.0, **kw)
+                b = page_star_bus(self.hub, url, link="rtc", connect_timeout_s=20.0, **kw)
             else:
-                b = BrowserBus(self.hub, url, **kw)
+                b = page_star_bus(self.hub, url, **kw)
             await b.connect()
             h, self._next = self._next, self._next + 1
             self.buses[h], self.kinds[h], self.inbox[h] = b, kind, []
@@ -141,20 +141,20 @@ class Agent:
         ids = {b.id for b in live} | set(others or ())  # others: buses of other pages, in the same room
         if kind == "mesh":
             def ready() -> bool:
-                return all(set(b.links()) == ids - {b.id} and set(b.links().values()) <= {"rtc"} for b in live)
+                return all(set(b.paths()) == ids - {b.id} and set(b.paths().values()) <= {"rtc"} for b in live)
         else:
             def ready() -> bool:
-                return all(b.peers == ids - {b.id} and (kind != "rtc-star" or b.rtc_up) for b in live)
+                return all(b.peers == ids - {b.id} and (kind != "rtc-star" or b.paths()[0] == "rtc") for b in live)
         loop = asyncio.get_running_loop()
         end = loop.time() + MAKE_TIMEOUT_S
         while not ready():
             if loop.time() > end:
-                state = {b.id: (b.links() if kind == "mesh" else sorted(b.peers)) for b in live}
+                state = {b.id: (b.paths() if kind == "mesh" else sorted(b.peers)) for b in live}
                 raise TimeoutError(f"{kind}: buses not connected to each other within {MAKE_TIMEOUT_S} s: {state}")
             await asyncio.sleep(0.005)
         if kind == "mesh":  # the chunk limit: each channel's negotiated max message size
             for d in new:
-                d["max_message_bytes"] = min((lk.max_message_bytes for lk in self.buses[d["h"]].links_.values()),
+                d["max_message_bytes"] = min((p.max_message_bytes for p in self.buses[d["h"]].path_of.values()),
                                              default=0)
         return new
 
@@ -180,23 +180,19 @@ class Agent:
                 continue
             d: dict[str, Any] = {"h": h, "id": b.id, "inbox": len(self.inbox[h])}
             if self.kinds[h] == "mesh":
-                ws = b.ws
-                d["stalled"] = not b._stall_gate.is_set()
-                d["links"] = [[p, lk.kind, lk.sent, lk.received, lk.queued_bytes,
-                               None if lk.channel is None else lk.channel.bufferedAmount]
-                              for p, lk in sorted(b.links_.items())]
+                ws = b.relay
+                d["links"] = [[p, path.state.value, path.sent, path.received, path.queued_bytes,
+                               None if b.channel_of.get(p) is None else b.channel_buffered(p)]
+                              for p, path in sorted(b.path_of.items())]
                 d["quiet"] = _mesh_quiet(b, live)
-                d["held"] = sum(len(c) for _, c, _ in b._held)
             else:
                 ws = b
-                d["stalled"] = b._stalled is not None
-                d["held"] = 0
+            d["stalled"] = b.stalled
             # chunks a stalled bus took off the wire and holds (a receiver that applies
             # back-pressure instead holds none: it stops reading)
-            d["held"] += sum(len(it.get("data") or b"") for it in ws._stalled or ())
-            # the relay counts what follows the register message (one per connect / reconnect)
-            d["ws"] = [ws.n_sent - 1 - ws.n_reconnects, ws.n_received, ws.queued_bytes(), ws.relay_pressure,
-                       ws._stalled is not None]
+            d["held"] = b.held_bytes()
+            # the relay counts what follows the register message
+            d["ws"] = [ws.n_sent, ws.n_received, ws.queued_bytes(), ws.relay_pressure, ws.stalled]
             out.append(d)
         return out
 
@@ -208,12 +204,11 @@ class Agent:
             if b.closed or self.kinds[h] == "star":
                 continue
             if self.kinds[h] == "rtc-star":   # the link to the server: chunk bytes by path
-                out.append({"id": b.id, **b.transport_bytes(), "links": {0: "rtc" if b.rtc_up else "ws"},
-                            "relay_live": 0})
+                out.append({"id": b.id, **b.transport_bytes(), "links": b.paths(), "relay_live": 0})
                 continue
-            ln = {p: lk for p, lk in b.links_.items() if p in live}
-            out.append({"id": b.id, **b.transport_bytes(), "links": {p: lk.kind for p, lk in ln.items()},
-                        "relay_live": sum(lk.sent + lk.received - lk.rtc_sent - lk.rtc_received for lk in ln.values())})
+            ln = {p: path for p, path in b.path_of.items() if p in live}
+            out.append({"id": b.id, **b.transport_bytes(), "links": {p: path.state.value for p, path in ln.items()},
+                        "relay_live": sum(x.sent + x.received - x.direct_sent - x.direct_received for x in ln.values())})
         return out
 
     async def op_take(self) -> dict:
@@ -238,17 +233,17 @@ class Agent:
 def _mesh_quiet(a: Any, live: dict) -> bool:
     """As ``tests/conformance/rtc_harness.py``: every link to a live peer is a data channel with
     nothing queued or buffered, and the peer took off it every byte put on it (unless stalled)."""
-    for p, lk in a.links_.items():
+    for p, path in a.path_of.items():
         b = live.get(p)
         if b is None:
             continue
-        if lk.kind != "rtc":
+        if path.state.value != "rtc":
             return False
-        if not b._stall_gate.is_set():
+        if b.stalled:
             continue
-        if lk.queue or lk.channel is None or lk.channel.bufferedAmount:
+        if path.queued_bytes or a.channel_of.get(p) is None or a.channel_buffered(p):
             return False
-        if b.links_[a.id].received != lk.sent:
+        if b.path(a.id).received != path.sent:
             return False
     return True
 
@@ -258,7 +253,7 @@ async def run_agent() -> None:
     import js
     from pyodide.ffi import to_js
 
-    from ..bus.browser import JsPort, PortHub
+    from ..bus.page import JsPort, PortHub
 
     port = JsPort()
 

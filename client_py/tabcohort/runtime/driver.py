@@ -54,6 +54,7 @@ class RankDriver:
         self._timer_when_ms: float | None = None
         self._soon: asyncio.Handle | None = None
         self._closed = False
+        self._wakers: list[list[Any]] = []      # [period_ms, next due ms, event]
         bus.on_message = self._on_message
         self._flush()
 
@@ -64,6 +65,25 @@ class RankDriver:
 
     def now_ms(self) -> float:
         return self.loop.time() * 1000.0
+
+    def wake_every(self, period_s: float) -> asyncio.Event:
+        """An event this driver sets, from within its own turns (each input, each deadline), once
+        ``period_s`` seconds have passed since it last set it; the caller clears it.
+
+        For periodic work beside the machine (state reports, a page's view): on Pyodide a busy
+        leader's rounds run through ``call_soon`` (MessageChannel turns), which Chromium serves
+        before due timers, so a plain ``asyncio.sleep`` loop there ran 2-10 s late. Waiting on this
+        event (with the timer as a fallback when the driver is idle) keeps the period.
+        """
+        ev = asyncio.Event()
+        self._wakers.append([float(period_s) * 1000.0, self.now_ms() + float(period_s) * 1000.0, ev])
+        return ev
+
+    def _wake(self, now_ms: float) -> None:
+        for w in self._wakers:
+            if now_ms >= w[1]:
+                w[1] = now_ms + w[0]
+                w[2].set()
 
     # ------------------------------------------------------------------ controls
     def start(self, lr: float | None = None) -> None:
@@ -84,12 +104,18 @@ class RankDriver:
         self.machine.peer_left(rank_id, now_ms=self.now_ms())
         self._flush()
 
+    def roll_call(self, connected: list) -> None:
+        """A ``welcome`` (the link opened again) lists every other rank connected to the room:
+        members it omits left while this rank was away (``RankMachine.roll_call``)."""
+        if self._closed:
+            return
+        self.machine.roll_call(connected, now_ms=self.now_ms())
+        self._flush()
+
     def state(self) -> dict:
         """A fresh state report, with the bus's wire-level drops merged in."""
         st = self.machine.state(self.now_ms())
-        drops = getattr(self.bus, "drops", None)
-        if callable(drops):
-            st["wire_drops"] = dict(drops())
+        st["wire_drops"] = dict(self.bus.drops())
         return st
 
     async def close(self) -> None:
@@ -108,8 +134,11 @@ class RankDriver:
     def _on_message(self, msg: dict) -> None:
         if self._closed:
             return
-        self.machine.handle(msg, now_ms=self.now_ms())
+        now = self.now_ms()
+        self.machine.handle(msg, now_ms=now)
         self._flush()
+        if self._wakers:
+            self._wake(now)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -123,12 +152,28 @@ class RankDriver:
     def _tick(self) -> None:
         if self._closed:
             return
-        self.machine.on_timer(now_ms=self.now_ms())
+        now = self.now_ms()
+        self.machine.on_timer(now_ms=now)
         self._flush()
+        if self._wakers:
+            self._wake(now)
 
     async def _compute(self, action: Compute) -> None:
         try:
-            loss, g = await self.worker.grads(action.offset, action.samples)
+            if action.local_steps > 1:
+                # H inner steps, sliced; a superseded round's work is dropped between steps
+                # (PROTOCOL.md, "Local steps and optimizer state")
+                got = await self.worker.local_grads(
+                    action.offset, action.samples, action.local_steps, action.inner_optimizer,
+                    action.inner_lr, should_stop=lambda: self._closed or not self.machine.compute_current(action.token))
+                if got is None:
+                    if not self._closed:
+                        self.machine.bucket_abandoned(action.token, now_ms=self.now_ms())
+                        self._flush()
+                    return
+                loss, g = got
+            else:
+                loss, g = await self.worker.grads(action.offset, action.samples)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -210,4 +255,31 @@ class RankDriver:
     def _fault(self, text: str) -> None:
         log.error("rank %08x: %s", self.machine.id, text)
         self.errors.append(text)
-        self.machine.fault = text
+        if not self._closed:
+            self.machine.runtime_fault(text, now_ms=self.now_ms())
+            self._flush()
+
+
+def bus_role(bus: Any) -> tuple[bool, dict[int, bool]]:
+    """The role the server bound to this rank's link and its peers' (docs/PROTOCOL.md "Roles"),
+    from a :class:`~tabcohort.bus.base.RoomBus`'s ``welcome`` and ``peer`` controls:
+    ``(may_lead, {peer id: may lead})``."""
+    return bool(bus.may_lead), dict(bus.lead_roles)
+
+
+def apply_roles(driver: Any, obj: dict) -> None:
+    """Feed the server's role announcements (``peer`` with ``may_lead``; a reconnect's
+    ``welcome`` with ``lead_peers``) to the rank machine (``RankMachine.peer_role``)."""
+    machine = None if driver is None else driver.machine
+    if machine is None:
+        return
+    t = obj.get("type")
+    if t == "peer" and obj.get("up") is True:
+        k = obj.get("id")
+        if isinstance(k, int) and not isinstance(k, bool):
+            machine.peer_role(k, obj.get("may_lead") is True)
+    elif t == "welcome":
+        leads = obj.get("lead_peers") if isinstance(obj.get("lead_peers"), list) else []
+        for k in obj.get("peers") or ():
+            if isinstance(k, int) and not isinstance(k, bool):
+                machine.peer_role(k, k in leads)

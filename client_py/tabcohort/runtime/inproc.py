@@ -17,6 +17,7 @@ from typing import Any, Callable
 from ..bus.memory import MemoryNetwork
 from ..errors import ConfigError, TabcohortError
 from ..protocol import RankMachine, Timing, job_hash
+from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
 from ..vec import digest
 from .driver import RankDriver
@@ -60,6 +61,13 @@ class InprocConfig:
     collect_rule: str = "grace"
     #: samples per round (PROTOCOL.md, "Shares"); 0: ``ranks x batch``, fixed from the start
     global_batch: int = 0
+    #: local steps and the optimizers (PROTOCOL.md, "Local steps and optimizer state")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: capacity of every link, bytes/s (0: unlimited; ``MemoryNetwork`` knob)
+    bandwidth_bytes_per_s: float = 0.0
+    #: a module job, ``PATH_OR_MODULE[:FACTORY]`` (README "Write your own job"), instead of the
+    #: built-in MLP over ``dataset``; loaded once, each rank builds its worker from it
+    job: str | None = None
 
     @property
     def resolved_global_batch(self) -> int:
@@ -82,7 +90,7 @@ class InprocConfig:
             pos_int(name, 0)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a finite number > 0")
-        for name, lo, hi in (("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf),
+        for name, lo, hi in (("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf), ("bandwidth_bytes_per_s", 0.0, math.inf),
                              ("target_accuracy", 0.0, 1.0), ("max_seconds", 0.0, math.inf),
                              ("heal_after_ms", 0.0, math.inf)):
             v = getattr(self, name)
@@ -120,7 +128,14 @@ class InprocCohort:
         from ..model import load_dataset
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
-        self.dataset = load_dataset(cfg.dataset, seed=cfg.seed)
+        self.loaded_job = None
+        if cfg.job:
+            from ..jobs import load_job, probe
+            self.loaded_job = load_job(cfg.job)   # JobError (a ConfigError) before any rank starts
+            probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
+            self.dataset = None
+        else:
+            self.dataset = load_dataset(cfg.dataset, seed=cfg.seed)
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
         self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision)
@@ -139,18 +154,24 @@ class InprocCohort:
         cfg = self.cfg
         k = self._new_id()
         # a rank's batch is the most it computes per bucket: here any rank may take the whole round
-        w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.resolved_global_batch, seed=cfg.seed,
-                        backend=cfg.backend)
+        if self.loaded_job is not None:
+            w = self.loaded_job.make_worker(batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
+            if self.job is None:
+                self.job = self.loaded_job.job_hash(w, cfg.train.spec())
+        else:
+            w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.resolved_global_batch, seed=cfg.seed,
+                            backend=cfg.backend)
         if self.job is None:
-            self.job = job_hash(w.spec(), self.dataset.content_hash(), w.bucket_len)
+            self.job = job_hash(w.spec(), self.dataset.content_hash(), w.bucket_len, cfg.train.spec())
         for other in self.drivers:
-            if cfg.loss or cfg.delay_ms:
-                self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss)
+            if cfg.loss or cfg.delay_ms or cfg.bandwidth_bytes_per_s:
+                self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss,
+                                      bandwidth_bytes_per_s=cfg.bandwidth_bytes_per_s)
         bus = self.network.attach(k)
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
                         lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
                         collect_rule=cfg.collect_rule, global_batch=cfg.resolved_global_batch,
-                        step_limit=cfg.steps)
+                        step_limit=cfg.steps, train=cfg.train)
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()
@@ -256,7 +277,7 @@ class InprocCohort:
     def _applied_samples(self) -> int:
         # followers count the samples each adopted round reports, so any surviving rank
         # has (about) the cohort's total, including rounds of a leader that was killed
-        return max((d.machine._applied_samples for d in self.drivers.values()), default=0)
+        return max((d.machine.applied_samples for d in self.drivers.values()), default=0)
 
     def _print_progress(self, now: float, step: int, acc: float | None) -> None:
         ld = self.leader()

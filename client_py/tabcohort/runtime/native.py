@@ -20,18 +20,25 @@ import socket
 import sys
 import time
 import urllib.parse
-from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
+from .session import (RankSession, check_topology, checkpoint_body, load_checkpoint, make_checked_worker,
+                      upload_headers,
+                      make_module_worker, params_bytes, trusted_job_source,
+                      path_report)
 
 LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
+       "trainer_token": "TABCOHORT_TRAINER_TOKEN",
        "batch": "TABCOHORT_BATCH", "link": "TABCOHORT_LINK", "ice_servers": "TABCOHORT_ICE_SERVERS",
        "rtc_hosts": "TABCOHORT_RTC_HOSTS", "rtc_timeout": "TABCOHORT_RTC_TIMEOUT",
+       "direct": "TABCOHORT_DIRECT", "direct_host": "TABCOHORT_DIRECT_HOST",
+       "direct_announce": "TABCOHORT_DIRECT_ANNOUNCE",
        "discover": "TABCOHORT_DISCOVER", "discover_host": "TABCOHORT_DISCOVER_HOST",
-       "discover_timeout": "TABCOHORT_DISCOVER_TIMEOUT", "discover_interfaces": "TABCOHORT_DISCOVER_INTERFACES"}
+       "discover_timeout": "TABCOHORT_DISCOVER_TIMEOUT", "discover_interfaces": "TABCOHORT_DISCOVER_INTERFACES",
+       "trust_job": "TABCOHORT_TRUST_JOB", "job": "TABCOHORT_JOB"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -42,6 +49,9 @@ class RankConfig:
     server: str = ""
     room: str = ""
     token: str | None = None
+    #: the room's trainer credential (``serve --trainer-token``): with it this rank may lead
+    #: (docs/PROTOCOL.md, "Roles"); without it, in a room that requires it, it contributes only
+    trainer_token: str | None = None
     batch: int | None = None
     link: str = "ws"
     backend: str = "auto"
@@ -51,12 +61,22 @@ class RankConfig:
     ice_servers: str | None = None
     rtc_hosts: str | None = None
     rtc_timeout: Any = 5.0
+    #: direct TCP paths to the room's other native ranks (star rooms, ``link="ws"``; README
+    #: "Direct paths"): on by default; where to listen (an IP address; ``None`` = the local
+    #: address that routes to the server); ``IP:PORT`` to announce instead (a port forward).
+    direct: Any = True
+    direct_host: str | None = None
+    direct_announce: str | None = None
     #: LAN discovery instead of a server URL: an mDNS browse (``discover``), or unicast DNS-SD
     #: queries to ``discover_host``'s mDNS port; bounded by ``discover_timeout`` seconds.
     discover: Any = False
     discover_host: str | None = None
     discover_timeout: Any = 5.0
     discover_interfaces: str | None = None
+    #: a room that runs a module job (README "Write your own job", "Trust model"): run the code
+    #: the server serves only with ``trust_job``, or a local copy ``job`` whose hash must match
+    trust_job: Any = False
+    job: str | None = None
     sources: dict[str, str] | None = None  # setting -> the variable it came from (for errors)
 
     @classmethod
@@ -73,23 +93,29 @@ class RankConfig:
         src: dict[str, str] = {}
         for key, var in ENV.items():
             if args.get(key) is not None:
-                vals[key], src[key] = args[key], f"--{key}"
+                vals[key], src[key] = args[key], "--" + key.replace("_", "-")
             elif env.get(var) not in (None, ""):
                 vals[key], src[key] = env[var], var
         cfg = cls(server=vals.get("server", ""), room=vals.get("room", ""), token=vals.get("token"),
                   link=vals.get("link", "ws"), backend=args.get("backend") or "auto", sources=src)
         cfg.batch = vals.get("batch")  # validated (int) in validate()
+        cfg.trainer_token = vals.get("trainer_token")
         cfg.ice_servers = vals.get("ice_servers")
         cfg.rtc_hosts = vals.get("rtc_hosts")
         cfg.rtc_timeout = vals.get("rtc_timeout", 5.0)
+        cfg.direct = vals.get("direct", True)
+        cfg.direct_host = vals.get("direct_host")
+        cfg.direct_announce = vals.get("direct_announce")
         cfg.discover = vals.get("discover", False)
         cfg.discover_host = vals.get("discover_host")
         cfg.discover_timeout = vals.get("discover_timeout", 5.0)
         cfg.discover_interfaces = vals.get("discover_interfaces")
+        cfg.trust_job = vals.get("trust_job", False)
+        cfg.job = vals.get("job")
         return cfg
 
     def _name(self, key: str) -> str:
-        return (self.sources or {}).get(key, f"--{key}")
+        return (self.sources or {}).get(key, "--" + key.replace("_", "-"))
 
     def validate(self, *, resolve: bool = True) -> None:
         """Check every setting and resolve the server's host (getaddrinfo), before any connection.
@@ -97,6 +123,14 @@ class RankConfig:
         Raises:
             ConfigError: naming the variable (``--batch`` or ``TABCOHORT_BATCH``...) and its value.
         """
+        t = self.trust_job
+        if not isinstance(t, bool):
+            v = str(t).strip().lower()
+            if v not in _TRUE + _FALSE:
+                raise ConfigError(self._name("trust_job"), t, "expected 1/0, true/false, yes/no or on/off")
+            self.trust_job = v in _TRUE
+        if self.job is not None and not str(self.job).strip():
+            raise ConfigError(self._name("job"), self.job, "expected the path of your local copy of the room's job")
         if self._validate_discovery(resolve=resolve):
             return  # the server is found later (discover_server), then validated again
         if not self.server:
@@ -127,6 +161,12 @@ class RankConfig:
             self.batch = b
         if self.link not in LINKS:
             raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
+        if self.trainer_token is not None:
+            t = self.trainer_token
+            if not isinstance(t, str) or not 16 <= len(t) <= 256 or not all(33 <= ord(c) < 127 for c in t):
+                raise ConfigError(self._name("trainer_token"), "<hidden>",
+                                  "must be 16..256 printable ASCII characters (the one serve printed or "
+                                  "wrote to its checkpoint directory's .trainer-token)")
         from ..bus.rtc_util import parse_ice_servers, set_host_addresses  # noqa: F401
         parse_ice_servers(self.ice_servers)
         if self.rtc_hosts is not None:
@@ -144,6 +184,7 @@ class RankConfig:
         if not (0 < t <= 600):
             raise ConfigError(self._name("rtc_timeout"), self.rtc_timeout, "must be seconds in (0, 600]")
         self.rtc_timeout = t
+        self._validate_direct()
         if resolve:
             try:
                 infos = socket.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
@@ -152,6 +193,31 @@ class RankConfig:
                                   f"host {u.hostname!r} does not resolve: {e}") from None
             if not infos:
                 raise ConfigError(self._name("server"), self.server, f"host {u.hostname!r} resolves to nothing")
+
+    def _validate_direct(self) -> None:
+        """Check the direct-path settings (an IP literal to listen on, ``IP:PORT`` to announce)."""
+        import ipaddress
+
+        from ..bus.direct import parse_addr
+
+        d = self.direct
+        if not isinstance(d, bool):
+            v = str(d).strip().lower()
+            if v not in _TRUE + _FALSE:
+                raise ConfigError(self._name("direct"), d, "expected 1/0, true/false, yes/no or on/off")
+            self.direct = v in _TRUE
+        if self.direct_host is not None:
+            try:
+                ip = ipaddress.ip_address(str(self.direct_host).strip())
+            except ValueError:
+                raise ConfigError(self._name("direct_host"), self.direct_host,
+                                  "expected an IP address to listen on, e.g. 127.0.0.1 or 192.0.2.7") from None
+            if ip.is_multicast:
+                raise ConfigError(self._name("direct_host"), self.direct_host, "a multicast address cannot listen")
+            self.direct_host = str(ip)
+        if self.direct_announce is not None and parse_addr(self.direct_announce) is None:
+            raise ConfigError(self._name("direct_announce"), self.direct_announce,
+                              "expected IP:PORT (an IP literal, a port 1..65535), e.g. 192.0.2.7:40100")
 
     def _validate_discovery(self, *, resolve: bool) -> bool:
         """Check the discovery settings; True if the server is to be discovered."""
@@ -282,25 +348,18 @@ class RoundGaps:
                 "largest": [[round(g, 1), round(t, 3)] for g, t in self.largest]}
 
 
-class RankRun:
+class RankRun(RankSession):
     """One native rank's life: fetch job, data, checkpoint; join; report; stop."""
 
     def __init__(self, cfg: RankConfig, *, progress: Callable[[str], None] | None = None,
                  print_every_s: float = 0.0) -> None:
+        super().__init__()
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
         self._printed_at = -math.inf
-        self.stop_event: asyncio.Event | None = None
-        self.stop_reason: str | None = None
-        self.failed: str | None = None
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
-        self.publish_seen = False
-        self.start_step = 0
-        self.driver: Any = None
-        self.rejoin = False
-        self.n_rejoins = 0
         self.round_gaps = RoundGaps()     # between rounds received from the rank this rank follows
 
     def _headers(self) -> dict[str, str]:
@@ -345,62 +404,42 @@ class RankRun:
     async def run(self) -> int:
         import aiohttp
 
-        from ..bus.ws import WsBus, ws_url
-        from ..model import Dataset, make_worker
-        from ..protocol import RankMachine, Timing, job_hash
+        from ..bus.aio import ws_url
+        from ..model import Dataset
         from ..vec import digest
-        from .driver import RankDriver
 
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         self.stop_event = asyncio.Event()
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
-            if job.get("topology") not in ("star", "mesh"):
-                raise ConfigError("topology", job.get("topology"), "this rank supports the star and mesh topologies")
-            portable = await self._get(http, "/dataset")
-            ds = Dataset.from_portable(portable)  # verifies the embedded sha256 against the content
-            want = job["dataset_info"]["sha256"]
-            if ds.content_hash() != want:
-                raise TabcohortError(f"dataset content hash {ds.content_hash()} != the job's {want}")
-            m = job["model"]
-            worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=cfg.batch or job["batch"],
-                                 seed=job["seed"], backend=cfg.backend, activation=job["activation"])
-            jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len)
-            if jh != job["job_hash"] or m.get("bucket_len") != worker.bucket_len:
-                raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different model code?")
+            check_topology(job, "this rank")
+            if job.get("job_info"):   # a module job: never the server's code without the user's say
+                worker, jh = await self._module_worker(http, job)
+            else:
+                if cfg.job:
+                    raise ConfigError(cfg._name("job"), cfg.job, f"room {cfg.room} runs the built-in MLP job, not a "
+                                      "module job: drop --job")
+                ds = Dataset.from_portable(await self._get(http, "/dataset"))  # verifies its embedded sha256
+                worker, jh = make_checked_worker(job, ds, batch=cfg.batch, backend=cfg.backend)
             got = await self._get(http, "/checkpoint")
             if got is not None:
                 headers, data = got
-                import hashlib
-                if len(data) != 4 * worker.bucket_len or hashlib.sha256(data).hexdigest() != headers.get(
-                        "X-Tabcohort-Digest"):
-                    raise TabcohortError("the server's checkpoint is corrupt (length or digest mismatch)")
-                v = array("f")
-                v.frombytes(data)
-                worker.set_params(v)
-                self.start_step = int(headers.get("X-Tabcohort-Step", "0"))
-                self.progress(f"loaded checkpoint at step {self.start_step} ({headers.get('X-Tabcohort-Digest', '')[:12]})")
+                self.start_step, self.start_state = load_checkpoint(worker, data, headers,
+                                                                    state_len=job.get("state_len", 0))
+                self.progress(f"loaded checkpoint {headers.get('X-Tabcohort-Checkpoint', '')} at step {self.start_step} "
+                              f"({headers.get('X-Tabcohort-Digest', '')[:12]})")
 
             while True:  # one pass per seat: a refused resume joins again as a new rank
-                bus = self._make_bus(job, ws_url(cfg.base_url, cfg.room))
+                bus = self.bus = self._make_bus(job, ws_url(cfg.base_url, cfg.room))
                 await bus.connect()
                 if bus.stopped_reason is not None or self.stop_event.is_set():
-                    self.progress(f"room already stopped: {bus.stopped_reason}")
+                    # (the room had stopped before this rank joined: told so with its welcome)
+                    self.progress(f"stopped ({self.stop_reason or f'server: {bus.stopped_reason}'}) before "
+                                  "joining the cohort")
                     await bus.aclose()
                     return 0
-                timing = Timing(**job["timing"])
-                machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
-                                      lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                                      collect_rule=job.get("collect_rule", "quorum"),
-                                      global_batch=job.get("global_batch"), step_limit=_step_limit(job))
-                if self.start_step:
-                    machine.step = self.start_step
-
-                def at_limit(_state: dict, machine: Any = machine) -> None:  # stopped at the job's step limit
-                    if machine.at_step_limit and not machine.running:
-                        self._request_stop(f"step limit {machine.step_limit} reached")
-                driver = self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
+                machine, driver = self.seat(bus, worker, job, jh)
                 inner = bus.on_message
 
                 def tap(msg: dict) -> None:
@@ -420,11 +459,12 @@ class RankRun:
                 bus.on_message = tap
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     try:
-                        loop.add_signal_handler(sig, self._request_stop, f"signal {sig.name}")
+                        loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
                     except (NotImplementedError, RuntimeError):  # pragma: no cover
                         pass
                 self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
-                              f"bucket_len {worker.bucket_len})")
+                              f"bucket_len {worker.bucket_len}; role: "
+                              f"{'may lead' if machine.may_lead else 'contributes only (no trainer token)'})")
                 driver.start(job["lr"])
                 t0 = time.monotonic()
                 next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
@@ -448,83 +488,74 @@ class RankRun:
                 # directory, or the grace period ran out): join again as a new rank, keeping the
                 # worker's parameters and the step; the next round (or, when no rank is ready,
                 # the bootstrap: PROTOCOL.md "Joining") syncs it
-                self.rejoin = False
-                self.stop_event.clear()
-                self.start_step = machine.step
-                self.n_rejoins += 1
+                self.rejoined(machine)
                 await driver.close()
                 await bus.aclose()
                 self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank "
                               f"at step {self.start_step}")
-            # stop: leave the cohort; the leader publishes, the others wait (bounded) for it
-            # (a leader that stopped at the job's step limit has published: it uploads the final
-            # checkpoint; a follower at the limit holds that publication already)
-            was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
-                machine.at_step_limit and machine.counters.get("published", 0) > 0)
-            # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
-            # "Controls": a stopping leader publishes); one seen earlier does not count
-            self.publish_seen = False
-            driver.stop()
-            end = time.monotonic() + 5.0
-            # (a rank that never became ready follows nobody: nothing to wait for)
-            while time.monotonic() < end and (machine.looping if was_leader else
-                                                     machine.ready and not self.publish_seen and not machine.at_step_limit):
-                await asyncio.sleep(0.02)
-            if was_leader and not bus.failed:
-                await self._upload(http, bus, machine, worker, digest, final=True)
-            st = self._state(driver, digest)
-            st["final"] = True
-            bus.send_control({"type": "report", "state": st})
-            end = time.monotonic() + 2.0
-            while bus.queued_bytes() and bus.connected and time.monotonic() < end:
-                await asyncio.sleep(0.01)
+
+            def final_report() -> dict:
+                st = self._state(driver, digest)
+                st["final"] = True
+                bus.send_control({"type": "report", "state": st})
+                return st
+            st = await self.leave(machine, driver, bus, final_report=final_report,
+                                  upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
             self._print(time.monotonic() - t0, st)
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}, digest {st['digest'][:16]}")
             await driver.close()
             await bus.aclose()
         return 1 if self.failed else 0
 
-    def _make_bus(self, job: dict, url: str) -> Any:
-        """The room decides the topology; in a star the rank picks its link (ws | rtc)."""
+    async def _module_worker(self, http: Any, job: dict) -> tuple[Any, str]:
+        """A module job's worker: the local copy (``--job``, its hash checked first) or, with
+        ``--trust-job``, the server's code; then the data (sha256 checked) and the job hash.
+
+        Raises:
+            ConfigError: neither option given, or the local copy's hash differs (before any
+                code is fetched or run).
+        """
+        from ..jobs import load_bundle
         cfg = self.cfg
-        common = dict(token=cfg.token, precision=job["precision"], on_control=self._on_control)
-        if job.get("topology") == "star" and cfg.link == "ws":
-            from ..bus.ws import WsBus
-            return WsBus(url, **common)
-        from ..bus.rtc import RtcMeshBus, RtcStarBus
+        info = job["job_info"]
+        src = trusted_job_source(info, trust=cfg.trust_job, local=cfg.job,
+                                 trust_var=cfg._name("trust_job").replace("_", "-"), job_var=cfg._name("job"))
+        if src is None:
+            self.progress(f"fetching job {info['name']} from the server ({info['code_bytes']} bytes, "
+                          f"sha256 {info['code_sha256'][:16]}; --trust-job)")
+            src = load_bundle(await self._get_bytes(http, "/job/code"), expect_sha256=info["code_sha256"])
+        self.progress(f"fetching the job's data ({info['data_bytes']} bytes, sha256 {info['data_sha256'][:16]})")
+        raw = await self._get_bytes(http, "/job/data")
+        return make_module_worker(job, src, raw, batch=cfg.batch, backend=cfg.backend)
+
+    async def _get_bytes(self, http: Any, path: str) -> bytes:
+        url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
+        async with http.get(url, headers=self._headers()) as r:
+            if r.status != 200:
+                raise TabcohortError(f"GET {url}: HTTP {r.status}")
+            return await r.read()
+
+    def _make_bus(self, job: dict, url: str) -> Any:
+        """The room decides the topology; in a star the rank picks its link (ws | rtc) and,
+        over ws, direct TCP paths to the other native ranks (unless ``direct`` is off)."""
+        from ..bus.aio import direct_bus, mesh_bus, star_bus
+
+        cfg = self.cfg
+        common = dict(token=cfg.token, trainer_token=cfg.trainer_token, precision=job["precision"],
+                      on_control=self.on_control)
         hosts = None if cfg.rtc_hosts is None else [a.strip() for a in str(cfg.rtc_hosts).split(",") if a.strip()]
         rtc = dict(ice_servers=cfg.ice_servers, host_addresses=hosts, connect_timeout_s=cfg.rtc_timeout)
         if job.get("topology") == "mesh":
             # idle bound: a few beats' worth (beats go out every policy.beat while a rank runs)
             beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
-            return RtcMeshBus(url, idle_timeout_s=max(5.0, 10 * beat_s), **rtc, **common)
-        return RtcStarBus(url, **rtc, **common)
-
-    def _on_control(self, obj: dict) -> None:
-        t = obj.get("type")
-        if t == "peer" and obj.get("up") is False:
-            # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
-            k = obj.get("id")
-            if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
-                self.driver.peer_left(k)
-        elif t == "stop":
-            reason = str(obj.get("reason"))
-            if reason.startswith("diverged"):   # the room ended because training diverged
-                self.failed = reason
-            self._request_stop(f"server: {reason}")
-        elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
-            self.rejoin = True              # the resume was refused: run() joins again
-            if self.stop_event is not None:
-                self.stop_event.set()
-        elif t == "failed":
-            self.failed = str(obj.get("reason"))
-            self._request_stop(f"link failed: {self.failed}")
-
-    def _request_stop(self, why: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = why
-        if self.stop_event is not None:
-            self.stop_event.set()
+            return mesh_bus(url, idle_timeout_s=max(5.0, 10 * beat_s), **rtc, **common)
+        if cfg.link == "ws" and cfg.direct:
+            beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
+            return direct_bus(url, direct_host=cfg.direct_host, direct_announce=cfg.direct_announce,
+                              idle_timeout_s=max(5.0, 10 * beat_s), **common)
+        if cfg.link == "ws":
+            return star_bus(url, **common)
+        return star_bus(url, link="rtc", **rtc, **common)
 
     def _state(self, driver: Any, digest: Callable[[Any], str]) -> dict:
         st = driver.state()
@@ -537,10 +568,7 @@ class RankRun:
         st["start_step"] = self.start_step
         st["rejoins"] = self.n_rejoins
         st["round_gaps"] = self.round_gaps.report()
-        bus = driver.bus
-        if hasattr(bus, "links"):
-            st["links"] = {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.links().items()}
-            st["link_bytes"] = bus.transport_bytes()
+        st.update(path_report(driver.bus))
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     def _print(self, t: float, st: dict) -> None:
@@ -554,22 +582,17 @@ class RankRun:
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
-        from ..vec import all_finite
-
-        p = worker.params()
-        if not all_finite(p):
+        body = checkpoint_body(machine, worker)
+        if body is None:
             # never store a diverged model (the server refuses it too: HTTP 422)
             self.progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
                           "(training diverged)")
             return
-        data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
+        data, body_digest = body
         h = dict(self._headers())
-        h.update({"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
-                  "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": digest(p),
-                  "X-Tabcohort-Loss": repr(float(machine.loss))})
-        if final:
-            h["X-Tabcohort-Final"] = "1"
-        url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}/checkpoint"
+        h.update(upload_headers(machine, bus, body_digest, final=final))
+        # the node the bus is linked to now (a cluster moves it to the room's owner): no redirect
+        url = f"{bus.server_base}/api/rooms/{self.cfg.room}/checkpoint"
         try:
             async with http.put(url, data=data, headers=h) as r:
                 if r.status not in (200, 409):
@@ -599,8 +622,3 @@ async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = 
     """
     return await RankRun(cfg, progress=progress, print_every_s=print_every_s).run()
 
-
-def _step_limit(job: dict) -> int | None:
-    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 13); None = none."""
-    steps = job.get("steps")
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None

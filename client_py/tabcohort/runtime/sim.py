@@ -25,7 +25,7 @@ class SimRank:
 
     def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
                  ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum",
-                 ms_per_sample: float = 0.0, global_batch: int | None = None) -> None:
+                 ms_per_sample: float = 0.0, global_batch: int | None = None, train: Any = None) -> None:
         self.sim = sim
         self.id = rank_id
         self.worker = worker
@@ -36,7 +36,7 @@ class SimRank:
         self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
                                    timing=sim.timing, ready=ready, lr=lr, eval_every=eval_every,
                                    precision=sim.network_precision, collect_rule=collect_rule,
-                                   global_batch=global_batch)
+                                   global_batch=global_batch, train=train)
         self.alive = True
         self.frozen = False
         self._held: list[Callable[[], None]] = []
@@ -100,6 +100,8 @@ class SimRank:
             return
         for a in self.machine.drain():
             if isinstance(a, Post):
+                if not self.sim.deliver_hello and a.msg.get("t") == "hello":
+                    continue
                 self.bus.post(a.msg)
             elif isinstance(a, Compute):
                 self._compute(a)
@@ -116,9 +118,13 @@ class SimRank:
         self._timer = self.sim.scheduler.call_later(max(0.0, d - self.sim.now_ms()), self._on_timer)
 
     def _compute(self, a: Compute) -> None:
-        took = self.compute_ms + self.ms_per_sample * a.samples
+        h = a.local_steps
+        took = self.compute_ms + self.ms_per_sample * a.samples * h
         try:
-            loss, g = self.worker.grads_sync(a.offset, a.samples)
+            if h > 1:
+                loss, g = self.worker.local_grads_sync(a.offset, a.samples, h, a.inner_optimizer, a.inner_lr)
+            else:
+                loss, g = self.worker.grads_sync(a.offset, a.samples)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
             self.sim.scheduler.call_later(took, lambda: self._input(
@@ -150,6 +156,9 @@ class SimCohort:
         self.timing = timing
         self.rng = random.Random(seed)
         self.ranks: dict[int, SimRank] = {}
+        #: False while warm-starting a cohort as if it had formed (runtime.simscale): the ranks'
+        #: ``hello`` posts are not sent (each would make every member broadcast a beat)
+        self.deliver_hello = True
 
     def now_ms(self) -> float:
         return self.scheduler.now_ms()
@@ -157,11 +166,12 @@ class SimCohort:
     def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
             start: bool = True, lr: float = 0.1, eval_every: int = 0,
             collect_rule: str = "quorum", ms_per_sample: float = 0.0,
-            global_batch: int | None = None) -> SimRank:
-        """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share`` virtual ms."""
+            global_batch: int | None = None, train: Any = None) -> SimRank:
+        """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share * H`` virtual ms
+        (``train``: the room's :class:`~tabcohort.protocol.optim.TrainConfig`, H its local steps)."""
         r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
                     eval_every=eval_every, collect_rule=collect_rule, ms_per_sample=ms_per_sample,
-                    global_batch=global_batch)
+                    global_batch=global_batch, train=train)
         self.ranks[rank_id] = r
         if start:
             r.start()

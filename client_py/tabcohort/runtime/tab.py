@@ -4,52 +4,57 @@
 ``await run_tab(config)``. The life of a tab rank mirrors the native one
 (:mod:`tabcohort.runtime.native`): fetch the job and the dataset (``Dataset.from_portable``:
 scikit-learn is not in Pyodide) and verify both hashes, load the room's checkpoint if any,
-join over the star relay (:class:`~tabcohort.bus.browser.BrowserBus`, the page owns the
+join over the star relay (:func:`~tabcohort.bus.page.page_star_bus`, the page owns the
 socket) or, in a mesh room, over the page's data channels
-(:class:`~tabcohort.bus.browser.BrowserMeshBus`), report the state to the server and to the page every ``report_interval_s``, upload
+(:func:`~tabcohort.bus.page.page_mesh_bus`), report the state to the server and to the page every ``report_interval_s``, upload
 checkpoints while leading, and on the server's ``stop`` leave the cohort with the final model.
 
 Page messages (JSON, ``{k: ...}``): ``progress`` (text), ``state`` (the state report plus
-``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``. UI controls arrive
+``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``; in a room of a
+module job also ``job`` (``status`` loading / ready / failed, ``name``, ``code_bytes``,
+``code_sha256``, ``data_bytes``, ``data_sha256``, ``backend`` when ready, ``error`` when failed)
+and ``download`` (``what`` code / data, ``got``, ``total`` bytes, ``cached``). UI controls arrive
 as ``{k: "control", action: "start"|"stop"|"lr"|"precision", value}``; ``lr`` and ``precision``
-are honoured only while this rank leads (PROTOCOL.md: only the leader runs the optimizer and
-publishes parameters).
+are honoured only while this rank leads and the server lets it lead (docs/PROTOCOL.md, "Roles":
+in a room that requires the trainer credential a tab only contributes, so nobody at a
+volunteer's page sets the room's learning rate or precision; a trusted-group room lets any
+rank lead).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import time
-from array import array
 from typing import Any
 
-from ..errors import ConfigError, TabcohortError
+from ..errors import ConfigError, LocalProtocolError, TabcohortError
+from .session import (RankSession, check_dataset, check_topology, checked_job_hash, checkpoint_body, load_checkpoint,
+                      upload_headers,
+                      path_report)
 
 
-class TabRun:
+class JobLoadError(TabcohortError):
+    """The room's module job failed to download, import or build in this tab."""
+
+
+class TabRun(RankSession):
     """One tab rank. ``cfg``: ``base`` (page origin), ``room``, ``token``, ``backend``, ``autostart``."""
 
     def __init__(self, cfg: dict, port: Any = None) -> None:
-        from ..bus.browser import JsPort
+        from ..bus.page import JsPort
 
+        super().__init__()
         self.cfg = cfg
         self.port = port or JsPort()
+        self.hub: Any = None   # the PortHub, once _run started it
         self.stop_event = asyncio.Event()
-        self.stop_reason: str | None = None
-        self.failed: str | None = None
-        self.publish_seen = False
-        self.driver: Any = None
-        self.bus: Any = None
-        self.start_step = 0
-        self.rejoin = False
-        self.n_rejoins = 0
         self.t0 = time.monotonic()
         # largest gaps (ms, loop clock) between consecutive heartbeats sent and messages received:
         # a hidden tab must keep both under policy.drop (DESIGN.md, "Hidden and frozen tabs")
-        self.gaps = {"beat_max_ms": 0.0, "recv_max_ms": 0.0, "beats": 0}
+        self.gaps = {"beat_max_ms": 0.0, "recv_max_ms": 0.0, "beats": 0, "report_max_ms": 0.0}
+        self._last_report_s: float | None = None
         self._last_beat_ms: float | None = None
         self._last_recv_ms: float | None = None
 
@@ -91,87 +96,74 @@ class TabRun:
         try:
             return await self._run()
         except (ConfigError, TabcohortError) as e:
-            kind = "token" if "token" in str(e) else "room" if "no such room" in str(e) else "unreachable" \
+            kind = "job" if isinstance(e, JobLoadError) else "token" if "token" in str(e) else "room" if "no such room" in str(e) else "unreachable" \
                 if "unreachable" in str(e) else "error"
             self.ui("error", text=str(e), kind=kind)
             return 2
 
     async def _run(self) -> int:
-        from ..bus.browser import BrowserBus, BrowserMeshBus, BrowserRtcStarBus, PortHub
-        from ..model import Dataset, make_worker
-        from ..protocol import RankMachine, Timing, job_hash
+        from ..bus.page import PortHub, page_mesh_bus, page_star_bus
+        from ..model import Dataset
+        from ..model.backend_js import make_tab_worker
         from ..vec import digest
-        from .driver import RankDriver
 
         cfg = self.cfg
         if cfg.get("link") not in (None, "ws", "rtc"):
             raise ConfigError("link", cfg.get("link"), "expected ws or rtc (the page's ?link=)")
-        loop = asyncio.get_running_loop()
         self.progress("fetching the job")
         job = await self._fetch("/job")
-        if job.get("topology") not in ("star", "mesh"):
-            raise ConfigError("topology", job.get("topology"), "this tab supports the star and mesh topologies")
-        self.progress(f"fetching the dataset ({job['dataset_info']['name']})")
-        t_ds = time.monotonic()
-        portable = await self._fetch("/dataset")
-        ds = Dataset.from_portable(portable)
-        del portable
-        if ds.content_hash() != job["dataset_info"]["sha256"]:
-            raise TabcohortError("the dataset's content hash differs from the job's")
-        worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=cfg.get("batch") or job["batch"],
-                             seed=job["seed"], backend=cfg.get("backend") or "auto", activation=job["activation"])
-        jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len)
-        if jh != job["job_hash"]:
-            raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different model code?")
-        self.progress(f"dataset ready: {ds.train_len} training samples in {time.monotonic() - t_ds:.2f} s; "
-                      f"backend {worker.backend}")
+        check_topology(job, "this tab")
+        if job.get("job_info"):
+            try:
+                worker, jh = await self._module_worker(job)
+            except JobLoadError as e:
+                await self._report_fault(job, str(e))
+                raise
+        else:
+            self.progress(f"fetching the dataset ({job['dataset_info']['name']})")
+            t_ds = time.monotonic()
+            portable = await self._fetch("/dataset")
+            ds = Dataset.from_portable(portable)
+            del portable
+            check_dataset(job, ds)
+            self.progress("choosing the compute backend")
+            worker = await make_tab_worker(ds, hidden=tuple(job["hidden"]), batch=cfg.get("batch") or job["batch"],
+                                           seed=job["seed"], backend=cfg.get("backend") or "auto",
+                                           activation=job["activation"], wgsl_suffix=cfg.get("wgsl_suffix") or "")
+            jh = checked_job_hash(job, ds, worker)
+            self.progress(f"dataset ready: {ds.train_len} training samples in {time.monotonic() - t_ds:.2f} s; "
+                          f"backend {worker.backend}" + (f" ({worker.backend_note})" if worker.backend_note else ""))
         got = await self._fetch("/checkpoint", kind="bytes")
         if got is not None:
             headers, data = got
-            if len(data) != 4 * worker.bucket_len or hashlib.sha256(data).hexdigest() != headers.get(
-                    "X-Tabcohort-Digest"):
-                raise TabcohortError("the server's checkpoint is corrupt (length or digest mismatch)")
-            v = array("f")
-            v.frombytes(data)
-            worker.set_params(v)
-            self.start_step = int(headers.get("X-Tabcohort-Step") or 0)
+            self.start_step, self.start_state = load_checkpoint(worker, data, headers,
+                                                                state_len=job.get("state_len", 0))
             self.progress(f"loaded checkpoint at step {self.start_step}")
 
-        hub = PortHub(self.port, on_other=self._on_ui).start()
+        hub = self.hub = PortHub(self.port, on_other=self._on_ui).start()
         ws = cfg["base"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
         url = f"{ws}/api/rooms/{cfg['room']}/ws"
         running = False   # a rejoin keeps the start/stop state the user chose
         while True:  # one pass per seat: a refused resume joins again as a new rank (no reload)
-            common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self._on_control)
+            common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self.on_control)
+            rtc_timeout_s = float(cfg.get("rtc_timeout_s") or 10.0)
             if job.get("topology") == "mesh":
                 # a data channel per pair, in the page; idle bound as a native mesh rank's (native.py)
                 beat_s = float(job["timing"].get("beat_ms", 400.0)) / 1000.0
-                bus = self.bus = BrowserMeshBus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
-                                                connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0), **common)
+                bus = self.bus = page_mesh_bus(hub, url, idle_timeout_s=max(5.0, 10 * beat_s),
+                                               connect_timeout_s=rtc_timeout_s, **common)
             elif (cfg.get("link") or job.get("link") or "ws") == "rtc":
                 # star over a data channel to the server (the page's ?link=rtc; native --link rtc)
-                bus = self.bus = BrowserRtcStarBus(hub, url, connect_timeout_s=float(cfg.get("rtc_timeout_s") or 10.0),
-                                                   **common)
+                bus = self.bus = page_star_bus(hub, url, link="rtc", connect_timeout_s=rtc_timeout_s, **common)
             else:
-                bus = self.bus = BrowserBus(hub, url, **common)
+                bus = self.bus = page_star_bus(hub, url, **common)
             self.progress("joining the room")
             try:
                 await bus.connect()
             except Exception as e:
                 await hub.aclose()
                 raise TabcohortError(f"could not join: {e}") from None
-            timing = Timing(**job["timing"])
-            machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(loop), timing=timing,
-                                  lr=job["lr"], eval_every=job["eval_every"], precision=job["precision"],
-                                  collect_rule=job.get("collect_rule", "quorum"),
-                                  global_batch=job.get("global_batch"), step_limit=_step_limit(job))
-            if self.start_step:
-                machine.step = self.start_step
-
-            def at_limit(_state: dict, machine: Any = machine) -> None:  # stopped at the job's step limit
-                if machine.at_step_limit and not machine.running:
-                    self._request_stop(f"step limit {machine.step_limit} reached")
-            driver = self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
+            machine, driver = self.seat(bus, worker, job, jh)
             inner = bus.on_message
 
             def tap(msg: dict) -> None:
@@ -202,61 +194,58 @@ class TabRun:
             period = job["report_interval_s"]
             ui_period = min(period, 0.5)
             next_report = 0.0
+            # the period comes from the driver's own turns: a timer alone ran 2-10 s late while
+            # this tab led a fast cohort (RankDriver.wake_every)
+            wake = driver.wake_every(ui_period)
+            stopping = asyncio.ensure_future(self.stop_event.wait())
             try:
                 while not self.stop_event.is_set():
-                    try:
-                        await asyncio.wait_for(self.stop_event.wait(), ui_period)
-                    except asyncio.TimeoutError:
-                        pass
+                    woken = asyncio.ensure_future(wake.wait())
+                    await asyncio.wait({stopping, woken}, timeout=ui_period,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    woken.cancel()
+                    wake.clear()
+                    if self.stop_event.is_set():
+                        break
                     st = self._state(digest)
                     self.ui("state", state=st)
                     if time.monotonic() >= next_report:
-                        next_report = time.monotonic() + period
+                        t_report = time.monotonic()
+                        next_report = t_report + period
+                        if self._last_report_s is not None:   # the largest gap between two reports sent
+                            self.gaps["report_max_ms"] = max(self.gaps["report_max_ms"],
+                                                             1000.0 * (t_report - self._last_report_s))
+                        self._last_report_s = t_report
                         bus.send_control({"type": "report", "state": self._server_state(st)})
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(final=False)
             except BaseException:
+                stopping.cancel()
                 await driver.close()
                 await bus.aclose()
                 await hub.aclose()
                 self.port.destroy()
                 raise
+            stopping.cancel()
             if not self.rejoin:
                 break
             # the server no longer knows this id (restarted without its checkpoint directory,
             # or the grace period ran out): join again as a new rank with the worker's
             # parameters and step; the next round (or the bootstrap) syncs it
-            self.rejoin = False
-            self.stop_event.clear()
             running = machine.running
-            self.start_step = machine.step
-            self.n_rejoins += 1
+            self.rejoined(machine)
             await driver.close()
             await bus.aclose()
             self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank")
         try:
-            # (a leader that stopped at the job's step limit has published: it uploads the final
-            # checkpoint; a follower at the limit holds that publication already)
-            was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
-                machine.at_step_limit and machine.counters.get("published", 0) > 0)
-            # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
-            # "Controls": a stopping leader publishes); one seen earlier does not count
-            self.publish_seen = False
-            driver.stop()
-            end = time.monotonic() + 5.0
-            # (a rank that never became ready follows nobody: nothing to wait for)
-            while time.monotonic() < end and (machine.looping if was_leader else
-                                                     machine.ready and not self.publish_seen and not machine.at_step_limit):
-                await asyncio.sleep(0.02)
-            if was_leader and not bus.failed:
-                await self._upload(final=True)
-            st = self._state(digest)
-            st["final"] = True
-            bus.send_control({"type": "report", "state": self._server_state(st)})
-            end = time.monotonic() + 2.0
-            while bus.queued_bytes() and bus.connected and time.monotonic() < end:
-                await asyncio.sleep(0.02)
+            def final_report() -> dict:
+                st = self._state(digest)
+                st["final"] = True
+                bus.send_control({"type": "report", "state": self._server_state(st)})
+                return st
+            st = await self.leave(machine, driver, bus, upload=lambda final: self._upload(final=final),
+                                  final_report=final_report)
             self.ui("state", state=st)
             self.ui("stopped", reason=self.stop_reason, digest=st["digest"], step=st["step"])
         finally:
@@ -269,6 +258,138 @@ class TabRun:
                     proxies_destroyed=getattr(self.port, "proxies_destroyed", None))
         return 1 if self.failed else 0
 
+    async def _module_worker(self, job: dict) -> tuple[Any, str]:
+        """A module job (README "Write your own job"): its code bundle and data fetched (with
+        ``download`` progress to the page; the data from the browser's cache when its sha256 is
+        there), the code unpacked and imported, the worker built on numpy when Pyodide has it,
+        else the job's pure-Python path. A job that fails here is a ``job`` message with
+        ``status: "failed"`` and an ``error`` of kind ``job`` on the page, and a state report
+        with ``fault`` to the server (:meth:`_report_fault`), not a hang.
+
+        Raises:
+            TabcohortError: the job failed to download, import or build (the page was told).
+        """
+        from ..jobs import load_bundle, resolve_backend
+        from .session import make_module_worker
+
+        info = job["job_info"]
+        shown = {k: info.get(k) for k in ("name", "module", "code_bytes", "code_sha256", "data_bytes",
+                                          "data_sha256", "backends")}
+        self.ui("job", status="loading", **shown)
+        try:
+            want = self.cfg.get("backend") or "auto"
+            backend = resolve_backend(want if want in ("numpy", "python") else "auto")
+            if backend not in (info.get("backends") or [backend]):
+                raise TabcohortError(f"the job {info['name']!r} runs on {', '.join(info['backends'])}; "
+                                     f"this tab has {backend} only")
+            self.progress(f"fetching job {info['name']} ({info['code_bytes']} bytes of code)")
+            code = await self._download("/job/code", "code", int(info["code_bytes"]), info["code_sha256"])
+            src = load_bundle(code, expect_sha256=info["code_sha256"])
+            self.progress(f"fetching the job's data ({info['data_bytes']} bytes)")
+            raw = await self._download("/job/data", "data", int(info["data_bytes"]), info["data_sha256"],
+                                       cache=True)
+            self.progress(f"importing job {info['name']} and building its worker ({backend})")
+            worker, jh = make_module_worker(job, src, raw, batch=self.cfg.get("batch"), backend=backend)
+        except Exception as e:   # the job's own code may raise anything: say so, do not hang
+            text = f"the job {info.get('name')!r} failed to load in this tab: {e}"
+            self.ui("job", status="failed", error=text[:1000], **shown)
+            raise JobLoadError(text) from None
+        self.ui("job", status="ready", backend=worker.backend, **shown)
+        return worker, jh
+
+    async def _report_fault(self, job: dict, text: str) -> None:
+        """Tell the server this tab cannot run the room's job: one state report with ``fault``
+        (docs/PROTOCOL.md, "State report") on a seat that never says ``hello``, then leave, so
+        the operator view shows it. Best effort, bounded: a server that cannot be reached is
+        already said on the page."""
+        from ..bus.page import PortHub, page_star_bus
+
+        hub = PortHub(self.port, on_other=lambda it: None).start()
+        ws = self.cfg["base"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        bus = page_star_bus(hub, f"{ws}/api/rooms/{self.cfg['room']}/ws", token=self.cfg.get("token"),
+                            precision=job["precision"], on_control=lambda obj: None, reconnect_max_s=1.0)
+        try:
+            await asyncio.wait_for(bus.connect(), 10.0)
+            if bus.connected:
+                bus.send_control({"type": "report", "state": {
+                    "id": bus.id, "ready": False, "running": False, "step": 0, "fault": text[:250],
+                    "pid": None, "kind": "tab"}})
+        except (asyncio.TimeoutError, TabcohortError, ConfigError):
+            pass
+        finally:
+            await bus.aclose()
+            await hub.aclose()
+
+    async def _download(self, path: str, what: str, total: int, sha256: str, *,
+                        cache: bool = False) -> bytes | bytearray:
+        """GET a room's blob, streamed with ``download`` messages ``{what, got, total}`` to the
+        page; with ``cache``, kept in the browser's Cache Storage under its sha256, so a reload
+        does not download it again (a cached copy whose hash differs is fetched anew).
+
+        Raises:
+            TabcohortError: an HTTP error, or the body's sha256 is not ``sha256``.
+        """
+        import hashlib
+
+        import js
+        from pyodide.ffi import to_js
+
+        url = f"{self.cfg['base']}/api/rooms/{self.cfg['room']}{path}"
+        key = f"{self.cfg['base']}/tabcohort-cache/{sha256}"
+        store = None
+        if cache:
+            try:
+                store = await js.caches.open("tabcohort-job-data")
+                hit = await store.match(key)
+                if hit:
+                    data = (await hit.arrayBuffer()).to_bytes()
+                    if hashlib.sha256(data).hexdigest() == sha256:
+                        self.ui("download", what=what, got=len(data), total=total, cached=True)
+                        return data
+            except Exception:   # no Cache Storage here (an insecure origin): download
+                store = None
+        headers = {"Authorization": f"Bearer {self.cfg['token']}"} if self.cfg.get("token") else {}
+        opts = to_js({"headers": headers, "cache": "no-store"}, dict_converter=js.Object.fromEntries)
+        r = await js.fetch(url, opts)
+        if r.status != 200:
+            raise TabcohortError(f"GET {url}: HTTP {r.status}")
+        reader = r.body.getReader()
+        # one buffer of the announced size, filled in place (a large data set is not copied per chunk)
+        buf = bytearray(total if 0 <= total <= 1 << 31 else 0)
+        view = memoryview(buf)
+        pos = shown_at = 0
+        self.ui("download", what=what, got=0, total=total, cached=False)
+        while True:
+            chunk = await reader.read()
+            if chunk.done:
+                break
+            part = chunk.value
+            n = part.length
+            if pos + n <= len(buf):
+                part.assign_to(view[pos:pos + n])
+            else:             # more than announced: the hash check below refuses it
+                view.release()
+                buf[pos:] = part.to_bytes()
+                view = memoryview(buf)
+            pos += n
+            if pos - shown_at >= 256 * 1024:
+                shown_at = pos
+                self.ui("download", what=what, got=pos, total=total, cached=False)
+        view.release()
+        if pos < len(buf):
+            del buf[pos:]
+        data = buf   # (a bytearray: zipfile, hashlib and the Cache Storage take it without a copy here)
+        self.ui("download", what=what, got=pos, total=total, cached=False)
+        got_sha = hashlib.sha256(data).hexdigest()
+        if got_sha != sha256:
+            raise TabcohortError(f"the job's {what} sha256 {got_sha} != the job's {sha256}")
+        if store is not None:
+            try:
+                await store.put(key, js.Response.new(to_js(data)))
+            except Exception:
+                pass
+        return data
+
     # ------------------------------------------------------------------ controls
     def _on_ui(self, it: dict) -> None:
         if it.get("k") != "control" or self.driver is None:
@@ -279,55 +400,57 @@ class TabRun:
             d.start(None)
         elif action == "stop":
             d.stop()
+        elif action in ("lr", "precision") and not m.may_lead:
+            self.ui("error", text="only a rank the server lets lead sets the learning rate or precision "
+                    "(this tab contributes buckets)", kind="control")
         elif action == "lr" and (m.looping or m.is_leader(d.now_ms())):
             try:
                 lr = float(value)
             except (TypeError, ValueError):
                 return
             if math.isfinite(lr) and lr > 0:
-                d.set_lr(lr)
+                try:
+                    d.set_lr(lr)
+                except LocalProtocolError as e:
+                    self.ui("error", text=str(e), kind="control")
         elif action == "precision" and (m.looping or m.is_leader(d.now_ms())):
             try:
                 self.bus.set_precision(str(value))
             except ConfigError as e:
                 self.ui("error", text=str(e), kind="control")
                 return
-            m.precision = str(value)
+            m.set_precision(str(value), now_ms=d.now_ms())
 
-    def _on_control(self, obj: dict) -> None:
-        t = obj.get("type")
-        if t == "peer" and obj.get("up") is False:
-            # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
-            k = obj.get("id")
-            if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
-                self.driver.peer_left(k)
-        elif t == "stop":
-            reason = str(obj.get("reason"))
-            if reason.startswith("diverged"):   # the room ended because training diverged
-                self.failed = reason
-            self._request_stop(f"server: {reason}")
-        elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
-            self.rejoin = True              # the resume was refused: _run() joins again
-            self.stop_event.set()
-        elif t == "failed":
-            self.failed = str(obj.get("reason"))
-            self._request_stop(f"link failed: {self.failed}")
-
-    def _request_stop(self, why: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = why
-        self.stop_event.set()
+    def _path_why(self, peer: int, star: bool) -> dict:
+        """A mesh pair on the relay: why, and how many times it fell back (the page shows it)."""
+        p = None if star else self.bus.path(peer)
+        if p is None or p.why is None or p.label != "relay":
+            return {}
+        return {"why": p.why, "fallbacks": p.n_fallbacks}
 
     def _state(self, digest: Any) -> dict:
         st = self.driver.state()
         st["digest"] = digest(self.driver.worker.params())
+        m = self.driver.machine
+        # roles as the server announced them (text for the page: "may lead" / "contributes")
+        st["may_lead"] = m.may_lead
+        st["roles"] = {f"{k:08x}": v for k, v in m.lead_roles.items()}
         bus = self.bus
-        rtc = hasattr(bus, "paths")
-        st["links"] = bus.link_rows() if rtc else bus.links()
+        paths = bus.paths()
+        star = bus.transport != "rtc-mesh"
+        # per peer: bytes each way and how they travel (a star: the link to the server)
+        counts = bus.bytes()
+        kinds = {p: f"{paths[0]}-star" for p in counts} if star else paths
+        st["links"] = [{"peer": p, "transport": kind, "sent": counts[p].sent if p in counts else 0,
+                        "received": counts[p].received if p in counts else 0, **self._path_why(p, star)}
+                       for p, kind in sorted(kinds.items())]
         st["transport"] = bus.transport
+        if not star:   # the mesh's supervise ticks, and those late (its loop blocked for > 1 s)
+            st["supervise"] = {"ticks": bus.n_supervise_ticks, "late": bus.n_late_ticks}
+        rtc = bus.transport != "ws-star"
         if rtc:  # as a native WebRTC rank reports them (tests and the operator view read these)
-            st["link_bytes"] = bus.transport_bytes()
-            st["paths"] = bus.paths()
+            report = path_report(bus)
+            st["link_bytes"], st["paths"] = report["link_bytes"], report["links"]
         st["link"] = {"kind": "rtc" if rtc else "ws", "connected": bus.connected, "reconnects": bus.n_reconnects,
                       "uplink_bytes": self.bus.uplink_bytes, "downlink_bytes": self.bus.downlink_bytes,
                       "pressure": self.bus.pressure()}
@@ -335,6 +458,13 @@ class TabRun:
         st["rejoins"] = self.n_rejoins
         st["uptime_s"] = round(time.monotonic() - self.t0, 3)
         st["gaps"] = {k: round(v, 1) for k, v in self.gaps.items()}
+        hub = self.hub
+        # page messages taken per wake-up, and pauses of a rank that fell behind the round rate
+        st["page_inbox"] = {"wakeups": hub.n_wakeups, "items": hub.n_items, "catch_up_pauses": hub.n_catch_up_pauses}
+        w = self.driver.worker   # why this backend (a fallback), and the GPU's name (model/backend_js.py)
+        note, adapter = getattr(w, "backend_note", None), getattr(w, "adapter", None)
+        st["backend_note"] = note[:256] if isinstance(note, str) else None   # (the server keeps <= 256)
+        st["adapter"] = adapter[:256] if isinstance(adapter, str) else None
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     @staticmethod
@@ -352,23 +482,17 @@ class TabRun:
         import js
         from pyodide.ffi import to_js
 
-        from ..vec import all_finite, digest
-
         m, w, bus = self.driver.machine, self.driver.worker, self.bus
-        p = w.params()
-        if not all_finite(p):
+        body = checkpoint_body(m, w)
+        if body is None:
             # never store a diverged model (the server refuses it too: HTTP 422)
             self.progress(f"checkpoint upload skipped: the parameters at step {m.step} are not finite "
                           "(training diverged)")
             return
-        data = array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
-        h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
-             "X-Tabcohort-Step": str(m.step), "X-Tabcohort-Digest": digest(p),
-             "X-Tabcohort-Loss": repr(float(m.loss))}
+        data, body_digest = body
+        h = upload_headers(m, bus, body_digest, final=final)
         if self.cfg.get("token"):
             h["Authorization"] = f"Bearer {self.cfg['token']}"
-        if final:
-            h["X-Tabcohort-Final"] = "1"
         url = f"{self.cfg['base']}/api/rooms/{self.cfg['room']}/checkpoint"
         opts = to_js({"method": "PUT", "headers": h, "body": to_js(data)}, dict_converter=js.Object.fromEntries)
         try:
@@ -383,8 +507,3 @@ async def run_tab(cfg_json: str) -> int:
     """Entry point for ``web/rank-worker.js``: ``cfg_json`` is the page's config as JSON."""
     return await TabRun(json.loads(cfg_json)).run()
 
-
-def _step_limit(job: dict) -> int | None:
-    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 13); None = none."""
-    steps = job.get("steps")
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None

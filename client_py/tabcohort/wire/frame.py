@@ -14,7 +14,9 @@ Field encodings:
   the same ids; a share is the number of samples assigned, >= 1).
 - ``vec``: ``u8`` codec id, ``u8`` flags (bit 0: f32 fallback), ``u32`` element count,
   ``u32`` int8 block size (0 for other codecs), then the codec's payload
-  (:mod:`tabcohort.wire.codecs`).
+  (:mod:`tabcohort.wire.codecs`). ``vec?`` is a ``vec`` that a message may leave out: it is
+  sent as the empty vector (a ``round``'s ``opt``, the optimizer state, docs/PROTOCOL.md "Local
+  steps and optimizer state"), and an empty one decodes as absent.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ SCHEMAS: dict[str, tuple[tuple[str, Any], ...]] = {
     "beat": (("batch", "u32"), ("ready", "bool"), ("running", "bool"), ("step", "u64"),
              ("backend", ("str", 64)), ("term", "u64")),
     "round": (("step", "u64"), ("term", "u64"), ("lr", "f64"), ("loss", "f64"), ("samples", "u64"), ("cohort", "u32"),
-              ("cursor", "u64"), ("assign", "assign"), ("params", "vec")),
+              ("cursor", "u64"), ("assign", "assign"), ("params", "vec"), ("opt", "vec?")),
     "grad": (("step", "u64"), ("term", "u64"), ("loss", "f64"), ("samples", "u64"), ("g", "vec")),
 }
 
@@ -69,6 +71,10 @@ def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
         raise LocalProtocolError(f"unknown message type {t!r}")
     parts: list[bytes] = [bytes((MSG_TYPES[t],))]
     for key, kind in SCHEMAS[t]:
+        if kind == "vec?":       # an optional vector: absent is sent as the empty vector
+            kind = "vec"
+            if key not in msg:
+                msg = {**msg, key: ()}
         if key not in msg:
             raise LocalProtocolError(f"{t} message lacks {key!r}")
         v = msg[key]
@@ -160,6 +166,10 @@ def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool) -> dict:
             msg[key], msg["shares"] = _decode_assign(c, limits)
         elif kind == "vec":
             msg[key] = _decode_vec(c, limits, use_numpy)
+        elif kind == "vec?":
+            v = _decode_vec(c, limits, use_numpy)
+            if len(v):
+                msg[key] = v
         else:
             (n,) = c.unpack(_U16)
             if n > kind[1]:

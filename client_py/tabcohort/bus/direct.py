@@ -1,0 +1,183 @@
+"""The direct TCP path's sans-I/O parts (docs/PROTOCOL.md, "Direct TCP path"): the announced
+address, the handshake that authenticates a connection, and the stream's chunk framing.
+
+No event loop, socket or clock here; :class:`tabcohort.bus.aio.TcpConnector` does the I/O.
+
+- **Offer.** The lower id of a pair listens and sends the other, through the server (a
+  ``signal`` of kind ``direct``, ``from`` bound by the server to the sender's link), its
+  address ``addr`` (an IP literal and a port, :func:`format_addr`) and a fresh 32-byte key
+  ``key`` (hex) for this pair and this offer only. Both are untrusted: :func:`parse_addr` takes
+  only an IP literal (no name to resolve) and a port in 1..65535, at most
+  :data:`MAX_ADDR_CHARS` characters; :func:`parse_key` exactly 64 hex digits.
+- **Handshake.** The dialler sends :data:`HELLO` (60 bytes): magic ``TCD1``, the listener's
+  id, its own id, a 16-byte nonce and ``HMAC-SHA256(key, "dial" | ids | nonce)`` (RFC 2104).
+  The listener checks the ids name a pending offer, the MAC (constant time), and answers
+  ``HMAC-SHA256(key, "accept" | ids | nonce)`` (32 bytes), which the dialler checks. A third
+  party without the key can neither join a pair nor pose as the listener; an offer's key is
+  used for one connection (a replayed hello finds no pending offer). The stream itself is not
+  encrypted (as ``ws://`` is not): use it on networks you trust with the parameters.
+- **Framing.** After the handshake each chunk (exactly as :class:`~tabcohort.wire.FrameWriter`
+  cuts it) is sent as ``u32`` little-endian length, then the chunk; :class:`ChunkStream`
+  splits the byte stream (each chunk read into a buffer of its own) and refuses a length of 0
+  or above its bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import struct
+
+MAGIC = b"TCD1"
+NONCE_BYTES = 16
+KEY_BYTES = 32
+#: the dialler's first message: magic, listener id, dialler id, nonce, MAC
+HELLO = struct.Struct("<4sII16s32s")
+ACCEPT_BYTES = 32
+#: an announced address longer than this is refused (``[v6]:port`` fits in 47)
+MAX_ADDR_CHARS = 64
+LEN = struct.Struct("<I")
+#: the chunk size on a direct path: TCP has no message limit; 1 MiB keeps per-chunk work small
+DIRECT_MAX_MESSAGE_BYTES = 1 << 20
+
+
+def format_addr(host: str, port: int) -> str:
+    """``host:port`` (``[host]:port`` for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_addr(addr: object) -> tuple[str, int] | None:
+    """An announced ``host:port`` -> ``(host, port)``, or ``None`` for anything else (not a str,
+    too long, a host that is not an IP literal, a port outside 1..65535)."""
+    if not isinstance(addr, str) or not 0 < len(addr) <= MAX_ADDR_CHARS or not addr.isascii():
+        return None
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or len(port) > 5:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if "%" in host or ":" not in host:
+            return None
+    elif ":" in host:
+        return None   # an IPv6 host must be bracketed (RFC 3986 section 3.2.2)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_unspecified or ip.is_multicast:
+        return None
+    n = int(port)
+    return (str(ip), n) if 0 < n < 65536 else None
+
+
+def parse_key(key: object) -> bytes | None:
+    """An announced key (64 hex digits) -> 32 bytes, or ``None``."""
+    if not isinstance(key, str) or len(key) != 2 * KEY_BYTES:
+        return None
+    try:
+        return bytes.fromhex(key)
+    except ValueError:
+        return None
+
+
+def _mac(key: bytes, label: bytes, listener: int, dialler: int, nonce: bytes) -> bytes:
+    return hmac.new(key, label + struct.pack("<II", listener, dialler) + nonce, hashlib.sha256).digest()
+
+
+def dial_hello(key: bytes, listener: int, dialler: int, nonce: bytes) -> bytes:
+    """The dialler's :data:`HELLO` (``nonce``: :data:`NONCE_BYTES` fresh random bytes)."""
+    return HELLO.pack(MAGIC, listener, dialler, nonce, _mac(key, b"dial", listener, dialler, nonce))
+
+
+def read_hello(data: bytes) -> tuple[int, int, bytes, bytes] | None:
+    """``(listener, dialler, nonce, mac)`` of a :data:`HELLO`, or ``None`` (wrong size or magic)."""
+    if len(data) != HELLO.size:
+        return None
+    magic, listener, dialler, nonce, mac = HELLO.unpack(data)
+    return (listener, dialler, nonce, mac) if magic == MAGIC else None
+
+
+def hello_valid(key: bytes, listener: int, dialler: int, nonce: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` proves the dialler holds ``key`` (constant-time compare)."""
+    return hmac.compare_digest(mac, _mac(key, b"dial", listener, dialler, nonce))
+
+
+def accept_mac(key: bytes, listener: int, dialler: int, nonce: bytes) -> bytes:
+    """The listener's answer: proof it holds ``key``, bound to the dialler's nonce."""
+    return _mac(key, b"accept", listener, dialler, nonce)
+
+
+class ChunkStream:
+    """Splits a direct path's byte stream into chunks (``u32`` LE length, then the chunk),
+    reading each chunk straight into a buffer of its own length: a socket fills
+    :meth:`buffer` and reports how much with :meth:`advance` (``asyncio.BufferedProtocol``).
+
+    Args:
+        max_chunk_bytes: the largest length accepted.
+
+    Attributes:
+        error: why the stream is unusable (a length of 0 or above the bound), else ``None``;
+            once set, nothing more is returned (the connection must be closed).
+    """
+
+    __slots__ = ("max_chunk_bytes", "target", "filled", "in_chunk", "error")
+
+    def __init__(self, max_chunk_bytes: int) -> None:
+        self.max_chunk_bytes = max_chunk_bytes
+        self.target = bytearray(LEN.size)
+        self.filled = 0
+        self.in_chunk = False
+        self.error: str | None = None
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes of the stream go (at least one byte)."""
+        return memoryview(self.target)[self.filled:]
+
+    def advance(self, n: int) -> bytearray | None:
+        """``n`` bytes were written into :meth:`buffer`: the chunk they complete, or ``None``."""
+        self.filled += n
+        if self.error is not None:
+            self.filled = 0
+            return None
+        if self.filled < len(self.target):
+            return None
+        data, self.filled = self.target, 0
+        if self.in_chunk:
+            self.in_chunk, self.target = False, bytearray(LEN.size)
+            return data
+        (k,) = LEN.unpack(data)
+        if not 0 < k <= self.max_chunk_bytes:
+            self.error = f"a chunk length of {k} bytes (bound {self.max_chunk_bytes})"
+            self.target = bytearray(4096)   # (scratch: what still arrives is discarded)
+            return None
+        self.in_chunk, self.target = True, bytearray(k)
+        return None
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The complete chunks ``data`` finishes, in order (:meth:`buffer` / :meth:`advance`
+        over a buffer already in hand)."""
+        out: list[bytes] = []
+        mv, pos = memoryview(data), 0
+        while pos < len(data) and self.error is None:
+            buf = self.buffer()
+            k = min(len(buf), len(data) - pos)
+            buf[:k] = mv[pos:pos + k]
+            pos += k
+            c = self.advance(k)
+            if c is not None:
+                out.append(bytes(c))
+        return out
+
+    def pending_bytes(self) -> int:
+        """Bytes of an incomplete length or chunk held."""
+        return self.filled + (LEN.size if self.in_chunk else 0)
+
+
+def frame(chunks: list[bytes]) -> bytes:
+    """``chunks`` as one write on a direct path (each prefixed by its length)."""
+    parts: list[bytes] = []
+    for c in chunks:
+        parts.append(LEN.pack(len(c)))
+        parts.append(c)
+    return b"".join(parts)

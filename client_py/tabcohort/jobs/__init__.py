@@ -1,0 +1,206 @@
+"""Jobs: a user's model and data, defined once at the server (README "Write your own job").
+
+A job is a Python module (one ``.py`` file, or a package directory) that defines:
+
+- ``make_worker(data, *, batch, seed, backend)`` (the *factory*; another name with
+  ``PATH:NAME``): returns a worker following the worker contract (docs/PROTOCOL.md, "Worker
+  contract"; docs/INTERFACES.md, "Worker"): ``bucket_len``, ``batch``, ``grads(offset, samples)``
+  (sync or async) -> ``(mean loss, mean gradient of bucket_len float32)``, ``params()``,
+  ``set_params(vec)``, ``evaluate()`` (held-out accuracy in [0, 1]); optional ``apply(avg, lr)``
+  (default plain SGD in float32), ``evaluate_loss()``, ``model``. ``data`` is a :class:`JobData`
+  (name -> :class:`~tabcohort.jobs.arrays.NdArray`); ``backend`` is ``"numpy"`` or ``"python"``
+  (vectors are numpy float32 arrays or ``array('f')``).
+- optionally ``load_data()`` (run by the server only, once at start): a dict name -> numpy
+  array or ``NdArray``; it is served to every rank as one ``.npz``, whose sha256 is the data hash.
+- optionally ``DATA_SHA256`` (the data hash ``load_data()`` must give) and ``SPEC`` (a
+  JSON-ready dict: model name and hyperparameters; into the job hash).
+
+The job hash (:func:`tabcohort.protocol.job.module_job_hash`) covers the code bundle's sha256,
+the data hash, the spec, the factory name and the bucket length, so ranks running different code
+or data never mix. :func:`load_job` (server, and ``tabcohort rank --job PATH``),
+:func:`load_bundle` (code fetched from a server) and :func:`probe` (the checks before any rank
+joins) raise :class:`JobError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any, Callable
+
+from .._compat import np
+from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
+from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
+                     source_bundle)
+from .worker import JobWorker, resolve_backend
+
+__all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_job", "load_bundle",
+           "find_source", "source_bundle", "probe", "resolve_backend", "NdArray", "DEFAULT_FACTORY",
+           "BUNDLE_MANIFEST"]
+
+
+class JobData(dict):
+    """The job's data: array name -> :class:`NdArray`. ``sha256`` is the hash of ``raw``, the
+    ``.npz`` bytes served to ranks (empty dict and ``b""`` for a job without ``load_data``)."""
+
+    raw: bytes = b""
+    sha256: str = hashlib.sha256(b"").hexdigest()
+
+    @classmethod
+    def from_npz(cls, raw: bytes) -> "JobData":
+        """Raises:
+            JobError: not an ``.npz`` of supported arrays.
+        """
+        d = cls()
+        if raw:
+            try:
+                arrays, _ = read_npz(raw)
+            except ArrayFormatError as e:
+                raise JobError(f"the job's data is not a readable .npz: {e}", "data") from None
+            d.update(arrays)
+        d.raw = raw
+        d.sha256 = hashlib.sha256(raw).hexdigest()
+        return d
+
+
+class LoadedJob:
+    """An imported job: its source, module, data and spec; :meth:`make_worker` builds workers."""
+
+    def __init__(self, source: JobSource, module: Any, data: JobData) -> None:
+        self.source, self.module, self.data = source, module, data
+        spec = getattr(module, "SPEC", None)
+        if spec is None:
+            spec = {}
+        try:
+            json.dumps(spec, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise JobError(f"SPEC must be JSON-ready data ({e})", source.ref) from None
+        if not isinstance(spec, dict):
+            raise JobError(f"SPEC must be a dict, got {type(spec).__name__}", source.ref)
+        self.spec = spec
+        self.name = str(spec.get("name") or source.module)
+
+    @property
+    def factory(self) -> Callable[..., Any]:
+        return getattr(self.module, self.source.factory)
+
+    def make_worker(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
+        """The job's worker, wrapped in :class:`JobWorker`.
+
+        Raises:
+            JobError: the factory raised (with its file and line) or returned no worker.
+        """
+        b = resolve_backend(backend)
+        files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
+        try:
+            inner = self.factory(self.data, batch=int(batch), seed=int(seed), backend=b)
+        except Exception as e:
+            raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
+                           f"({_where(e, files)})", self.source.ref) from None
+        for attr in ("bucket_len", "params", "set_params", "grads", "evaluate"):
+            if not hasattr(inner, attr):
+                raise JobError(f"the worker {self.source.factory}() returned has no {attr!r} "
+                               "(docs/PROTOCOL.md, \"Worker contract\")", self.source.ref)
+        bl = getattr(inner, "bucket_len")
+        if isinstance(bl, bool) or not isinstance(bl, int) or bl < 1:
+            raise JobError(f"the worker's bucket_len must be an integer >= 1, got {bl!r}", self.source.ref)
+        full = {"job": self.name, "code_sha256": self.source.code_sha256, "spec": self.spec}
+        return JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
+                         make_scratch=lambda: self.make_worker(batch=batch, seed=seed, backend=b))
+
+    def job_hash(self, worker: JobWorker, train: Any = None) -> str:
+        """The job hash (:func:`~tabcohort.protocol.job.module_job_hash`); ``train``: the room's
+        ``TrainConfig.spec()`` (None for the default rounds)."""
+        from ..protocol.job import module_job_hash
+        return module_job_hash(self.source.code_sha256, self.data.sha256, self.spec, self.source.factory,
+                               worker.bucket_len, train)
+
+
+def load_job(ref: str, *, with_data: bool = True) -> LoadedJob:
+    """Find, compile and import the job ``PATH_OR_MODULE[:FACTORY]`` and run its ``load_data()``
+    (when ``with_data``; a rank gets the data from the server instead).
+
+    Raises:
+        JobError: see :func:`find_source`, :meth:`JobSource.import_module`; ``load_data``
+            raising or returning something that is not a dict of arrays; the data's sha256
+            differing from the job's ``DATA_SHA256``.
+    """
+    src = find_source(ref)
+    mod = src.import_module()
+    data = JobData()
+    if with_data:
+        data = job_data(src, mod)
+    return LoadedJob(src, mod, data)
+
+
+def job_data(src: JobSource, mod: Any) -> JobData:
+    """Run the job's ``load_data()`` and pack it (the server's side).
+
+    Raises:
+        JobError: it raised, returned no dict of arrays, or its hash is not ``DATA_SHA256``.
+    """
+    fn = getattr(mod, "load_data", None)
+    if fn is None:
+        return JobData()
+    files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
+    try:
+        arrays = fn()
+    except Exception as e:
+        raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files)})", src.ref) from None
+    if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):
+        raise JobError("load_data() must return a dict of identifier -> array", src.ref)
+    try:
+        raw = write_npz(arrays)
+    except ArrayFormatError as e:
+        raise JobError(f"load_data(): {e}", src.ref) from None
+    data = JobData.from_npz(raw)
+    want = getattr(mod, "DATA_SHA256", None)
+    if want is not None and want != data.sha256:
+        raise JobError(f"data hash mismatch: load_data() gave sha256 {data.sha256}, the job declares "
+                       f"DATA_SHA256 = {want!r} (the data changed, or update DATA_SHA256)", src.ref)
+    return data
+
+
+def _finite(v: Any) -> bool:
+    if np is not None and isinstance(v, np.ndarray):
+        return bool(np.isfinite(v).all())
+    return all(math.isfinite(x) for x in v)
+
+
+def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
+          worker: JobWorker | None = None) -> JobWorker:
+    """The checks before any rank joins: build a worker (or take ``worker``), check
+    ``bucket_len`` against ``params()``, compute one bucket at offset 0 (its loss finite, its
+    gradient ``bucket_len`` long and finite), evaluate (a number in [0, 1]). Returns the worker.
+
+    Raises:
+        JobError: naming the check that failed.
+    """
+    w = worker if worker is not None else job.make_worker(batch=batch, seed=seed, backend=backend)
+    ref = job.source.ref
+    files = {os.path.abspath(os.path.join(job.source.root, r)) for r in job.source.files}
+
+    def call(what: str, f: Callable[[], Any]) -> Any:
+        try:
+            return f()
+        except Exception as e:
+            raise JobError(f"the worker's {what} raised {type(e).__name__}: {e} ({_where(e, files)})", ref) from None
+
+    p = call("params()", w.params)
+    if len(p) != w.bucket_len:
+        raise JobError(f"bucket_len {w.bucket_len} disagrees with params(), which has {len(p)} values", ref)
+    if not _finite(p):
+        raise JobError("the initial params() are not finite", ref)
+    loss, g = call("grads(0)", lambda: w.grads_sync(0, w.batch))
+    if len(g) != w.bucket_len:
+        raise JobError(f"grads(0) on a probe batch returned {len(g)} values, bucket_len is {w.bucket_len}", ref)
+    if not math.isfinite(loss) or not _finite(g):
+        raise JobError(f"grads(0) on a probe batch is not finite (loss {loss!r}"
+                       f"{'' if _finite(g) else ', gradient has NaN or infinity'})", ref)
+    acc = call("evaluate()", w.evaluate)
+    if not 0.0 <= acc <= 1.0:
+        raise JobError(f"evaluate() must return held-out accuracy in [0, 1], got {acc!r}", ref)
+    call("set_params()", lambda: w.set_params(p))
+    return w

@@ -1,0 +1,210 @@
+"""A job's code: finding it (a file, a package, a module name), the deterministic bundle a
+server serves, unpacking a served bundle, importing it (README "Write your own job")."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+import zipfile
+from typing import Any
+
+from ..errors import ConfigError
+
+DEFAULT_FACTORY = "make_worker"
+#: The bundle member that names the module and the factory.
+BUNDLE_MANIFEST = "tabcohort-job.json"
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+_MAX_BUNDLE_FILES = 512
+
+
+class JobError(ConfigError):
+    """A job that cannot be run: ``variable`` is the option (``--job``), ``value`` the job, and
+    the reason says what is wrong (a file and line where there is one)."""
+
+    def __init__(self, reason: str, value: object = None, variable: str = "--job") -> None:
+        super().__init__(variable, value, reason)
+
+
+def _where(exc: BaseException, files: set[str]) -> str:
+    """``file:line`` of the innermost frame of ``exc`` inside the job's files."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(tb):
+        if os.path.abspath(fr.filename) in files:
+            return f"{fr.filename}:{fr.lineno}"
+    return tb[-1].filename + f":{tb[-1].lineno}" if tb else "?"
+
+
+class JobSource:
+    """A job's code: its files (relative path -> bytes), module name and factory name.
+
+    ``bundle`` is the deterministic zip served to ranks (``GET /api/rooms/ROOM/job/code``) and
+    ``code_sha256`` its sha256. ``root`` is the directory the files are imported from.
+    """
+
+    def __init__(self, module: str, files: dict[str, bytes], factory: str, root: str, ref: str) -> None:
+        self.module, self.files, self.factory, self.root, self.ref = module, files, factory, root, ref
+        self.is_package = any(p == f"{module}/__init__.py" for p in files)
+        self.bundle = source_bundle(module, files, factory)
+        self.code_sha256 = hashlib.sha256(self.bundle).hexdigest()
+
+    def compile_all(self) -> None:
+        """Raises:
+            JobError: a syntax error, naming the file and line.
+        """
+        for rel, src in sorted(self.files.items()):
+            path = os.path.join(self.root, rel)
+            try:
+                compile(src, path, "exec", dont_inherit=True)
+            except SyntaxError as e:
+                raise JobError(f"syntax error in {e.filename or path}:{e.lineno}: {e.msg}", self.ref) from None
+            except ValueError as e:   # null bytes
+                raise JobError(f"{path}: {e}", self.ref) from None
+
+    def import_module(self) -> Any:
+        """Import the job's module from :attr:`root` (a fresh import: a cached module of the same
+        name is replaced).
+
+        Raises:
+            JobError: a syntax error (file and line) or an exception while importing.
+        """
+        self.compile_all()
+        for k in [k for k in sys.modules if k == self.module or k.startswith(self.module + ".")]:
+            del sys.modules[k]
+        if self.is_package:
+            init = os.path.join(self.root, self.module, "__init__.py")
+            spec = importlib.util.spec_from_file_location(
+                self.module, init, submodule_search_locations=[os.path.join(self.root, self.module)])
+        else:
+            spec = importlib.util.spec_from_file_location(self.module, os.path.join(self.root, self.module + ".py"))
+        if spec is None or spec.loader is None:
+            raise JobError(f"cannot import {self.module} from {self.root}", self.ref)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[self.module] = mod
+        files = {os.path.abspath(os.path.join(self.root, r)) for r in self.files}
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:
+            del sys.modules[self.module]
+            raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)})",
+                           self.ref) from None
+        if not callable(getattr(mod, self.factory, None)):
+            raise JobError(f"the job module {self.module} has no function {self.factory}() "
+                           f"(the factory; name another with PATH:NAME)", self.ref)
+        return mod
+
+
+def source_bundle(module: str, files: dict[str, bytes], factory: str) -> bytes:
+    """The deterministic code bundle: the files (sorted, stored, fixed timestamps) and
+    :data:`BUNDLE_MANIFEST` (``{"module", "factory"}``)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        manifest = json.dumps({"module": module, "factory": factory}, sort_keys=True).encode()
+        z.writestr(zipfile.ZipInfo(BUNDLE_MANIFEST, _ZIP_DATE), manifest)
+        for rel in sorted(files):
+            info = zipfile.ZipInfo(rel, _ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, files[rel])
+    return buf.getvalue()
+
+
+def _split_ref(ref: str) -> tuple[str, str]:
+    head, sep, tail = ref.rpartition(":")
+    if sep and tail.isidentifier() and head and not (len(head) == 1 and head.isalpha()):
+        return head, tail
+    return ref, DEFAULT_FACTORY
+
+
+def find_source(ref: str) -> JobSource:
+    """The job named by ``PATH_OR_MODULE[:FACTORY]``: a ``.py`` file, a package directory, or an
+    importable module name (its file is read, not imported).
+
+    Raises:
+        JobError: nothing found, or an unreadable file.
+    """
+    target, factory = _split_ref(ref)
+    path = os.path.abspath(os.path.expanduser(target))
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "__init__.py")):
+        root, module = os.path.dirname(path), os.path.basename(path)
+        files = {}
+        for dirpath, dirnames, names in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+            for n in sorted(names):
+                if n.endswith(".py"):
+                    full = os.path.join(dirpath, n)
+                    files[os.path.relpath(full, root).replace(os.sep, "/")] = _read(full, ref)
+        if len(files) > _MAX_BUNDLE_FILES:
+            raise JobError(f"the package has {len(files)} .py files (at most {_MAX_BUNDLE_FILES})", ref)
+    elif os.path.isfile(path):
+        if not path.endswith(".py"):
+            raise JobError("expected a .py file, a package directory or a module name", ref)
+        root, module = os.path.dirname(path), os.path.basename(path)[:-3]
+        files = {module + ".py": _read(path, ref)}
+    elif target.replace(".", "").replace("_", "").isalnum() and not os.path.sep in target:
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            raise JobError("no such file, package directory or importable module", ref)
+        if spec.submodule_search_locations:
+            return find_source(os.path.dirname(spec.origin) + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
+        return find_source(spec.origin + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
+    else:
+        raise JobError("no such file, package directory or importable module", ref)
+    if not module.isidentifier():
+        raise JobError(f"{module!r} is not a valid module name (rename the file)", ref)
+    return JobSource(module, files, factory, root, ref)
+
+
+def _read(path: str, ref: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise JobError(f"cannot read {path}: {e.strerror}", ref) from None
+
+
+def load_bundle(bundle: bytes, *, expect_sha256: str | None = None, cache_dir: str | None = None) -> JobSource:
+    """A job's code from its bundle (as served by a server), written under ``cache_dir`` (default
+    a new temporary directory) so it can be imported.
+
+    Raises:
+        JobError: the sha256 differs from ``expect_sha256``, or not a job bundle.
+    """
+    sha = hashlib.sha256(bundle).hexdigest()
+    if expect_sha256 is not None and sha != expect_sha256:
+        raise JobError(f"the job code's sha256 {sha} != the job's {expect_sha256}", "code")
+    try:
+        z = zipfile.ZipFile(io.BytesIO(bundle))
+        with z:
+            manifest = json.loads(z.read(BUNDLE_MANIFEST))
+            module, factory = str(manifest["module"]), str(manifest["factory"])
+            files = {}
+            for info in z.infolist()[:_MAX_BUNDLE_FILES + 1]:
+                name = info.filename
+                if name == BUNDLE_MANIFEST:
+                    continue
+                parts = name.split("/")
+                if not name.endswith(".py") or any(p in ("", ".", "..") for p in parts) or name.startswith("/"):
+                    raise JobError(f"bad file name {name!r} in the job bundle", "code")
+                files[name] = z.read(info)
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError) as e:
+        raise JobError(f"not a job bundle ({type(e).__name__}: {e})", "code") from None
+    if not module.isidentifier() or not factory.isidentifier():
+        raise JobError(f"bad module or factory name in the job bundle ({module!r}, {factory!r})", "code")
+    root = os.path.join(cache_dir, sha[:32]) if cache_dir else tempfile.mkdtemp(prefix="tabcohort-job-")
+    for rel, data in files.items():
+        full = os.path.join(root, *rel.split("/"))
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+    src = JobSource(module, files, factory, root, f"{module}:{factory}")
+    if src.code_sha256 != sha:   # the bundle was not made by source_bundle from these files
+        raise JobError("the job bundle is not canonical (rebuilt from its files it hashes differently)", "code")
+    return src

@@ -1,0 +1,155 @@
+"""The worker contract around a job's worker (docs/PROTOCOL.md, "Worker contract";
+docs/INTERFACES.md, "Jobs")."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from array import array
+from typing import Any
+
+from .._compat import np
+from ..errors import ConfigError
+
+def _vector(backend: str, v: Any) -> Any:
+    if backend == "numpy" and np is not None:
+        return np.asarray(v, dtype=np.float32)
+    return v if isinstance(v, array) and v.typecode == "f" else array("f", v)
+
+
+class JobWorker:
+    """The worker contract around a job's worker: ``grads`` awaitable (a sync one runs as is),
+    ``grads_sync``, ``apply`` (the job's, else ``float32(params - lr * avg)``), ``set_params``
+    given the backend's vector type, ``evaluate_loss`` (NaN when the job has none), ``spec()``
+    (the job's spec: into the job hash), ``model`` and ``backend`` names.
+    """
+
+    def __init__(self, inner: Any, *, backend: str, spec: dict, model: str, batch: int,
+                 make_scratch: Any = None) -> None:
+        self.inner = inner
+        self._make_scratch = make_scratch     # another worker of the same job (local steps)
+        self._scratch: Any = None
+        self.backend = str(getattr(inner, "backend", None) or backend)
+        self.model = str(getattr(inner, "model", None) or model)
+        self.batch = int(getattr(inner, "batch", batch))
+        self.bucket_len = int(inner.bucket_len)
+        self._spec = spec
+        self.backend_note = None
+        self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
+
+    def spec(self) -> dict:
+        return dict(self._spec)
+
+    async def local_grads(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                          lr: float = 0.1, should_stop: Any = None) -> tuple[float, Any] | None:
+        """H inner steps on a scratch worker of the same job from this worker's parameters
+        (docs/PROTOCOL.md, "Local steps and optimizer state"): inner step ``i`` covers samples
+        ``offset + i * samples ..`` (mod 2^32); returns the mean inner loss and the
+        pseudo-gradient (float32, shape (bucket_len,)), or None when ``should_stop()`` became
+        true between steps. The loop yields to the event loop between steps.
+
+        Raises:
+            LocalProtocolError: the job cannot build a second worker (no factory known).
+        """
+        steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
+        try:
+            req = next(steps_)
+            while True:
+                g = await self._scratch.grads(*req)
+                req = steps_.send(g)
+                await asyncio.sleep(0)   # (between inner steps)
+                if should_stop is not None and should_stop():
+                    steps_.close()
+                    return None
+        except StopIteration as done:
+            return done.value
+
+    def local_grads_sync(self, offset: int, samples: int, steps: int, optimizer: str = "sgd",
+                         lr: float = 0.1) -> tuple[float, Any]:
+        """:meth:`local_grads` without yielding to the event loop (the same result; the
+        simulator's virtual-time ranks use it)."""
+        steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
+        try:
+            g = next(steps_)
+            while True:
+                g = steps_.send(self._scratch.grads_sync(*g))
+        except StopIteration as done:
+            return done.value
+
+    def _local_steps(self, offset: int, samples: int, steps: int, optimizer: str, lr: float) -> Any:
+        """The inner loop as a generator: it yields ``(offset, samples)`` of the next inner
+        gradient and is sent ``(loss, grad)`` back; it returns ``(mean loss, pseudo-gradient)``."""
+        from ..errors import LocalProtocolError
+        from ..model.local import InnerOptimizer, pseudo_gradient
+
+        if self._scratch is None:
+            if self._make_scratch is None:
+                raise LocalProtocolError("local steps need a second worker of the job (no factory)")
+            self._scratch = self._make_scratch()
+        scratch, p0 = self._scratch, self.params()
+        opt = InnerOptimizer(optimizer, lr, len(p0))
+        scratch.set_params(p0)
+        p, total = scratch.params(), 0.0
+        for i in range(int(steps)):
+            loss, g = yield ((offset + i * samples) % (1 << 32), samples)
+            total += float(loss)
+            p = opt.step(p, g)
+            scratch.set_params(p)
+        return total / int(steps), pseudo_gradient(p0, scratch.params())
+
+    async def grads(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
+        n = self.batch if samples is None else int(samples)
+        if self._async:
+            loss, g = await self.inner.grads(offset, n)
+        else:
+            await asyncio.sleep(0)
+            loss, g = self.inner.grads(offset, n)
+        return float(loss), _vector(self.backend, g)
+
+    def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
+        n = self.batch if samples is None else int(samples)
+        if self._async:
+            loss, g = asyncio.run(self.inner.grads(offset, n))
+        else:
+            loss, g = self.inner.grads(offset, n)
+        return float(loss), _vector(self.backend, g)
+
+    def params(self) -> Any:
+        return _vector(self.backend, self.inner.params())
+
+    def set_params(self, vec: Any) -> None:
+        self.inner.set_params(_vector(self.backend, vec))
+
+    def apply(self, avg: Any, lr: float) -> None:
+        if hasattr(self.inner, "apply"):
+            self.inner.apply(_vector(self.backend, avg), lr)
+            return
+        p = self.params()
+        if self.backend == "numpy" and np is not None:
+            new = (p.astype(np.float64) - float(lr) * np.asarray(avg, dtype=np.float64)).astype(np.float32)
+        else:
+            new = array("f", [a - lr * b for a, b in zip(p, avg)])
+        self.inner.set_params(new)
+
+    def evaluate(self) -> float:
+        return float(self.inner.evaluate())
+
+    def evaluate_loss(self) -> float:
+        f = getattr(self.inner, "evaluate_loss", None)
+        return float(f()) if f is not None else math.nan
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``numpy`` when importable, else ``python``.
+
+    Raises:
+        ConfigError: an unknown backend, or ``numpy`` without numpy.
+    """
+    if backend not in ("auto", "numpy", "python"):
+        raise ConfigError("backend", backend, "expected one of auto, numpy, python")
+    if backend == "auto":
+        return "numpy" if np is not None else "python"
+    if backend == "numpy" and np is None:
+        raise ConfigError("backend", backend, "numpy is not importable in this process")
+    return backend

@@ -1,0 +1,140 @@
+"""Robust aggregation of a round's buckets at the leader (PROTOCOL.md, "Untrusted ranks").
+
+Pure functions over float32 vectors (numpy arrays or ``array('f')``, see :mod:`tabcohort.vec`);
+no clock reads.
+
+- :func:`clip_to_median_norm` (the default): every bucket's L2 norm is bounded by
+  ``factor`` x a reference norm, the median of the round's norms with the leader's own bucket
+  counted twice (the leader holds the trainer credential; with one other bucket the median is
+  then the leader's). A bucket of ``s`` samples may be noisier than the leader's ``s0``-sample
+  bucket by sqrt(s0 / s), so its bound grows by that factor. This is norm clipping relative to
+  the cohort, as in centered clipping (Karimireddy, He and Jaggi, "Learning from History for
+  Byzantine Robust Optimization", ICML 2021), with the median as the robust centre of norms.
+- :func:`trimmed_mean` (``--aggregate trimmed-mean``): the coordinate-wise trimmed mean (Yin,
+  Chen, Kannan and Bartlett, "Byzantine-Robust Distributed Learning: Towards Optimal
+  Statistical Rates", ICML 2018): per coordinate, the lowest and highest ``trim`` fraction of
+  the buckets are dropped and the rest averaged with their sample weights.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any, Sequence
+
+from .._compat import np
+
+#: a bucket's norm may be at most this multiple of the reference norm (before the share factor)
+CLIP_FACTOR = 4.0
+#: aggregation rules a room may choose ("mean": the plain sample-weighted mean, for trusted groups)
+AGGREGATES = ("clip", "trimmed-mean", "mean")
+
+
+#: elements per block of :func:`l2_norm` (its float64 temporary stays in cache)
+NORM_BLOCK = 1 << 16
+
+
+def l2_norm(v: Any) -> float:
+    """Euclidean norm of a float32 vector, accumulated in float64 (``inf`` on overflow).
+
+    With numpy: the squares summed per block of :data:`NORM_BLOCK` elements (``einsum``, no
+    BLAS), the block sums added in order: no full-length float64 copy, and the same result
+    whatever the machine's BLAS thread count (a BLAS dot's partial sums depend on it; on a
+    loaded 2-core host its threads made one 1M-element norm take 14 ms)."""
+    if np is not None and isinstance(v, np.ndarray):
+        flat = v.reshape(-1)
+        n = len(flat)
+        tmp = np.empty(min(n, NORM_BLOCK), dtype=np.float64)
+        total = 0.0
+        for a in range(0, n, NORM_BLOCK):
+            b = min(n, a + NORM_BLOCK)
+            t = tmp[:b - a]
+            t[...] = flat[a:b]
+            total += float(np.einsum("i,i->", t, t))
+        return math.sqrt(total)
+    s = 0.0
+    for x in v:
+        s += float(x) * float(x)
+    return math.sqrt(s)
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def _scaled(v: Any, c: float) -> Any:
+    if np is not None and isinstance(v, np.ndarray):
+        return (v.astype(np.float64) * c).astype(np.float32)
+    return array("f", [float(x) * c for x in v])
+
+
+def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
+                        factor: float = CLIP_FACTOR) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
+    """Bound each bucket's norm relative to the cohort's.
+
+    Args:
+        buckets: rank id -> ``(loss, samples, g)``, ``g`` a float32 vector of shape
+            ``(bucket_len,)`` (finite: the leader checks that first).
+        own: the leader's id (its bucket counts twice in the median); if absent, every bucket
+            counts once.
+        factor: the bound as a multiple of the reference norm (> 0).
+
+    Returns:
+        ``(buckets, clipped)``: the buckets with every over-long ``g`` scaled down onto its
+        bound (others unchanged, the same objects), and rank id -> ratio of its norm to its
+        bound for every bucket that was clipped.
+    """
+    norms = {k: l2_norm(b[2]) for k, b in buckets.items()}
+    ref_norms = list(norms.values()) + ([norms[own]] if own in norms else [])
+    ref = _median(ref_norms) if ref_norms else 0.0
+    if not ref > 0 or not math.isfinite(ref):
+        return buckets, {}
+    s0 = buckets[own][1] if own in buckets else max(b[1] for b in buckets.values())
+    out: dict[int, tuple[float, int, Any]] = {}
+    clipped: dict[int, float] = {}
+    for k, (loss, s, g) in buckets.items():
+        bound = factor * ref * max(1.0, math.sqrt(s0 / max(1, s)))
+        n = norms[k]
+        if k != own and (not math.isfinite(n) or n > bound):
+            clipped[k] = n / bound if math.isfinite(n) else math.inf
+            out[k] = (loss, s, _scaled(g, bound / n) if math.isfinite(n) and n > 0 else _scaled(g, 0.0))
+        else:
+            out[k] = (loss, s, g)
+    return out, clipped
+
+
+def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float = 0.2) -> Any:
+    """Coordinate-wise trimmed, weighted mean.
+
+    Args:
+        vectors: equal-length float32 vectors, shape ``(bucket_len,)``.
+        weights: one non-negative weight per vector (samples).
+        trim: fraction of the vectors dropped at each end per coordinate, in ``[0, 0.5)``;
+            ``floor(trim * n)`` of them (none when ``n < 3``).
+
+    Returns:
+        A float32 vector of shape ``(bucket_len,)``.
+    """
+    n = len(vectors)
+    cut = int(math.floor(trim * n)) if n >= 3 else 0
+    if np is not None:
+        m = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])          # (n, len)
+        w = np.asarray(weights, dtype=np.float64)
+        order = np.argsort(m, axis=0, kind="stable")
+        keep = order[cut:n - cut]                                                 # (n - 2 cut, len)
+        vals = np.take_along_axis(m, keep, axis=0)
+        ws = w[keep]
+        return (np.sum(vals * ws, axis=0) / np.maximum(np.sum(ws, axis=0), 1e-300)).astype(np.float32)
+    length = len(vectors[0])
+    out = array("f", [0.0] * length)
+    for i in range(length):
+        col = sorted(((float(v[i]), float(w)) for v, w in zip(vectors, weights)), key=lambda t: t[0])
+        col = col[cut:n - cut]
+        tw = sum(w for _, w in col)
+        out[i] = sum(x * w for x, w in col) / tw if tw > 0 else 0.0
+    return out
+
+
+__all__ = ["AGGREGATES", "CLIP_FACTOR", "clip_to_median_norm", "l2_norm", "trimmed_mean"]

@@ -1,0 +1,309 @@
+"""What a native rank (:mod:`tabcohort.runtime.native`) and a tab rank
+(:mod:`tabcohort.runtime.tab`) share: the checks on what the server hands out, the machine for
+one seat, the server's controls, and leaving the cohort (PROTOCOL.md, "Native bring-up",
+"Controls"; docs/INTERFACES.md, "Close codes and reconnects").
+
+The runtimes differ only in how they fetch, upload and show (aiohttp and a terminal, or the
+page's ``fetch`` and UI); those stay in their modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from array import array
+from typing import Any, Awaitable, Callable
+
+from ..errors import ConfigError, TabcohortError
+
+
+def step_limit(job: dict) -> int | None:
+    """The job's exact step limit for the machine (docs/PROTOCOL-NOTES.md, note 13); None = none."""
+    steps = job.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
+
+
+def check_topology(job: dict, who: str) -> None:
+    """Raises ConfigError unless the room's topology is star or mesh."""
+    if job.get("topology") not in ("star", "mesh"):
+        raise ConfigError("topology", job.get("topology"), f"{who} supports the star and mesh topologies")
+
+
+def check_dataset(job: dict, ds: Any) -> None:
+    """Raises TabcohortError unless ``ds`` is the job's dataset (its content hash)."""
+    if ds.content_hash() != job["dataset_info"]["sha256"]:
+        raise TabcohortError(f"dataset content hash {ds.content_hash()} != the job's {job['dataset_info']['sha256']}")
+
+
+def checked_job_hash(job: dict, ds: Any, worker: Any) -> str:
+    """The job hash of ``worker`` over ``ds``, checked against the server's.
+
+    Raises:
+        TabcohortError: it differs (different model code).
+    """
+    from ..protocol import job_hash
+    from ..protocol.optim import TrainConfig
+
+    jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len, TrainConfig.from_job(job).spec())
+    if jh != job["job_hash"] or job["model"].get("bucket_len", worker.bucket_len) != worker.bucket_len:
+        raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different model code?")
+    return jh
+
+
+def make_checked_worker(job: dict, ds: Any, *, batch: int | None, backend: str) -> tuple[Any, str]:
+    """The job's worker over ``ds``, and the job hash, checked against the server's.
+
+    Raises:
+        TabcohortError: the dataset's content hash or the job hash differs from the job's
+            (different data or model code).
+    """
+    from ..model import make_worker
+
+    check_dataset(job, ds)
+    worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=batch or job["batch"], seed=job["seed"],
+                         backend=backend, activation=job["activation"])
+    return worker, checked_job_hash(job, ds, worker)
+
+
+def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var: str = "--trust-job",
+                       job_var: str = "--job") -> Any:
+    """What a native rank may run for the room's module job (README "Trust model"): the local
+    copy ``local`` (its code hash must be the room's), ``None`` = the server's code (``trust``),
+    or a ConfigError naming both options.
+
+    Raises:
+        ConfigError: neither option, or the local copy's code hash differs.
+    """
+    from ..jobs import find_source
+    name, want = info.get("name"), info.get("code_sha256")
+    if local:
+        src = find_source(local)
+        if src.code_sha256 != want:
+            raise ConfigError(job_var, local, f"this copy's code hash {src.code_sha256[:16]} is not the room's job "
+                              f"{name!r} (code sha256 {str(want)[:16]}): a different version; get the room's "
+                              f"version or use {trust_var} to run the server's")
+        return src
+    if trust:
+        return None
+    raise ConfigError(trust_var, False, f"the room runs the job {name!r} (code sha256 {str(want)[:16]}, "
+                      f"{info.get('code_bytes')} bytes) that the server serves; a native rank never runs a "
+                      f"server's code silently: pass --trust-job (or TABCOHORT_TRUST_JOB=1) to run it, or "
+                      f"--job PATH naming your local copy of the job (its hash must match)")
+
+
+def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int | None,
+                       backend: str) -> tuple[Any, str]:
+    """A module job's worker from its code (a :class:`tabcohort.jobs.JobSource`) and its data
+    (``.npz`` bytes), and the job hash, checked against the server's.
+
+    Raises:
+        TabcohortError: the data's sha256 or the job hash differs from the job's.
+        JobError: the job's code fails to import or its factory raises.
+    """
+    from ..jobs import JobData, LoadedJob
+
+    info = job["job_info"]
+    data = JobData.from_npz(data_raw)
+    if data.sha256 != info["data_sha256"]:
+        raise TabcohortError(f"the job's data sha256 {data.sha256} != the job's {info['data_sha256']}")
+    loaded = LoadedJob(src, src.import_module(), data)
+    worker = loaded.make_worker(batch=batch or job["batch"], seed=job["seed"], backend=backend)
+    from ..protocol.optim import TrainConfig
+    jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
+    if jh != job["job_hash"] or worker.bucket_len != job["bucket_len"]:
+        raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different job code or data?")
+    return worker, jh
+
+
+def load_checkpoint(worker: Any, data: bytes, headers: dict, *, state_len: int = 0) -> tuple[int, Any]:
+    """Set the worker's parameters from a checkpoint body (the parameters, then
+    ``state_len`` float32 values of the leader's optimizer state: PROTOCOL.md "Local steps and
+    optimizer state"); returns its step and the state (``array('f')``, or None when
+    ``state_len`` is 0).
+
+    Raises:
+        TabcohortError: the length or the sha256 (``X-Tabcohort-Digest``) does not match.
+    """
+    n = worker.bucket_len
+    if len(data) != 4 * (n + state_len) or hashlib.sha256(data).hexdigest() != headers.get("X-Tabcohort-Digest"):
+        raise TabcohortError("the server's checkpoint is corrupt (length or digest mismatch)")
+    v = array("f")
+    v.frombytes(data[:4 * n])
+    worker.set_params(v)
+    state = None
+    if state_len:
+        state = array("f")
+        state.frombytes(data[4 * n:])
+    return int(headers.get("X-Tabcohort-Step") or 0), state
+
+
+def params_bytes(p: Any) -> bytes:
+    """A parameter vector as little-endian float32 bytes (the checkpoint body)."""
+    return array("f", p).tobytes() if not hasattr(p, "astype") else p.astype("<f4").tobytes()
+
+
+def checkpoint_body(machine: Any, worker: Any) -> tuple[bytes, str] | None:
+    """The checkpoint body a leader uploads: its parameters, then its optimizer state (none
+    for a stateless optimizer), float32 LE, and the body's sha256; None when a value is not
+    finite (a diverged model is never stored)."""
+    from ..vec import all_finite
+
+    p = worker.params()
+    state = machine.optimizer_state()
+    if not all_finite(p) or (state is not None and not all_finite(state)):
+        return None
+    data = params_bytes(p) + (params_bytes(state) if state is not None else b"")
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def upload_headers(machine: Any, bus: Any, body_digest: str, *, final: bool) -> dict[str, str]:
+    """The headers of a leader's checkpoint upload (``PUT /api/rooms/ROOM/checkpoint``): its id
+    and secret, the step, the body's sha256, its loss, its held-out accuracy (its own
+    evaluation: the server never decodes parameters, README "Checkpoints"), and whether it is
+    the run's final one."""
+    h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
+         "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": body_digest,
+         "X-Tabcohort-Loss": repr(float(machine.loss))}
+    acc = machine.accuracy
+    if isinstance(acc, (int, float)) and math.isfinite(acc):
+        h["X-Tabcohort-Accuracy"] = repr(float(acc))
+    if final:
+        h["X-Tabcohort-Final"] = "1"
+    return h
+
+
+def path_report(bus: Any) -> dict:
+    """The state report's ``links`` (each peer's path, keyed ``server`` or ``%08x``),
+    ``link_bytes`` (chunk bytes by path kind) and, on a bus with a path per peer,
+    ``pair_bytes`` (``%08x`` -> chunk bytes sent + received by path kind, e.g. ``{"tcp": n,
+    "relay": 0}``) of a :class:`~tabcohort.bus.base.RoomBus`."""
+    out = {"links": {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.paths().items()},
+           "link_bytes": bus.transport_bytes()}
+    pairs = getattr(bus, "pair_bytes", None)
+    if pairs is not None:
+        out["pair_bytes"] = {f"{k:08x}": v for k, v in pairs().items()}
+    return out
+
+
+class RankSession:
+    """One rank's life across its seats (a refused resume joins again as a new rank).
+
+    Subclasses fetch, upload and show; this class owns the stop state and the controls.
+    """
+
+    def __init__(self) -> None:
+        self.stop_event: asyncio.Event | None = None
+        self.stop_reason: str | None = None
+        self.failed: str | None = None
+        self.publish_seen = False
+        self.driver: Any = None
+        self.bus: Any = None
+        self.start_step = 0
+        #: the optimizer state the next seat starts from (a checkpoint's, or the last seat's)
+        self.start_state: Any = None
+        self.rejoin = False
+        self.n_rejoins = 0
+
+    def seat(self, bus: Any, worker: Any, job: dict, jh: str) -> tuple[Any, Any]:
+        """The machine and driver for one seat on ``bus`` (connected), at :attr:`start_step`."""
+        from ..protocol import RankMachine, Timing
+        from ..protocol.optim import TrainConfig
+        from .driver import RankDriver, bus_role
+
+        may_lead, peer_roles = bus_role(bus)
+        machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(asyncio.get_running_loop()),
+                              timing=Timing(**job["timing"]), lr=job["lr"], eval_every=job["eval_every"],
+                              precision=job["precision"], collect_rule=job.get("collect_rule", "quorum"),
+                              global_batch=job.get("global_batch"), step_limit=step_limit(job),
+                              aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
+                              may_lead=may_lead, train=TrainConfig.from_job(job), opt_state=self.start_state,
+                              start_step=int(self.start_step or 0))
+        machine.set_roles(may_lead=may_lead)   # the server names roles: enforced
+        for k, may in peer_roles.items():      # the server's word on each peer's role
+            machine.peer_role(k, may)
+
+        def at_limit(_state: dict) -> None:   # stopped at the job's step limit
+            if machine.at_step_limit and not machine.running:
+                self.request_stop(f"step limit {machine.step_limit} reached")
+        self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
+        return machine, self.driver
+
+    def rejoined(self, machine: Any) -> None:
+        """The server refused this seat's resume: the next seat starts where this one was."""
+        self.rejoin = False
+        self.stop_event.clear()
+        self.start_step = machine.step
+        self.start_state = machine.optimizer_state()
+        self.n_rejoins += 1
+
+    def on_control(self, obj: dict) -> None:
+        """A server control (or the bus's ``failed``), after the bus handled it."""
+        from .driver import apply_roles
+
+        t = obj.get("type")
+        apply_roles(self.driver, obj)
+        if t == "peer" and obj.get("up") is False:
+            # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
+            k = obj.get("id")
+            if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
+                self.driver.peer_left(k)
+        elif t == "welcome" and isinstance(obj.get("peers"), list) and self.driver is not None:
+            # the link opened again: the ranks the server lists are the room's connected ranks,
+            # and a member it omits left meanwhile (PROTOCOL.md, "Membership and majority")
+            self.driver.roll_call(obj["peers"])
+        elif t == "lr":
+            # the operator's learning rate (the server sends it only on the operator's word):
+            # applied by the leader, whose rounds carry it (PROTOCOL.md "Controls": set_lr)
+            lr = obj.get("lr")
+            if (self.driver is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                    and math.isfinite(lr) and 0 < lr <= 1e6):
+                self.driver.set_lr(float(lr))
+        elif t == "stop":
+            reason = str(obj.get("reason"))
+            if reason.startswith("diverged"):   # the room ended because training diverged
+                self.failed = reason
+            self.request_stop(f"server: {reason}")
+        elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
+            self.rejoin = True              # the resume was refused: the run joins again
+            if self.stop_event is not None:
+                self.stop_event.set()
+        elif t == "failed":
+            self.failed = str(obj.get("reason"))
+            self.request_stop(f"link failed: {self.failed}")
+
+    def request_stop(self, why: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = why
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    async def leave(self, machine: Any, driver: Any, bus: Any, *, upload: Callable[[bool], Awaitable[None]],
+                    final_report: Callable[[], dict], poll_s: float = 0.02) -> dict:
+        """Leave the cohort: the leader publishes and uploads the final checkpoint, a follower
+        waits (bounded, 5 s) for that publication; then the final report, flushed (bounded, 2 s).
+
+        Returns:
+            The final state report (``final: True``) as ``final_report`` made it.
+        """
+        # (a leader that stopped at the job's step limit has published: it uploads the final
+        # checkpoint; a follower at the limit holds that publication already)
+        was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
+            machine.at_step_limit and machine.counters.get("published", 0) > 0)
+        # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
+        # "Controls": a stopping leader publishes); one seen earlier does not count
+        self.publish_seen = False
+        driver.stop()
+        end = time.monotonic() + 5.0
+        # (a rank that never became ready follows nobody: nothing to wait for)
+        while time.monotonic() < end and (machine.looping if was_leader else
+                                          machine.ready and not self.publish_seen and not machine.at_step_limit):
+            await asyncio.sleep(poll_s)
+        if was_leader and not bus.failed:
+            await upload(True)
+        st = final_report()
+        end = time.monotonic() + 2.0
+        while bus.queued_bytes() and bus.connected and time.monotonic() < end:
+            await asyncio.sleep(poll_s)
+        return st

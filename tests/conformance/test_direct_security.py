@@ -1,0 +1,124 @@
+"""A direct TCP path's listening port is reachable by anyone on the network: only a dialler that
+proves the pair's key (docs/PROTOCOL.md, "Direct TCP path") gets a chunk read. Real sockets on
+127.0.0.1 against a real server (the conformance harness's)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform == "emscripten", reason="sockets: native tiers only")
+
+
+@pytest.fixture
+def pair():
+    from .direct_harness import DirectHarness
+
+    h = DirectHarness("f32")
+    a, b = h.make(2)
+    yield h, a, b
+    h.close()
+
+
+def _beat(sender: int) -> list[bytes]:
+    from tabcohort.wire import FrameWriter
+
+    return FrameWriter(sender).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 7,
+                                      "backend": "x", "term": 1})
+
+
+async def _talk(port: int, data: bytes, wait_s: float = 2.0) -> bytes:
+    """Send ``data``, read until the listener closes (bounded)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(data)
+    got = b""
+    try:
+        while True:
+            x = await asyncio.wait_for(r.read(65536), wait_s)
+            if not x:
+                break
+            got += x
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+    w.close()
+    return got
+
+
+def test_a_stranger_without_the_key_is_refused_and_injects_nothing(pair):
+    from tabcohort.bus import direct
+
+    h, a, b = pair
+    lo = a if a.id < b.id else b   # the listener of the pair
+    delivered: list[dict] = []
+    lo.on_message = delivered.append
+    port = lo.connector.server.sockets[0].getsockname()[1]
+    frames = direct.frame(_beat(0xBAD))
+    # garbage, an HTTP request, a well-formed hello for no pending offer: closed, nothing read
+    for data in (os.urandom(60) + frames, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 40 + frames,
+                 direct.dial_hello(os.urandom(32), lo.id, 0xBAD, os.urandom(16)) + frames):
+        assert h.loop.run_until_complete(_talk(port, data)) == b""
+    # an offer pending for a peer, and a dialler with the wrong key: closed, nothing read
+    async def offer():
+        c = lo.connector.open(0xBAD, lo)
+        await asyncio.wait_for(_until(lambda: c.key is not None), 5)
+        return c
+    ch = h.loop.run_until_complete(offer())
+    wrong = direct.dial_hello(os.urandom(32), lo.id, 0xBAD, os.urandom(16))
+    assert h.loop.run_until_complete(_talk(port, wrong + frames)) == b""
+    drops = lo.connector.drops
+    assert drops.get("direct_bad_hello") == 2 and drops.get("direct_unexpected") == 1, drops
+    assert drops.get("direct_auth_failed") == 1, drops
+    assert not [m for m in delivered if m.get("from") == 0xBAD]
+    # the pair's own path is untouched
+    assert a.paths()[b.id] == "tcp" and b.paths()[a.id] == "tcp"
+    ch.close()
+
+
+def test_the_dialler_checks_the_listener_holds_the_key(pair):
+    """A listener that answers with a wrong MAC (not the peer announced): the dialler drops it."""
+    h, a, b = pair
+    hi = a if a.id > b.id else b
+
+    async def impostor() -> int:
+        async def serve(r, w):
+            await r.readexactly(60)
+            w.write(os.urandom(32))
+            await r.read()          # until the dialler hangs up
+            w.close()
+        srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return srv.sockets[0].getsockname()[1]
+    port = h.loop.run_until_complete(impostor())
+    n = hi.connector.drops.get("direct_auth_failed", 0)
+    downs: list[str] = []
+
+    class L:
+        id = hi.id
+
+        def channel_open(self, ch, m):
+            downs.append("open")
+
+        def channel_down(self, ch, why):
+            downs.append(why)
+
+        def channel_chunk(self, ch, c):
+            downs.append("chunk")
+
+        def channel_low(self, ch):
+            pass
+
+        def channel_signal(self, ch, s):
+            pass
+    async def dial():
+        hi.connector.open(0xBAD, L(), offer={"kind": "direct", "addr": f"127.0.0.1:{port}", "key": "ab" * 32})
+        await asyncio.wait_for(_until(lambda: downs), 10)
+    h.loop.run_until_complete(dial())
+    assert "open" not in downs and "chunk" not in downs, downs
+    assert hi.connector.drops.get("direct_auth_failed", 0) == n + 1
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)

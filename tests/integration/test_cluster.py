@@ -1,0 +1,350 @@
+"""Several ``tabcohort serve`` nodes as one cluster through a real ``redis-server`` (README
+"Cluster"): listing across nodes, ranks sent to the owner, failover after SIGKILL with the room's
+checkpoint from the shared directory, a Redis outage, and bad configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tabcohort_server import checkpoint as ckpt
+
+from .conftest import Proc, wait_for
+
+OP = "operator-token-for-tests-0123"
+ROOM = "digits"
+LEASE_MS, TICK_MS, TAKEOVER_MS, STAGGER_MS = 2000, 400, 2000, 1000
+#: the stated failover bound (cluster.ClusterTiming.failover_bound_ms with two eligible nodes)
+#: plus what a loaded 2-core machine adds: a node's tick is late, the claim and the checkpoint load
+FAILOVER_BOUND_S = (LEASE_MS + TICK_MS + TAKEOVER_MS + STAGGER_MS) / 1000 + 3.0
+#: the digits job's loss at a fresh init: cross-entropy of 10 classes at chance
+FRESH_LOSS = math.log(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server (Debian's package) on a free loopback port, no persistence."""
+
+    def __init__(self, tmp: pathlib.Path) -> None:
+        self.exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.port = _free_port()
+        self.tmp = tmp
+        self.p: subprocess.Popen | None = None
+        self.n_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.n_starts += 1
+        log = open(self.tmp / f"redis{self.n_starts}.log", "wb")
+        self.p = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no", "--dir", str(self.tmp)], stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self.ping, 10, "redis-server to answer PING")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path: pathlib.Path):
+    if shutil.which("redis-server") is None and not pathlib.Path("/usr/bin/redis-server").exists():
+        pytest.skip("redis-server is not installed (apt-get install redis-server; scripts/install-test.sh)")
+    r = RedisServer(tmp_path)
+    r.start()
+    yield r
+    r.kill()
+
+
+class Node:
+    """One ``tabcohort serve --redis`` process."""
+
+    def __init__(self, tmp: pathlib.Path, name: str, redis_url: str, ckdir: pathlib.Path, *extra: str) -> None:
+        self.name = name
+        self.proc = Proc(["serve", "--port", "0", "--room", ROOM, "--operator-token", OP,
+                          "--checkpoint-dir", str(ckdir), "--checkpoint-interval", "1",
+                          "--redis", redis_url, "--node-id", name,
+                          "--cluster-lease-ms", str(LEASE_MS), "--cluster-tick-ms", str(TICK_MS),
+                          "--cluster-takeover-ms", str(TAKEOVER_MS), *extra], tmp / f"node-{name}.log")
+
+        def url() -> str | None:
+            for line in self.proc.text().splitlines():
+                if line.startswith("URL "):
+                    return line.split()[1]
+            if self.proc.p.poll() is not None:
+                raise AssertionError(f"node {name} exited:\n" + self.proc.text())
+            return None
+        self.url = wait_for(url, 60, f"node {name}'s URL")
+
+    def get(self, path: str, *, follow: bool = True) -> tuple[int, dict | str, dict]:
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {OP}"})
+        opener = urllib.request.build_opener(*(() if follow else (_NoRedirect(),)))
+        try:
+            with opener.open(req, timeout=5) as r:
+                body = r.read().decode()
+                return r.status, (json.loads(body) if body.startswith("{") else body), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), dict(e.headers)
+
+    def state(self) -> dict:
+        return self.get(f"/api/rooms/{ROOM}")[1]
+
+    def rooms(self) -> dict:
+        return self.get("/api/rooms")[1]
+
+    def metrics(self) -> dict[str, float]:
+        text = self.get("/metrics")[1]
+        out = {}
+        for line in str(text).splitlines():
+            if line.startswith("tabcohort_cluster_"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *a, **k):  # noqa: D401 - urllib's hook
+        return None
+
+
+def _owner(node: Node) -> str | None:
+    rooms = node.rooms()
+    got = [r for r in rooms.get("rooms", []) if r["room"] == ROOM]
+    return got[0]["owner"] if got else None
+
+
+def _logs(*procs: Proc) -> str:
+    return "\n".join(f"--- {p.log.name}\n{p.text()[-4000:]}" for p in procs)
+
+
+def _rank(tmp: pathlib.Path, server: str, n: int) -> Proc:
+    """A native rank with the cluster's trainer credential (the nodes keep it in the shared
+    checkpoint directory), so it may lead (docs/PROTOCOL.md, "Untrusted ranks")."""
+    token = (tmp / "shared-ckpt" / ".trainer-token").read_text().strip()
+    return Proc(["rank", "--server", server, "--room", ROOM], tmp / f"rank{n}.log",
+                env={"TABCOHORT_TRAINER_TOKEN": token})
+
+
+def start_a_then_b(tmp_path: pathlib.Path, redis_url: str, procs: list[Proc], *extra: str) -> tuple[Node, Node]:
+    """Node A, once it owns the room, then node B, sharing ``tmp_path / "shared-ckpt"``; their
+    processes are appended to ``procs`` (the caller kills them)."""
+    ckdir = tmp_path / "shared-ckpt"
+    a = Node(tmp_path, "A", redis_url, ckdir, *extra)
+    procs.append(a.proc)
+    wait_for(lambda: _owner(a) == "A", 10, "node A to own the room")
+    b = Node(tmp_path, "B", redis_url, ckdir, *extra)
+    procs.append(b.proc)
+    return a, b
+
+
+def test_a_room_on_node_a_is_listed_by_b_a_rank_at_b_trains_on_a_and_b_takes_over_after_sigkill(
+        redis_server, tmp_path):
+    ckdir = tmp_path / "shared-ckpt"          # one directory both nodes read and write
+    procs: list[Proc] = []
+    try:
+        a, b = start_a_then_b(tmp_path, redis_server.url, procs)
+        # listed by B with its owner; B's API and page send clients to A (307), B's socket to A (4012)
+        listed = [r for r in b.rooms()["rooms"] if r["room"] == ROOM][0]
+        assert listed["owner"] == "A" and listed["owner_url"] == a.url, listed
+        code, _, headers = b.get(f"/api/rooms/{ROOM}/job", follow=False)
+        assert code == 307 and headers["Location"] == f"{a.url}/api/rooms/{ROOM}/job"
+        code, _, headers = b.get(f"/?room={ROOM}", follow=False)
+        assert code == 307 and headers["Location"] == f"{a.url}/?room={ROOM}"
+        # a page that says A died (a tab's failover) while A's heartbeat is live goes back to A
+        code, _, headers = b.get(f"/?room={ROOM}&failover={a.url}", follow=False)
+        assert code == 307 and headers["Location"].startswith(f"{a.url}/?room={ROOM}"), (code, headers)
+        assert a.url in [n["url"] for n in b.rooms()["nodes"]]   # (what a page keeps for its failover)
+        for bad in ("javascript:alert(1)", "<b>x</b>", "http://", "x" * 3000):   # not an origin: ignored
+            code, _, headers = b.get(f"/?room={ROOM}&failover={urllib.parse.quote(bad)}", follow=False)
+            assert code == 307 and headers["Location"].startswith(f"{a.url}/?room={ROOM}"), (bad, code)
+
+        ranks = [_rank(tmp_path, b.url, i) for i in range(2)]     # pointed at B
+        procs += ranks
+        st = wait_for(lambda: (s := a.state())["n_connected"] == 2 and s["step"] >= 200 and s
+                      and (s.get("checkpoint") or {}).get("step", 0) >= 100 and s, 60,
+                      "2 ranks to train on node A with a checkpoint")
+        assert b.get(f"/api/rooms/{ROOM}", follow=False)[0] == 307
+        first_loss = st["loss"]
+        assert first_loss < 0.5 * FRESH_LOSS      # trained on A
+        wait_for(lambda: (c := a.state()["checkpoint"]) and c["step"] > st["checkpoint"]["step"], 10,
+                 "a later checkpoint")
+        ids_before = sorted(r["id"] for r in a.state()["ranks"] if r["connected"])
+        last_loss_on_a = a.state()["loss"]
+
+        t_kill = time.monotonic()
+        a.proc.p.send_signal(signal.SIGKILL)
+        a.proc.p.wait(10)
+        on_disk = ckpt.load(str(ckdir), ROOM)
+        assert on_disk is not None
+        ck_step = on_disk[0]["step"]
+
+        wait_for(lambda: _owner(b) == "B", FAILOVER_BOUND_S + 5, "node B to own the room")
+        took = time.monotonic() - t_kill
+        print(f"\nfailover: node B owns the room {took:.2f} s after SIGKILL of A (lease {LEASE_MS} ms; "
+              f"bound {FAILOVER_BOUND_S:.1f} s)")
+        assert took <= FAILOVER_BOUND_S
+        sb = b.state()
+        assert sb["resumed_from_step"] == ck_step, (sb["resumed_from_step"], ck_step)
+        assert b.get(f"/?room={ROOM}&failover={a.url}", follow=False)[0] == 200   # the moved page, here
+
+        # the ranks, sent back to B by their reconnect, resume their ids there and train on
+        sb = wait_for(lambda: (s := b.state())["n_connected"] == 2 and s["loss"] is not None
+                      and s["step"] > ck_step and s, 40, "both ranks to resume on node B")
+        resumed_s = time.monotonic() - t_kill
+        ids_after = sorted(r["id"] for r in sb["ranks"] if r["connected"])
+        assert ids_after == ids_before
+        first_loss_on_b = sb["loss"]
+        print(f"ranks resumed on B {resumed_s:.2f} s after the kill; loss: on A at step {st['step']} "
+              f"{first_loss:.4f}, last on A {last_loss_on_a:.4f}, first on B {first_loss_on_b:.4f} "
+              f"(step {sb['step']} >= checkpoint {ck_step}; a fresh init is {FRESH_LOSS:.2f})")
+        assert math.isfinite(first_loss_on_b)
+        assert first_loss_on_b <= max(3 * last_loss_on_a, last_loss_on_a + 0.05)
+        assert first_loss_on_b < 0.1 * FRESH_LOSS
+
+        # a rank that joins B now starts from the checkpoint B loaded from the shared directory
+        fresh = _rank(tmp_path, b.url, 2)
+        procs.append(fresh)
+        # ("loaded checkpoint [ID] at step N (DIGEST)": the id of the history entry, when it has one)
+        got = wait_for(lambda: next((m for ln in fresh.text().splitlines()
+                                     if (m := re.search(r"loaded checkpoint (\S+ )?at step (\d+)", ln))), None),
+                       30, "the fresh rank to load B's checkpoint")
+        assert int(got.group(2)) >= ck_step
+
+        # stop on B: every rank ends with the leader's parameters, and so does B's final checkpoint
+        # (ready, each of them: a rank that is still joining at the stop leaves with the
+        # checkpoint it loaded, not the final model)
+        wait_for(lambda: (s := b.state())["n_connected"] == 3
+                 and sum(bool(r["connected"] and r["report"] and r["report"].get("ready")) for r in s["ranks"]) == 3,
+                 60, "3 ready ranks on B")
+        req = urllib.request.Request(f"{b.url}/api/rooms/{ROOM}/stop", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {OP}"})
+        urllib.request.urlopen(req, timeout=5).close()
+        finals = wait_for(lambda: (fs := [r["report"] for r in b.state()["ranks"]
+                                          if r["report"] and r["report"].get("final")]) and len(fs) == 3 and fs,
+                          30, "3 final reports")
+        digests = {r["digest"] for r in finals}
+        assert len(digests) == 1, finals
+        for p in ranks + [fresh]:
+            assert p.p.wait(30) == 0, p.text()
+        final = wait_for(lambda: (c := b.state()["checkpoint"]) and c["final"] and c, 10, "B's final checkpoint")
+        assert final["digest"] in digests
+        print(f"stop on B at step {final['step']}: 3 ranks bit-identical ({final['digest'][:16]})")
+    except BaseException:
+        print(_logs(*procs))
+        raise
+    finally:
+        for p in procs:
+            p.kill()
+            p.fh.close()
+
+
+def test_a_redis_outage_keeps_rooms_relaying_and_the_owner_reasserts_its_room(redis_server, tmp_path):
+    ckdir = tmp_path / "shared-ckpt"
+    procs: list[Proc] = []
+    try:
+        a = Node(tmp_path, "A", redis_server.url, ckdir)
+        procs.append(a.proc)
+        wait_for(lambda: _owner(a) == "A", 10, "node A to own the room")
+        b = Node(tmp_path, "B", redis_server.url, ckdir)
+        procs.append(b.proc)
+        rank = _rank(tmp_path, a.url, 0)
+        procs.append(rank)
+        wait_for(lambda: a.state()["step"] > 50, 60, "the rank to train on A")
+
+        redis_server.kill()
+        t0 = time.monotonic()
+        steps = [a.state()["step"]]
+        m = wait_for(lambda: (m := a.metrics()).get("tabcohort_cluster_redis_up") == 0.0 and m, 5,
+                     "A's /metrics to show Redis down")
+        while time.monotonic() - t0 < 10.0:      # a 10 s outage; the room relays throughout
+            s = a.state()
+            assert s["n_connected"] == 1 and s["step"] >= steps[-1]
+            steps.append(s["step"])
+            time.sleep(0.5)
+        m = a.metrics()
+        print(f"\noutage 10 s: room step {steps[0]} -> {steps[-1]}; A metrics {m}")
+        assert steps[-1] > steps[0] + 100
+        assert m["tabcohort_cluster_redis_up"] == 0.0 and m["tabcohort_cluster_redis_down_seconds"] >= 5
+        assert m[f'tabcohort_cluster_room_owned{{room="{ROOM}"}}'] == 1.0
+        assert m[f'tabcohort_cluster_lease_unconfirmed{{room="{ROOM}"}}'] == 1.0
+        assert b.rooms()["cluster"] == "unavailable"
+
+        redis_server.start()                      # back, empty: the owner re-asserts its lease
+        wait_for(lambda: a.metrics().get("tabcohort_cluster_redis_up") == 1.0, 10, "A to reach Redis again")
+        wait_for(lambda: _owner(b) == "A", 10, "B to see A own the room again")
+        ma, mb = a.metrics(), b.metrics()
+        assert ma['tabcohort_cluster_events_total{event="reasserted"}'] + ma[
+            'tabcohort_cluster_events_total{event="claims"}'] >= 2, ma
+        assert mb['tabcohort_cluster_events_total{event="claims"}'] == 0.0, mb
+        assert ma[f'tabcohort_cluster_lease_unconfirmed{{room="{ROOM}"}}'] == 0.0
+        assert a.state()["n_connected"] == 1
+        # B does not take the room after its takeover period either
+        t1 = time.monotonic()
+        while time.monotonic() - t1 < (TAKEOVER_MS + STAGGER_MS + 2 * TICK_MS) / 1000:
+            assert _owner(b) == "A"
+            time.sleep(0.3)
+    except BaseException:
+        print(_logs(*procs))
+        raise
+    finally:
+        for p in procs:
+            p.kill()
+            p.fh.close()
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1:6379/0", "expected a redis://"),
+    ("redis://127.0.0.1:6379/zero", "is not a number"),
+    ("redis://127.0.0.1:{closed}/0", "Redis does not answer"),
+])
+def test_bad_redis_configuration_is_an_error_naming_the_flag_before_serving(tmp_path, url, why):
+    url = url.format(closed=_free_port())
+    port = _free_port()
+    p = Proc(["serve", "--port", str(port), "--room", ROOM, "--dataset", "synthetic", "--redis", url],
+             tmp_path / "serve.log")
+    try:
+        assert p.p.wait(60) == 2, p.text()
+    finally:
+        p.kill()
+        p.fh.close()
+    out = p.text()
+    assert "configuration error: --redis" in out and why in out and url in out, out
+    assert "URL " not in out          # it never served
+
+
+def test_tabcohort_redis_variable_is_named_when_it_is_bad(tmp_path):
+    import sys
+
+    from .conftest import ROOT, _env
+    env = dict(_env(), TABCOHORT_REDIS="redis://127.0.0.1:notaport/0")
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0",
+                        "--dataset", "synthetic"], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "TABCOHORT_REDIS" in r.stderr, r.stderr

@@ -1,0 +1,191 @@
+"""Module jobs without a server (tabcohort.jobs; README "Write your own job", "Trust model"):
+the stdlib .npz reader and writer, the code bundle a server serves and a rank unpacks, the job
+hash, the worker wrapper, and what a native rank may run."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import zipfile
+from array import array
+
+import pytest
+
+from tabcohort._compat import np
+from tabcohort.errors import ConfigError
+from tabcohort.jobs import (JobData, JobError, LoadedJob, find_source, load_bundle, load_job, probe,
+                            source_bundle)
+from tabcohort.jobs.arrays import ArrayFormatError, NdArray, npy_bytes, read_npz, write_npz
+from tabcohort.runtime.session import trusted_job_source
+
+JOB = '''\
+from array import array
+SPEC = {"name": "const"}
+
+
+class W:
+    backend = "python"
+
+    def __init__(self, batch):
+        self.batch, self.bucket_len, self.p = batch, 3, array("f", [1.0, 2.0, 3.0])
+
+    def params(self):
+        return array("f", self.p)
+
+    def set_params(self, v):
+        self.p = array("f", v)
+
+    def grads(self, offset, samples):
+        return 0.5, array("f", [1.0, 1.0, float(offset)])
+
+    def evaluate(self):
+        return 0.25
+
+
+def make_worker(data, *, batch, seed, backend):
+    return W(batch)
+'''
+
+
+def _job(tmp_path, src=JOB, name="constjob.py"):
+    p = tmp_path / name
+    p.write_text(src)
+    return str(p)
+
+
+def test_npz_round_trip_is_deterministic_and_keeps_shapes():
+    a = NdArray("<f4", (2, 3), array("f", [0.5, -1.0, 2.0, 3.0, 4.0, 1e-3]))
+    b = NdArray("<i4", (4,), array("i", [1, -2, 3, 2**31 - 1]))
+    raw = write_npz({"x": a, "y": b}, extra=[("job.json", b"{}")])
+    assert raw == write_npz({"y": b, "x": a}, extra=[("job.json", b"{}")])   # same arrays, same bytes
+    arrays, other = read_npz(raw)
+    assert arrays["x"].shape == (2, 3) and list(arrays["x"].data) == list(a.data)
+    assert arrays["y"].descr == "<i4" and list(arrays["y"].data) == [1, -2, 3, 2**31 - 1]
+    assert other == {"job.json": b"{}"}
+    # the header is padded to a multiple of 64 bytes (NEP 1, version 1.0)
+    hlen = int.from_bytes(npy_bytes(a)[8:10], "little")
+    assert (10 + hlen) % 64 == 0
+
+
+@pytest.mark.needs_numpy
+def test_npz_is_numpys_format_both_ways():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    arrays, _ = read_npz(write_npz({"x": x, "m": np.array([True, False])}))
+    assert np.array_equal(arrays["x"].numpy(), x) and arrays["m"].descr == "|u1"
+    with np.load(io.BytesIO(write_npz({"x": x}))) as z:
+        assert np.array_equal(z["x"], x)
+    buf = io.BytesIO()
+    np.savez(buf, a=np.arange(5, dtype=np.int64), b=x)
+    got, _ = read_npz(buf.getvalue())
+    assert list(got["a"].data) == [0, 1, 2, 3, 4] and np.array_equal(got["b"].numpy(), x)
+
+
+def test_bad_npz_members_are_refused():
+    with pytest.raises(ArrayFormatError, match="not an .npz"):
+        read_npz(b"not a zip")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        header = b"{'descr': '<c16', 'fortran_order': False, 'shape': (1,), }\n"
+        z.writestr("x.npy", b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(16))
+    with pytest.raises(ArrayFormatError, match="x.npy: dtype '<c16' is not supported"):
+        read_npz(buf.getvalue())
+    bad = npy_bytes(NdArray("<f4", (3,), array("f", [1, 2, 3])))[:-4]   # one value short
+    with pytest.raises(ArrayFormatError, match="data bytes for shape"):
+        from tabcohort.jobs.arrays import parse_npy
+        parse_npy(bad)
+
+
+def test_bundle_round_trip_keeps_the_code_hash(tmp_path):
+    src = find_source(_job(tmp_path))
+    assert src.module == "constjob" and src.factory == "make_worker"
+    again = load_bundle(src.bundle, expect_sha256=src.code_sha256, cache_dir=str(tmp_path / "cache"))
+    assert again.code_sha256 == src.code_sha256 and again.files == src.files
+    with pytest.raises(JobError, match="sha256"):
+        load_bundle(src.bundle, expect_sha256="0" * 64)
+    evil = source_bundle("constjob", {"../escape.py": b"x = 1\n"}, "make_worker")
+    with pytest.raises(JobError, match="bad file name"):
+        load_bundle(evil, cache_dir=str(tmp_path / "cache2"))
+    assert not (tmp_path / "escape.py").exists()
+
+
+def test_a_factory_name_after_a_colon(tmp_path):
+    path = _job(tmp_path, JOB + "\n\ndef other(data, *, batch, seed, backend):\n    return W(2 * batch)\n")
+    job = load_job(f"{path}:other")
+    w = job.make_worker(batch=4, seed=0, backend="python")
+    assert w.batch == 8 and job.source.factory == "other"
+    with pytest.raises(JobError, match=r"no function nope\(\)"):
+        load_job(f"{path}:nope")
+
+
+def test_job_hash_covers_code_data_and_spec(tmp_path):
+    a = load_job(_job(tmp_path))
+    w = probe(a, batch=4, seed=0, backend="python")
+    h = a.job_hash(w)
+    b = load_job(_job(tmp_path, JOB.replace('"const"', '"const2"'), name="constjob2.py"))
+    assert b.job_hash(b.make_worker(batch=4, seed=0, backend="python")) != h      # spec and code
+    c = LoadedJob(a.source, a.module, JobData.from_npz(write_npz({"x": NdArray("<f4", (1,), array("f", [1.0]))})))
+    assert c.job_hash(w) != h                                                        # data
+    assert len(h) == 32 and w.spec()["code_sha256"] == a.source.code_sha256
+
+
+def test_job_worker_defaults(tmp_path):
+    w = load_job(_job(tmp_path)).make_worker(batch=4, seed=0, backend="python")
+    loss, g = w.grads_sync(7, 2)
+    assert loss == 0.5 and list(g) == [1.0, 1.0, 7.0] and isinstance(g, array)
+    w.apply(array("f", [1.0, 2.0, 4.0]), 0.5)          # no apply in the job: plain SGD in float32
+    assert list(w.params()) == [0.5, 1.0, 1.0]
+    assert math.isnan(w.evaluate_loss()) and w.evaluate() == 0.25
+
+
+def test_a_data_hash_the_job_declares_is_checked(tmp_path):
+    want = hashlib.sha256(b"").hexdigest()   # a job without load_data has the empty data
+    assert load_job(_job(tmp_path, JOB + f"\nDATA_SHA256 = {want!r}\n")).data.sha256 == want
+
+
+def test_a_native_rank_runs_a_served_job_only_when_told(tmp_path):
+    src = find_source(_job(tmp_path))
+    info = {"name": "const", "code_sha256": src.code_sha256, "code_bytes": len(src.bundle)}
+    with pytest.raises(ConfigError) as e:
+        trusted_job_source(info, trust=False, local=None)
+    assert e.value.variable == "--trust-job"
+    assert "--trust-job" in str(e.value) and "TABCOHORT_TRUST_JOB=1" in str(e.value) and "--job PATH" in str(e.value)
+    assert trusted_job_source(info, trust=True, local=None) is None           # the server's code
+    assert trusted_job_source(info, trust=False, local=_job(tmp_path)).code_sha256 == src.code_sha256
+    (tmp_path / "edited").mkdir()
+    other = _job(tmp_path, JOB + "# an edit\n", name="edited/constjob.py")
+    with pytest.raises(ConfigError, match="is not the room's job 'const'") as e:
+        trusted_job_source(info, trust=True, local=other)                     # a local copy must match
+    assert e.value.variable == "--job"
+
+
+def test_a_package_job_and_a_module_name(tmp_path, monkeypatch):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .model import make_worker\nSPEC = {'name': 'pkg'}\n")
+    (pkg / "model.py").write_text(JOB)
+    src = find_source(str(pkg))
+    assert sorted(src.files) == ["mypkg/__init__.py", "mypkg/model.py"] and src.is_package
+    job = load_job(str(pkg))
+    assert job.name == "pkg" and job.make_worker(batch=2, seed=0, backend="python").bucket_len == 3
+    # the bundle of a package unpacks and imports elsewhere (relative imports included)
+    again = load_bundle(src.bundle, cache_dir=str(tmp_path / "cache"))
+    assert again.is_package and again.import_module().SPEC == {"name": "pkg"}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert find_source("mypkg").code_sha256 == src.code_sha256        # by module name: the same files
+    with pytest.raises(JobError, match="no such file"):
+        find_source("no_such_job_module_here")
+
+
+def test_a_job_workers_local_steps_sync_and_async_agree_and_leave_its_parameters_alone(tmp_path):
+    from ._drive import drive
+    w = load_job(_job(tmp_path)).make_worker(batch=4, seed=0, backend="python")
+    # SGD at lr 0.5 over grads (1, 1, offset): 3 inner steps at offsets 10, 12, 14
+    loss, pg = w.local_grads_sync(10, 2, 3, "sgd", 0.5)
+    assert loss == 0.5 and list(pg) == [1.5, 1.5, 18.0]          # 0.5 * sum of the inner grads
+    assert list(w.params()) == [1.0, 2.0, 3.0]                   # the worker's own parameters unchanged
+    (loss_a, pg_a), n_yields = drive(w.local_grads(10, 2, 3, "sgd", 0.5))
+    assert (loss_a, list(pg_a)) == (loss, list(pg)) and n_yields >= 2   # it yields between inner steps
+    calls = []
+    assert drive(w.local_grads(10, 2, 3, "sgd", 0.5, should_stop=lambda: calls.append(1) or True))[0] is None
+    assert calls == [1]                                          # abandoned after the first inner step

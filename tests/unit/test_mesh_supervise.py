@@ -1,0 +1,102 @@
+"""The mesh bus's supervise tick (tabcohort.bus.mesh.MeshBus.supervise), stepped with a number
+for the clock: the connect bound moves a pair to the relay, and the lower id tries its channel
+again after the backoff, on a late tick too (docs/PROTOCOL.md "Direct TCP path", Retry)."""
+
+from __future__ import annotations
+
+from tabcohort.bus.mesh import MeshBus
+from tabcohort.bus.path import RETRY_BASE_MS, PathState
+from tabcohort.bus.star import StarBus
+
+
+class _Socket:
+    """Records the controls the relay would send (the bus is never connected to a server)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def send_text(self, text: str) -> None:
+        self.sent.append(text)
+
+
+class _Channel:
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def buffered_bytes(self) -> int:
+        return 0
+
+    def send(self, chunks) -> None:
+        pass
+
+
+class _Connector:
+    """Channels that never open: every offer is recorded."""
+    can_pause = False
+    ice_servers: list[str] = []
+
+    def __init__(self) -> None:
+        self.drops: dict[str, int] = {}
+        self.opened: list[int] = []
+
+    def check(self) -> None:
+        pass
+
+    def open(self, peer, listener, *, offer_sdp=None):
+        self.opened.append(peer)
+        return _Channel(peer)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _mesh(me: int, peer: int):
+    t = [0.0]
+    relay = StarBus(_Socket(), "ws://127.0.0.1:1/api/rooms/r/ws")
+    connector = _Connector()
+    bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0])
+    relay.room.control({"type": "welcome", "id": me, "secret": "s", "peers": [me, peer]})
+    bus._on_control({"type": "peer", "id": peer, "up": True})
+    return bus, connector, t
+
+
+def test_the_lower_id_retries_a_relayed_pair_after_the_backoff_even_on_a_late_tick():
+    bus, connector, t = _mesh(1, 2)
+    assert connector.opened == [2] and bus.path(2).state is PathState.CONNECTING
+    t[0] = 3001.0
+    bus.supervise(t[0])                                   # the connect bound passed
+    p = bus.path(2)
+    assert p.state is PathState.RELAY and p.n_fallbacks == 1 and bus.fallbacks[-1][0] == 2
+    t[0] = p.retry_at_ms - 1
+    bus.supervise(t[0], late=True)
+    assert connector.opened == [2]                        # not yet due
+    t[0] = 3001.0 + RETRY_BASE_MS
+    bus.supervise(t[0], late=True)                        # due, on a late tick (a busy tab's loop)
+    assert connector.opened == [2, 2] and p.state is PathState.CONNECTING and p.retrying
+    assert bus.n_supervise_ticks == 3 and bus.n_late_ticks == 2
+
+
+def test_the_higher_id_never_offers_again_it_waits_for_the_lower_ids_offer():
+    bus, connector, t = _mesh(5, 2)
+    assert connector.opened == []                         # the lower id (2) offers
+    t[0] = 3001.0
+    bus.supervise(t[0])
+    assert bus.path(2).state is PathState.RELAY
+    t[0] += 10 * RETRY_BASE_MS
+    bus.supervise(t[0])
+    assert connector.opened == [] and bus.path(2).state is PathState.RELAY
+
+
+def test_a_late_tick_gives_no_idle_verdict():
+    bus, connector, t = _mesh(1, 2)
+    bus.channel_open(bus.channel_of[2], 65536)
+    assert bus.path(2).state is PathState.DIRECT
+    t[0] = 60_000.0                                       # no bytes from the peer for 60 s
+    bus.supervise(t[0], late=True)                        # but this loop was blocked
+    assert bus.path(2).state is PathState.DIRECT
+    bus.supervise(t[0] + 250.0)
+    assert bus.path(2).state is PathState.RELAY and "no bytes from the peer" in bus.path(2).why

@@ -1,0 +1,221 @@
+"""Untrusted ranks (PROTOCOL.md, "Untrusted ranks"): robust aggregation at the leader, rounds
+validated by followers, roles bound by the server, silent members and squatting candidates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tabcohort.protocol import Compute, Timing
+from tabcohort.protocol.robust import CLIP_FACTOR, clip_to_median_norm, l2_norm, trimmed_mean
+from tabcohort.vec import to_vector
+
+from .machine_helpers import beat, grad, rig, round_msg
+
+T = Timing()
+
+
+def leader(peers, **kw):
+    r = rig(1, now=-T.beat_ms, ready=True, **kw)
+    for p in peers:
+        r.m.handle(beat(p), now_ms=-T.beat_ms)
+    r.m.on_timer(now_ms=0)
+    r.drain()
+    return r
+
+
+def tick(r, until, peers=()):
+    while (d := r.m.next_deadline_ms()) is not None and d <= until:
+        for p in peers:
+            r.m.handle(beat(p), now_ms=d)
+        r.m.on_timer(now_ms=d)
+    for p in peers:
+        r.m.handle(beat(p), now_ms=until)
+
+
+# ---------------------------------------------------------------- the aggregation rules
+def test_clipping_bounds_a_poisoned_bucket_and_leaves_honest_ones_alone():
+    own = to_vector([0.1, -0.2, 0.3, 0.1])
+    honest = to_vector([0.12, -0.18, 0.25, 0.08])
+    poison = to_vector([1e30] * 4)
+    out, clipped = clip_to_median_norm({1: (1.0, 8, own), 2: (1.0, 8, honest), 3: (1.0, 8, poison)}, own=1)
+    assert set(clipped) == {3} and clipped[3] > 1e20
+    assert out[1][2] is own and out[2][2] is honest
+    assert math.isclose(l2_norm(out[3][2]), CLIP_FACTOR * l2_norm(own), rel_tol=1e-5)
+
+
+def test_with_one_other_bucket_the_leaders_own_norm_is_the_reference():
+    own = to_vector([0.1] * 4)
+    out, clipped = clip_to_median_norm({1: (1.0, 8, own), 2: (1.0, 8, to_vector([50.0] * 4))}, own=1)
+    assert set(clipped) == {2}
+    assert math.isclose(l2_norm(out[2][2]), CLIP_FACTOR * l2_norm(own), rel_tol=1e-5)
+
+
+def test_a_small_share_may_be_noisier_by_the_square_root_of_the_share_ratio():
+    own = to_vector([1.0] * 4)
+    noisy = to_vector([7.0] * 4)            # 7x the leader's norm, from 1 sample against 64
+    _, clipped = clip_to_median_norm({1: (1.0, 64, own), 2: (1.0, 1, noisy)}, own=1)
+    assert clipped == {}                    # its bound is 4 x 8 = 32x
+    _, clipped = clip_to_median_norm({1: (1.0, 64, own), 2: (1.0, 64, noisy)}, own=1)
+    assert set(clipped) == {2}
+
+
+def test_trimmed_mean_drops_the_extremes_per_coordinate():
+    vs = [to_vector([1.0, 10.0]), to_vector([2.0, -1e6]), to_vector([3.0, 11.0]),
+          to_vector([1e6, 12.0]), to_vector([2.0, 10.0])]
+    got = list(trimmed_mean(vs, [1, 1, 1, 1, 1], trim=0.2))
+    assert math.isclose(got[0], (2.0 + 3.0 + 2.0) / 3, rel_tol=1e-6)
+    assert math.isclose(got[1], (10.0 + 11.0 + 10.0) / 3, rel_tol=1e-6)
+
+
+def test_the_leader_clips_a_poisoning_follower_and_quarantines_it():
+    r = leader([2, 3], aggregate="clip")
+    r.m.start(now_ms=0)
+    t = 0.0
+    for _ in range(12):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        loss, g = r.w.grads_sync(own.offset, own.samples)
+        if col is not None:
+            if 2 in col.awaited:
+                r.m.handle(grad(2, 1, col.step, g=list(g), samples=col.shares[2], term=col.term), now_ms=t)
+            if 3 in col.shares:
+                r.m.handle(grad(3, 1, col.step, g=[1e30] * 4, samples=col.shares[3], term=col.term), now_ms=t)
+        r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
+        t += 1.0
+        tick(r, t, peers=(2, 3))
+    st = r.m.state(t)
+    assert r.m.clipped[3] >= 4 and f"{3:08x}" in st["quarantined"] and st["clipped"][f"{3:08x}"] >= 4
+    assert 3 not in r.m.shares                                  # quarantined: no share at all
+    assert all(math.isfinite(x) and abs(x) < 1e6 for x in r.w.params())
+
+
+# ---------------------------------------------------------------- followers validate rounds
+def test_a_follower_drops_rounds_with_an_absurd_lr_or_step():
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 3, lr=10000.0), now_ms=1)
+    r.m.handle(round_msg(1, 3, lr=-1.0), now_ms=1)
+    r.m.handle(round_msg(1, 2**64 - 1), now_ms=1)
+    assert r.m.drops["round_bad_lr"] == 2 and r.m.drops["round_bad_step"] == 1 and not r.m.ready
+    r.m.handle(round_msg(1, 3, lr=0.5), now_ms=2)
+    assert r.m.ready and r.m.lr == 0.5
+
+
+def test_with_roles_a_follower_adopts_rounds_only_from_a_rank_the_server_says_may_lead():
+    r = rig(5)
+    r.m.peer_role(1, False)
+    r.m.peer_role(2, True)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 3, params=[math.nan] * 4), now_ms=1)
+    r.m.handle(round_msg(9, 3), now_ms=1)                # not named by the server: may not lead
+    assert r.m.drops["round_not_trainer"] == 2 and not r.m.ready
+    r.m.handle(round_msg(2, 3), now_ms=2)
+    assert r.m.ready and r.m.following == 2
+
+
+def test_a_volunteer_never_bootstraps_nor_takes_over_and_a_trainer_with_a_higher_id_does():
+    vol = rig(1)
+    vol.m.set_roles(may_lead=False)
+    vol.m.peer_role(7, True)
+    tr = rig(7)
+    tr.m.peer_role(1, False)
+    vol.m.start(now_ms=0)
+    tr.m.start(now_ms=0)
+    t = 0.0
+    while t < 3000:
+        t += 100.0
+        vol.m.handle(beat(7, ready=tr.m.ready, running=True), now_ms=t)
+        tr.m.handle(beat(1, ready=vol.m.ready, running=True), now_ms=t)
+        vol.m.on_timer(now_ms=t)
+        tr.m.on_timer(now_ms=t)
+        vol.drain(), tr.drain()
+    assert tr.m.is_leader(t) and not vol.m.is_leader(t)
+    assert vol.m.counters["bootstrap"] == 0 and tr.m.counters["bootstrap"] == 1
+
+
+# ---------------------------------------------------------------- silent members, squatters
+def test_a_silent_member_is_waited_for_once_then_only_probed_until_it_delivers():
+    r = leader([2, 3], aggregate="mean", global_batch=12)
+    r.m.start(now_ms=0)
+    t, waits = 0.0, []
+    for _ in range(6):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        opened = t
+        r.m.handle(grad(2, 1, col.step, samples=col.shares[2], term=col.term), now_ms=t)   # 3 never answers
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t, samples=own.samples)
+        while r.m._collection is col:
+            t = r.m.next_deadline_ms()
+            tick(r, t, peers=(2, 3))
+        waits.append(t - opened)
+        assert r.m._collection is None or 3 not in r.m._collection.awaited or len(waits) == 1
+        t += 1.0
+        tick(r, t, peers=(2, 3))
+    assert waits[0] >= T.collect_ms - 1 and max(waits[1:]) < T.collect_ms / 4, waits
+    # a probe, not awaited (and, while probes go unanswered, at most one per PROBE_INTERVAL_MS)
+    assert r.m.state(t)["silent"] == [f"{3:08x}"] and r.m.shares.get(3) in (None, 1)
+
+
+def test_a_lowest_id_candidate_that_never_drives_is_not_deferred_to_past_a_takeover_window():
+    # rank 1 beats ready and running with the lineage's step but never sends a round: rank 2
+    # defers to it for one takeover window, then takes over itself
+    r = rig(2, now=-T.beat_ms, ready=True)
+    r.m.handle(beat(1, ready=True, running=True), now_ms=-T.beat_ms)
+    r.m.start(now_ms=0)
+    t = 0.0
+    while t < 4 * T.takeover_ms and not r.m.is_leader(t):
+        t += 100.0
+        r.m.handle(beat(1, ready=True, running=True), now_ms=t)
+        r.m.on_timer(now_ms=t)
+        r.drain()
+    assert r.m.is_leader(t) and r.m.counters["lead_candidate_skipped"] == 1
+    assert t <= 3 * T.takeover_ms, t
+
+
+def test_a_rejected_bucket_releases_the_round_at_once_and_the_sender_is_only_probed():
+    r = leader([2, 3], aggregate="mean", global_batch=12)
+    r.m.start(now_ms=0)
+    acts = r.drain()
+    own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+    col = r.m._collection
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=1, samples=own.samples)
+    r.m.handle(grad(2, 1, col.step, samples=col.shares[2], term=col.term), now_ms=2)
+    r.m.handle(grad(3, 1, col.step, samples=2**62, term=col.term), now_ms=3)    # claims more weight
+    assert r.m._collection is None and r.m.step == 1                           # finished at once
+    assert r.m.counters["released_rejected"] == 1 and r.m.state(3)["silent"] == [f"{3:08x}"]
+
+
+def test_a_higher_term_claimed_by_a_rank_that_may_not_lead_is_dropped_and_not_followed_upward():
+    r = rig(5, now=-T.beat_ms, ready=True)
+    r.m.peer_role(1, False)
+    r.m.peer_role(7, True)
+    r.m.handle(beat(1, term=2**64 - 1), now_ms=0)
+    assert r.m.drops["term_claim_not_trainer"] == 1 and r.m.roster.members[1].term == r.m.term
+    r.m.start(now_ms=0)
+    t = 0.0
+    while not r.m.is_leader(t) and t < 4 * T.takeover_ms:
+        t += 100.0
+        r.m.handle(beat(1, term=2**64 - 1), now_ms=t)
+        r.m.on_timer(now_ms=t)
+        r.drain()
+    assert r.m.is_leader(t) and r.m.term < 10          # its new term ignores the false claim
+
+
+def test_l2_norm_in_blocks_is_the_float64_norm_to_rounding():
+    import math as _m
+
+    np = pytest.importorskip("numpy")
+    from tabcohort.protocol.robust import NORM_BLOCK, l2_norm
+
+    rng = np.random.default_rng(5)
+    for n in (1, NORM_BLOCK - 1, NORM_BLOCK, 3 * NORM_BLOCK + 11):
+        v = (rng.standard_normal(n) * rng.choice([1e-20, 1.0, 1e15], n)).astype(np.float32)
+        exact = _m.sqrt(_m.fsum(float(x) * float(x) for x in v.astype(np.float64)))
+        assert l2_norm(v) == pytest.approx(exact, rel=1e-12)
+    big = float(np.float32(3e38))
+    assert l2_norm(np.full(10, big, dtype=np.float32)) == pytest.approx(big * _m.sqrt(10), rel=1e-12)
+    assert l2_norm(np.zeros(5, dtype=np.float32)) == 0.0

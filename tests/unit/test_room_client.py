@@ -1,0 +1,181 @@
+"""The room client core (tabcohort.bus.room): the relay protocol's rank side, stepped with
+plain controls and a number for the clock (docs/INTERFACES.md, "Bus" and "Close codes")."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tabcohort.bus.base import LinkBytes
+from tabcohort.bus.room import (CLOSE_MOVED, CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_ID, MAX_MOVES, RoomClient,
+                                http_base)
+from tabcohort.errors import ConfigError
+
+
+def joined(**kw) -> RoomClient:
+    rc = RoomClient(rng=random.Random(7), **kw)
+    assert rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [3, 5, 9]}) is not None
+    return rc
+
+
+def test_register_then_welcome_learns_id_secret_and_peers():
+    rc = RoomClient(token="t")
+    assert rc.register() == {"type": "register", "version": 1, "token": "t"}
+    assert not rc.connected
+    rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [3, 5, 9]})
+    assert (rc.id, rc.secret, rc.peers, rc.connected) == (5, "s", {3, 9}, True)
+
+
+@pytest.mark.parametrize("bad", [
+    {"type": "welcome", "id": "5", "secret": "s"}, {"type": "welcome", "id": 5},
+    {"type": "welcome", "id": True, "secret": "s"}, {"type": "welcome", "id": 5, "secret": "s", "peers": ["x"]},
+    {"type": "peer", "id": "3", "up": True}, {"type": "peer", "id": False, "up": True},
+    {"type": "pressure", "p": "high"}, {"type": "pressure", "p": True}, ["not", "a", "dict"]])
+def test_a_malformed_control_is_dropped_and_counted(bad):
+    rc = joined()
+    before = (rc.id, set(rc.peers), rc.relay_pressure)
+    assert rc.control(bad) is None
+    assert rc.drops == {"bad_control": 1}
+    assert (rc.id, rc.peers, rc.relay_pressure) == before
+
+
+def test_peer_pressure_and_stop_controls():
+    rc = joined()
+    rc.control({"type": "peer", "id": 4, "up": True})
+    rc.control({"type": "peer", "id": 3, "up": False})
+    rc.control({"type": "peer", "id": 5, "up": False})   # this rank itself: not a peer
+    assert rc.peers == {4, 9}
+    rc.control({"type": "pressure", "p": 0.75})
+    assert rc.pressure(0) == 0.75 and rc.pressure(rc.high_water_bytes * 2) == 2.0
+    rc.control({"type": "stop", "reason": "operator"})
+    assert rc.stopped_reason == "operator"
+
+
+def test_byte_counts_a_broadcast_once_per_known_peer():
+    rc = joined()
+    rc.count_sent(None, 100)
+    rc.count_sent(9, 10)
+    rc.count_received(3, 7)
+    assert rc.bytes() == {3: LinkBytes(100, 7), 9: LinkBytes(110, 0)}
+
+
+def test_admission_drops_while_disconnected_and_beyond_the_queue_bound():
+    rc = RoomClient(max_queue_bytes=1000)
+    assert not rc.admit(10, 0) and rc.drops == {"disconnected": 1}
+    rc.control({"type": "welcome", "id": 1, "secret": "s", "peers": []})
+    assert rc.admit(500, 500)
+    assert not rc.admit(501, 500) and rc.drops["send_overflow"] == 1
+
+
+def test_a_lost_socket_retries_at_full_jitter_deadlines_then_resumes():
+    rc = joined(reconnect_max_s=30.0)
+    at0 = rc.lost(1006, now_ms=1000.0)
+    assert at0 is not None and 1000.0 <= at0 <= 2000.0           # attempt 0: uniform(0, 1 s)
+    assert not rc.connected and rc.register()["resume"] == {"id": 5, "secret": "s"}
+    at1 = rc.lost(None, now_ms=at0)                                # the attempt failed (network)
+    assert at1 is not None and at0 <= at1 <= at0 + 2000.0          # attempt 1: uniform(0, 2 s)
+    at2 = rc.lost(CLOSE_RETRY_LATER, now_ms=at1)                   # rate-limited: retried too
+    assert at2 is not None and at1 <= at2 <= at1 + 4000.0
+    rc.control({"type": "welcome", "id": 5, "secret": "s2", "peers": [3]})
+    assert rc.connected and rc.n_reconnects == 1 and not rc.resuming and "resume" not in rc.register()
+
+
+def test_reconnecting_gives_up_after_reconnect_max_s():
+    rc = joined(reconnect_max_s=3.0)
+    t = 0.0
+    at = rc.lost(1006, now_ms=t)
+    while at is not None:
+        assert at <= 3000.0
+        t = at
+        at = rc.lost(None, now_ms=t)
+    assert rc.failed == "gave up reconnecting after 3 s" and not rc.rejoin
+    assert rc.fail("ignored") == {"type": "failed", "reason": "gave up reconnecting after 3 s", "rejoin": False}
+
+
+@pytest.mark.parametrize("code", [4000, 4001, 4009])
+def test_fatal_close_codes_end_the_bus(code):
+    rc = joined()
+    assert rc.lost(code, now_ms=0.0) is None
+    assert rc.failed == f"server closed the link: code {code}" and not rc.rejoin
+
+
+def test_a_refused_resume_ends_the_bus_with_rejoin():
+    rc = joined()
+    assert rc.lost(1001, now_ms=0.0) is not None                   # server shutdown: reconnect
+    assert rc.lost(CLOSE_UNKNOWN_ID, now_ms=500.0) is None          # the resume is refused
+    assert rc.failed == "server closed the link: code 4004" and rc.rejoin
+
+
+def test_a_first_registration_is_retried_only_when_rate_limited_and_within_the_bound():
+    rc = RoomClient(reconnect_max_s=2.0, rng=random.Random(1))
+    assert rc.refused(4001, now_ms=0.0) is None
+    at = rc.refused(CLOSE_RETRY_LATER, now_ms=0.0)
+    assert at is not None and 0.0 <= at <= 1000.0
+    rc2 = RoomClient(reconnect_max_s=0.0)
+    assert rc2.refused(CLOSE_RETRY_LATER, now_ms=0.0) is None       # no time left to wait
+
+
+def test_backlog_is_reported_when_it_moves_by_an_eighth_of_the_high_water_mark_or_to_zero():
+    rc = joined(high_water_bytes=800)
+    assert rc.backlog(0) is None
+    assert rc.backlog(10) == {"type": "backlog", "bytes": 10}      # from 0
+    assert rc.backlog(109) is None                                  # moved 99 < 100
+    assert rc.backlog(110) == {"type": "backlog", "bytes": 110}
+    assert rc.backlog(0) == {"type": "backlog", "bytes": 0}         # back to 0
+
+
+@pytest.mark.parametrize("kw", [{"high_water_bytes": 0}, {"max_queue_bytes": -1}, {"high_water_bytes": True},
+                                {"reconnect_max_s": -1}])
+def test_bad_bounds_name_the_setting(kw):
+    with pytest.raises(ConfigError) as e:
+        RoomClient(**kw)
+    assert next(iter(kw)) in str(e.value)
+
+
+def test_register_carries_the_trainer_token_and_welcome_and_peer_bind_the_roles():
+    rc = RoomClient(token="t", trainer_token="x" * 16)
+    assert rc.register() == {"type": "register", "version": 1, "token": "t", "trainer_token": "x" * 16}
+    rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [3, 9], "may_lead": True, "lead_peers": [9, True]})
+    assert rc.may_lead is True and rc.lead_roles == {3: False, 9: True}
+    rc.control({"type": "peer", "id": 4, "up": True, "may_lead": 1})     # only True says "may lead"
+    rc.control({"type": "peer", "id": 3, "up": True, "may_lead": True})
+    rc.control({"type": "peer", "id": 9, "up": False})
+    assert rc.lead_roles == {3: True, 4: False}
+    rc2 = joined()   # a welcome without roles: this rank does not lead
+    assert rc2.may_lead is False and rc2.lead_roles == {3: False, 9: False}
+
+
+def test_a_cluster_redirect_is_followed_then_a_dead_owner_sends_the_attempt_back_to_the_entry_url():
+    entry = "ws://a:8080/api/rooms/r/ws?x=1"
+    rc = RoomClient(entry)
+    assert rc.new_attempt() == entry
+    # the entry node does not own the room: 4012 with the owner's base URL, followed at once
+    assert rc.redirect(CLOSE_MOVED, "http://b:8081", reached=True) == ("ws://b:8081/api/rooms/r/ws?x=1", CLOSE_MOVED)
+    assert rc.n_moves == 1
+    # the owner does not answer (it died): the same attempt asks the entry node again ...
+    assert rc.redirect(None, "connection refused", reached=False) == (entry, None)
+    # ... which still names the dead owner: try again later (1013), not a loop
+    assert rc.redirect(CLOSE_MOVED, "http://b:8081", reached=True) == (None, CLOSE_TRY_AGAIN)
+    # the next attempt starts afresh; a reason that is not an http(s) base URL is not followed
+    rc.new_attempt()
+    for bad in ("ftp://b:1", "http://b:8081/path", "http://b:99999", "javascript:alert(1)", ""):
+        assert rc.redirect(CLOSE_MOVED, bad, reached=True) == (None, CLOSE_MOVED), bad
+    assert rc.url == entry
+
+
+def test_redirects_are_bounded_per_attempt_and_a_linked_socket_moved_keeps_the_owner():
+    rc = RoomClient("ws://a:1/api/rooms/r/ws")
+    rc.new_attempt()
+    for i in range(MAX_MOVES):
+        assert rc.redirect(CLOSE_MOVED, f"http://n{i}:1", reached=True)[0] == f"ws://n{i}:1/api/rooms/r/ws"
+    assert rc.redirect(CLOSE_MOVED, "http://m:1", reached=True) == (None, CLOSE_TRY_AGAIN)
+    rc.moved("https://owner.example.org")
+    assert rc.url == "wss://owner.example.org/api/rooms/r/ws" and http_base(rc.url) == "https://owner.example.org"
+    assert rc.new_attempt() == rc.url   # the next attempt goes to the owner, not the entry node
+
+
+def test_a_first_registration_is_retried_while_the_cluster_has_no_owner():
+    rc = RoomClient(reconnect_max_s=5.0, rng=random.Random(3))
+    assert rc.refused(CLOSE_TRY_AGAIN, now_ms=0.0) is not None
+    assert rc.refused(4001, now_ms=0.0) is None

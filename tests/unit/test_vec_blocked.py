@@ -1,0 +1,74 @@
+"""The leader's reduce and the numpy worker's update are computed in blocks (no full-length
+float64 temporaries) and must stay bit-identical to one full-length float64 accumulation
+(docs/PROTOCOL.md, "Leader: driving one round", steps 7-8)."""
+
+from __future__ import annotations
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+from tabcohort import vec  # noqa: E402
+
+
+def reference_mean(vectors, weights):
+    acc = np.zeros(len(vectors[0]), dtype=np.float64)
+    for w, v in zip(weights, vectors):
+        acc += float(w) * np.asarray(v, dtype=np.float64)
+    return acc.astype(np.float32)
+
+
+def hostile_values(rng, n):
+    """float32 values across the range: normal, tiny, subnormal, huge, signed zeros."""
+    scale = rng.choice(np.array([1e-38, 1e-42, 1e-3, 1.0, 1e20, 3e38], dtype=np.float64), n)
+    v = (rng.standard_normal(n) * scale).astype(np.float32)
+    v[rng.random(n) < 0.01] = -0.0
+    v[rng.random(n) < 0.01] = 0.0
+    return v
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [1, 3, vec.BLOCK - 1, vec.BLOCK, vec.BLOCK + 1, 3 * vec.BLOCK + 17])
+def test_blocked_weighted_mean_is_bit_identical_to_one_float64_accumulation(seed, n):
+    rng = np.random.default_rng(seed * 1000 + n)
+    k = int(rng.integers(1, 6))
+    vectors = [hostile_values(rng, n) for _ in range(k)]
+    samples = rng.integers(1, 1000, k)
+    weights = [s / samples.sum() for s in samples]
+    got = vec.weighted_mean(vectors, weights)
+    want = reference_mean(vectors, weights)
+    assert got.dtype == np.float32 and got.shape == (n,)
+    assert got.tobytes() == want.tobytes()   # bit for bit, signed zeros and infinities included
+
+
+def test_a_sum_that_overflows_float32_is_inf_in_both():
+    v = np.full(vec.BLOCK + 5, 3e38, dtype=np.float32)
+    got = vec.weighted_mean([v, v], [1.0, 1.0])
+    assert got.tobytes() == reference_mean([v, v], [1.0, 1.0]).tobytes() and np.isinf(got).all()
+
+
+@pytest.mark.parametrize("where", [0, vec.BLOCK - 1, vec.BLOCK, 2 * vec.BLOCK + 3])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_blocked_all_finite_finds_a_non_finite_in_any_block(where, bad):
+    v = np.ones(2 * vec.BLOCK + 4, dtype=np.float32)
+    assert vec.all_finite(v)
+    v[where] = bad
+    assert not vec.all_finite(v)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_numpy_worker_apply_is_bit_identical_to_the_float64_update(seed):
+    from tabcohort.model import load_dataset, make_worker
+
+    ds = load_dataset("digits", seed=seed)
+    w = make_worker(ds, hidden=(1100,), batch=8, seed=seed, backend="numpy")
+    rng = np.random.default_rng(seed)
+    p0 = w.params()
+    g = hostile_values(rng, w.bucket_len) * np.float32(1e-30)
+    g[:100] = rng.standard_normal(100).astype(np.float32)
+    lr = float(rng.uniform(0.01, 2.0))
+    w.apply(g, lr)
+    want = (p0.astype(np.float64) - lr * g.astype(np.float64)).astype(np.float32)
+    assert w.bucket_len > vec.BLOCK
+    assert w.params().tobytes() == want.tobytes()
