@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/client_py:$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
-common=(-q -p no:cacheprovider --timeout=600)
+common=(-q -p no:cacheprovider --timeout=600 --durations=12)
 tiers=("$@")
 lanes=0
 if [ ${#tiers[@]} -eq 0 ]; then
