@@ -109,11 +109,17 @@ def test_pressure_rises_when_a_receiver_stalls_and_falls_when_it_drains(harness)
     # the sender's pressure passed 1.0 depended on the channel's buffer at that moment)
     msg = grad(params_vector(20_000), to=b.id)
     posts = 0
-    while a.pressure() <= 1.0 and posts < 1000:
+    # The value a sender acts on is the one it read when it stopped posting: a second read may be
+    # lower by up to one backlog step (a stalled tab reports what it holds in steps of 1/8 of the
+    # high-water mark, so bytes that left the sender's channel buffer for the tab's held list are
+    # counted by neither until the next step). CI saw 0.98 on the read after a loop that ended > 1.
+    seen = a.pressure()
+    while seen <= 1.0 and posts < 1000:
         a.post(msg)
         posts += 1
         harness.settle()
-    assert a.pressure() > 1.0
+        seen = a.pressure()
+    assert seen > 1.0, f"pressure {seen} after {posts} posts to a stalled receiver"
     assert box[b.id] == []
     harness.stall(b, False)
     harness.settle()
