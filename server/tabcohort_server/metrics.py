@@ -62,6 +62,10 @@ class RoomCollector(Collector):
         pbytes = GaugeMetricFamily("tabcohort_rank_path_bytes", "Chunk bytes the connected ranks report "
                                    "sent + received on each kind of path (from both ends)",
                                    labels=["room", "path"])
+        robust = {k: GaugeMetricFamily(f"tabcohort_{name}", text, labels=["room"]) for k, name, text in (
+            ("quarantined", "ranks_quarantined", "Ranks a leader's robust aggregation has quarantined (no share)"),
+            ("silent", "ranks_silent", "Ranks a leader no longer awaits: given a share, they did not deliver"),
+            ("clipped", "buckets_clipped", "Buckets a leader clipped to its norm bound (the current leaders' counts)"))}
         refused = CounterMetricFamily("tabcohort_server_refused", "Requests and connections refused "
                                       "server-wide, by reason", labels=["reason"])
         for reason, n in sorted(self.refused.items()):
@@ -92,8 +96,10 @@ class RoomCollector(Collector):
                 npaths.add_metric([r.name, kind], n)
             for kind, n in sorted(path_bytes.items()):
                 pbytes.add_metric([r.name, kind], n)
+            for k, v in r.robustness().items():
+                robust[k].add_metric([r.name], v)
             for layer, by in r.rank_drops().items():
                 for reason, n in sorted(by.items()):
                     rdrops.add_metric([r.name, layer, reason], n)
         yield from (ranks, reserved, step, loss, acc, term, div, pres, frames, nbytes, fin, drops, rdrops, refused,
-                    leaders, ckpts, ck_step, ck_best, npaths, pbytes)
+                    leaders, ckpts, ck_step, ck_best, npaths, pbytes, *robust.values())

@@ -796,6 +796,19 @@ class Room:
                     out[kind][reason] = out[kind].get(reason, 0) + n
         return out
 
+    def robustness(self) -> dict[str, int]:
+        """What the leaders' robust aggregation did, from the connected ranks' validated reports
+        (docs/PROTOCOL.md "Untrusted ranks"): the most ranks any one report has ``quarantined``
+        and ``silent``, and the most buckets any one report says it ``clipped`` (each leader keeps
+        its own, so a maximum, not a sum: a leader change does not double count)."""
+        out = {"quarantined": 0, "silent": 0, "clipped": 0}
+        for p in self.connected.values():
+            rep = p.report or {}
+            out["quarantined"] = max(out["quarantined"], len(rep.get("quarantined") or {}))
+            out["silent"] = max(out["silent"], len(rep.get("silent") or ()))
+            out["clipped"] = max(out["clipped"], sum((rep.get("clipped") or {}).values()))
+        return out
+
     #: path names the metrics keep as labels (anything else a report says counts as ``other``)
     PATH_LABELS = ("tcp", "rtc", "relay", "connecting", "ws")
 

@@ -62,7 +62,8 @@ async def test_job_dataset_health_metrics(client):
     assert (await client.get("/api/rooms/r/checkpoint")).status == 404
     text = await (await client.get("/metrics")).text()
     for name in ("tabcohort_rooms", "tabcohort_ranks{", "tabcohort_step{", "tabcohort_frames_relayed_total",
-                 "tabcohort_bytes_relayed_total"):
+                 "tabcohort_bytes_relayed_total", "tabcohort_ranks_quarantined{", "tabcohort_ranks_silent{",
+                 "tabcohort_buckets_clipped{"):
         assert name in text
 
 

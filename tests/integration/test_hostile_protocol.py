@@ -70,3 +70,5 @@ def test_an_attacker_in_the_cohort_changes_nothing_the_honest_ranks_keep(cluster
     m = run["seen_metrics"]
     assert not new or any(metric(m, "tabcohort_rank_drops", room=cluster.room, layer="protocol", reason=k)
                           for k in new), new
+    if any((r.get("report") or {}).get("quarantined") for r in seen["ranks"]):
+        assert (metric(m, "tabcohort_ranks_quarantined", room=cluster.room) or 0) >= 1, m

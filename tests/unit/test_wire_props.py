@@ -1,7 +1,7 @@
 """Property tests (hypothesis): idempotence for every codec, and the two paths byte-identical.
 
-Issue 2: "For every codec, quantizing what was already quantized changes nothing"; "The numpy
-and pure-Python paths produce byte-identical frames".
+Every codec: quantizing what was already quantized changes nothing; the numpy
+and pure-Python paths produce byte-identical frames (docs/INTERFACES.md).
 """
 
 from __future__ import annotations

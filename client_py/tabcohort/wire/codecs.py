@@ -1,6 +1,6 @@
 """Wire-precision codecs: one small object per precision, in a registry keyed by wire name.
 
-Issue 2, "Precision codecs". Every codec is exact: the stdlib path and the numpy path produce
+docs/INTERFACES.md, wire precision. Every codec is exact: the stdlib path and the numpy path produce
 the same bytes, and decoding is a pure function of those bytes, so ``quantize(x)`` (decode of
 encode) is exactly what a receiver holds. For every codec ``q(q(x)) == q(x)`` bit for bit.
 
