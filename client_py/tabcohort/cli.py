@@ -265,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--checkpoint-interval", type=float, default=5.0, help="the leader uploads a checkpoint every this many seconds")
     v.add_argument("--report-interval", type=float, default=1.0, help="ranks report their state every this many seconds")
     v.add_argument("--beat-ms", type=float, default=400.0, help="protocol beat period, ms")
-    v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period, ms")
+    v.add_argument("--drop-ms", type=float, default=1600.0, help="protocol drop period, ms (at least 4 x --beat-ms)")
     v.add_argument("--collect-ms", type=float, default=2000.0, help="protocol collect window, ms")
-    v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period, ms")
+    v.add_argument("--takeover-ms", type=float, default=3200.0, help="protocol takeover period, ms (at least 8 x --beat-ms)")
     v.add_argument("--rtc-hosts", default=None, help="WebRTC ICE host addresses for --link rtc ranks, "
                    "comma-separated (e.g. 127.0.0.1 on a loopback-only host; default: aioice's list)")
     v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default: none)")
@@ -405,8 +405,7 @@ def _serve(a: argparse.Namespace) -> int:
         return _serve_checked(a)
     except ConfigError as e:  # a room field (``digits.steps``) or a Timing field -> the flag typed
         field = e.variable[len(a.room) + 1:] if e.variable.startswith(f"{a.room}.") else e.variable
-        if field == "allowed_origins":
-            field = "allow_origin"
+        field = {"allowed_origins": "allow_origin", "resume_grace_s": "grace"}.get(field, field)
         dest = field[:-2] if field.endswith("_s") else field
         if dest and "." not in dest and not dest.startswith("-") and hasattr(a, dest):
             raise ConfigError("--" + dest.replace("_", "-"), e.value, e.reason) from None
@@ -427,6 +426,12 @@ def _serve_checked(a: argparse.Namespace) -> int:
         flag, val = ("--dataset", a.dataset) if a.dataset != "digits" else ("--hidden", a.hidden)
         raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset and "
                           "--hidden are the built-in MLP job's")
+    # docs/PROTOCOL.md "Timing": the policy raises drop to 4 beats and takeover to 8, so a smaller
+    # value would be silently ignored; say so instead
+    for flag, val, k in (("--drop-ms", a.drop_ms, 4), ("--takeover-ms", a.takeover_ms, 8)):
+        if isinstance(val, (int, float)) and isinstance(a.beat_ms, (int, float)) and 0 < a.beat_ms and val < k * a.beat_ms:
+            raise ConfigError(flag, val, f"must be at least {k} x --beat-ms ({k * a.beat_ms:g} ms): "
+                              f"docs/PROTOCOL.md \"Timing\" derives it from the beat, so a smaller value has no effect")
     train, lr = _train_from(a, 0.5)
     job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
                     local_steps=train.local_steps, inner_optimizer=train.inner_optimizer, inner_lr=train.inner_lr,

@@ -108,6 +108,10 @@ def _state(url, room):
     (["--checkpoint-interval", "0"], "--checkpoint-interval=0.0"),
     (["--beat-ms", "0"], "--beat-ms=0.0"),
     (["--port", "99999"], "--port=99999"),
+    (["--grace", "-5"], "--grace=-5.0"),
+    # the policy derives drop and takeover from the beat: a smaller value would be silently ignored
+    (["--drop-ms", "100"], "--drop-ms=100.0"),
+    (["--beat-ms", "1000", "--drop-ms", "4000", "--takeover-ms", "4000"], "--takeover-ms=4000.0"),
 ])
 def test_serve_bad_listen_settings_are_config_errors(args, named):
     port = [] if "--port" in args else ["--port", "0"]

@@ -24,7 +24,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--ranks", "0"], "--ranks=0"), (["--lr", "inf"], "--lr=inf"), (["--link-loss", "1.5"], "--link-loss=1.5"),
     (["--kill-leader-at", "-1"], "--kill-leader-at=-1"), (["--precision", "f8"], "precision"),
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
-    (["--dataset", "nope"], "--dataset='nope'"),
+    (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
+    (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)

@@ -97,6 +97,12 @@ class InprocConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
                     math.isinf(v) and hi != math.inf):
                 raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
+        if self.max_seconds <= 0:
+            raise ConfigError("max_seconds", self.max_seconds, "must be > 0 (the run's time bound)")
+        if self.kill_leader_at_step and self.ranks < 2:
+            raise ConfigError("kill_leader_at_step", self.kill_leader_at_step,
+                              f"needs at least 2 ranks (--ranks {self.ranks}): killing the only rank leaves "
+                              "no one to take over")
         from ..wire.codecs import get_codec
         get_codec(self.precision)
         if self.collect_rule not in ("quorum", "grace"):
