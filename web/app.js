@@ -247,7 +247,10 @@ function makeRtc(post) {
     ch.binaryType = "arraybuffer";
     ch.bufferedAmountLowThreshold = e.lowWater;
     ch.onopen = () => {
-      tc.rtcOpened = (tc.rtcOpened || 0) + 1;
+      tc.rtcOpened = (tc.rtcOpened || 0) + 1;   // (a pair's channel reopened after a fallback counts again)
+      const k = `${e.link}:${e.peer}`;
+      tc.rtcOpenedKeys = tc.rtcOpenedKeys || [];
+      if (!tc.rtcOpenedKeys.includes(k)) tc.rtcOpenedKeys.push(k);
       const max = e.pc.sctp && e.pc.sctp.maxMessageSize;
       toWorker(e, "rtc-up", { bytes: Number.isFinite(max) && max > 0 ? Math.min(max, 262144) : 65536 });
     };

@@ -64,9 +64,12 @@ def test_two_tabs_and_a_native_rank_train_over_a_webrtc_mesh(cluster, tabs):
             assert ln["transport"] == "rtc" and ln["sent"] > 0 and ln["received"] > 0, (k, ln)
     room = cluster.state()
     assert room["counters"]["frames_relayed"] == 0, room["counters"]
-    # the tabs' channels are the page's own: each tab opened two (one per peer) and no more
+    # the tabs' channels are the page's own: each tab opened channels to its two peers and no
+    # others (a pair that missed the connect bound under load opens again on its retry,
+    # docs/PROTOCOL.md "Direct TCP path", Retry: CI saw 3 opens for 2 peers, with nothing relayed)
     for t in (a, b):
-        assert t.tc("tc.rtcOpened") == 2, t.tc("tc.rtcOpened")
+        keys = t.tc("tc.rtcOpenedKeys")
+        assert len(keys) == 2 and t.tc("tc.rtcOpened") >= 2, (keys, t.tc("tc.rtcOpened"))
     assert not [e for t in (a, b) for e in t.console_errors], [t.console_errors for t in (a, b)]
     print(f"\nmesh: {TARGET:.0%} at step {st['step']} (acc {st['accuracy']:.4f}) {t_trained:.1f} s after start; "
           f"data-channel bytes per rank {[r['link_bytes']['rtc'] for r in reps]}, relay 0; "
