@@ -92,6 +92,31 @@ def test_the_leader_clips_a_poisoning_follower_and_quarantines_it():
     assert all(math.isfinite(x) and abs(x) < 1e6 for x in r.w.params())
 
 
+def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined():
+    # near convergence an honest batch's gradient can pass 4 x the median norm; clipping bounds
+    # it, and only buckets far past the bound count toward a quarantine (docs/PROTOCOL.md
+    # "Untrusted ranks")
+    r = leader([2, 3], aggregate="clip")
+    r.m.start(now_ms=0)
+    t = 0.0
+    for _ in range(12):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        loss, g = r.w.grads_sync(own.offset, own.samples)
+        if col is not None:
+            for k in (2, 3):
+                if k in col.shares:
+                    scale = 1.0 if k == 2 else 6.0 * max(1.0, math.sqrt(own.samples / max(1, col.shares[k])))
+                    r.m.handle(grad(k, 1, col.step, g=[scale * x for x in g], samples=col.shares[k],
+                                    term=col.term), now_ms=t)
+        r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
+        t += 1.0
+        tick(r, t, peers=(2, 3))
+    st = r.m.state(t)
+    assert r.m.clipped[3] >= 4 and not st["quarantined"] and 3 in r.m.shares
+
+
 # ---------------------------------------------------------------- followers validate rounds
 def test_a_follower_drops_rounds_with_an_absurd_lr_or_step():
     r = rig(5)

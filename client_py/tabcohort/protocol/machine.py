@@ -50,6 +50,10 @@ _PROBE_BACKOFF_MAX_EXP = 5
 #: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine
 _CLIP_WINDOW = 8
 _CLIP_QUARANTINE = 4
+#: only a bucket clipped by at least this ratio (its norm over its bound) counts toward a
+#: quarantine: an honest rank's batch near convergence can pass the bound (heavy-tailed batch
+#: gradient norms); clipping already bounds it, quarantine would throw its compute away
+_QUARANTINE_CLIP_RATIO = 10.0
 _QUARANTINE_MS = 60_000.0
 #: the largest step a round may carry (a u64 beyond this is no step any lineage reached)
 _MAX_STEP = 2**63 - 1
@@ -1464,7 +1468,7 @@ class RankMachine:
 
     def _robust(self, received: dict[int, tuple[float, int, Any]], now_ms: float) -> dict[int, tuple[float, int, Any]]:
         """"Untrusted ranks": bound every bucket's norm relative to the cohort's (clip rule), and
-        quarantine a rank whose buckets keep being clipped."""
+        quarantine a rank whose buckets keep being clipped far past the bound."""
         if self.aggregate != "clip" or len(received) < 2:
             return received
         out, clipped = clip_to_median_norm(received, self.id)
@@ -1472,7 +1476,7 @@ class RankMachine:
             if k == self.id:
                 continue
             hist = self._clip_recent.setdefault(k, deque(maxlen=_CLIP_WINDOW))
-            hist.append(k in clipped)
+            hist.append(clipped.get(k, 0.0) >= _QUARANTINE_CLIP_RATIO)
             if k in clipped:
                 self.clipped[k] += 1
                 self.counters["buckets_clipped"] += 1
