@@ -1118,3 +1118,15 @@ def test_a_round_in_flight_stops_waiting_for_a_rank_that_left():
     assert r2.m.step == 0 and r2.m.counters["released_left"] == 0   # its bucket still counts; 2 awaited
     r2.m.handle(grad(2, 1, 0, term=r2.m.term), now_ms=4)
     assert r2.m.step == 1 and r2.m.counters["buckets_reduced"] == 3
+
+
+def test_a_follower_that_adopts_only_some_rounds_reports_the_cohorts_step_rate():
+    # superseded rounds are dropped unread ("Follower: receiving messages"), so a follower may
+    # adopt step 10 and then step 110: its steps_per_s is the cohort's, 100 steps in that time
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 10, samples=32), now_ms=1)
+    r.m._sample_rates(1000.0)
+    r.m.handle(round_msg(1, 110, samples=32), now_ms=1500)
+    st = r.m.state(2000.0)
+    assert st["step"] == 110 and st["steps_per_s"] == 100.0 and st["samples_per_s"] == 3200.0

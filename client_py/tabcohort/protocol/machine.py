@@ -1012,14 +1012,19 @@ class RankMachine:
         self._skipped_leads.discard(sender)
         self.term = int(term)
         became_ready = not self.ready
+        # the rates count every step the cohort applied since the last adopted round: a follower
+        # that adopts only the newest of several rounds (superseded ones dropped unread) still
+        # reports the cohort's rate, not its adoption rate (a native follower showed 20 steps/s
+        # beside a leader's 3,000)
+        advanced = int(msg["step"]) - self.step if not became_ready and int(msg["step"]) > self.step else 1
         self.step = int(msg["step"])
         self.lr = float(lr)
         self.ready = True
         self.joining = False
         self.loss = float(msg["loss"])
         self.samples = int(msg["samples"])
-        self._applied_steps += 1
-        self._applied_samples += self.samples
+        self._applied_steps += advanced
+        self._applied_samples += self.samples * advanced
         self._adopt_seq += 1
         self.counters["adopted"] += 1
         if became_ready:
