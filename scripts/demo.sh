@@ -86,8 +86,10 @@ trap cleanup INT TERM EXIT
 prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
 [ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
+# the operator token for this run (the view's link below carries it; serve would otherwise make one)
+op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
 "$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
-  --steps "$STEPS" --checkpoint-dir "$CKPT" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
+  --steps "$STEPS" --checkpoint-dir "$CKPT" --operator-token "$op_token" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"
@@ -110,7 +112,8 @@ shown="$url"
 [ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT (this machine: $url)"
 echo
 echo "  Open $shown/ in a browser to join the cohort from a tab."
-echo "  Operator view: $url/operator   metrics: $url/metrics   Ctrl-C stops."
+echo "  Operator view: $url/operator?room=digits#operator=$op_token"
+echo "  Metrics: $url/metrics   Ctrl-C stops."
 echo
 if [ "$STEPS" != 0 ] && [ ${#rank_pids[@]} -gt 0 ]; then
   wait "${rank_pids[@]}" || true      # the room stops at STEPS; the ranks exit; then so do we

@@ -29,7 +29,7 @@ if command -v npm >/dev/null; then
       || echo "[install] note: node_modules is a link to an incomplete copy; run npm ci where it points" >&2
   elif [ ! -f node_modules/pyodide/pyodide.mjs ] || [ ! -f node_modules/uplot/dist/uPlot.iife.min.js ] \
      || [ package-lock.json -nt node_modules/.package-lock.json ]; then
-    echo "[install] npm ci (Pyodide, uPlot)" >&2
+    echo "[install] npm ci (Pyodide, uPlot, axe-core)" >&2
     npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2
   fi
 else

@@ -139,7 +139,7 @@ class RankConfig:
         u = urllib.parse.urlsplit(str(self.server))
         if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
             raise ConfigError(self._name("server"), self.server,
-                              "expected a URL with scheme and host, e.g. http://127.0.0.1:8080")
+                              "expected an http, https, ws or wss URL with a host, e.g. http://127.0.0.1:8080")
         try:
             port = u.port or (443 if u.scheme in ("https", "wss") else 80)
         except ValueError:
