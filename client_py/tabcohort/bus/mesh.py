@@ -340,14 +340,15 @@ class MeshBus:
         self._drops[reason] = self._drops.get(reason, 0) + n
 
     # ------------------------------------------------------------------ paths
-    def _ensure_path(self, peer: int) -> Path:
+    def _ensure_path(self, peer: int, *, declare: bool = True) -> Path:
         p = self.path_of.get(peer)
         if p is None:
             p = self.path_of[peer] = Path(peer, now_ms=self.now_ms(), kind=self.path_kind)
             self.channel_of[peer] = None
             if self.id < peer:
                 self.channel_of[peer] = self.connector.open(peer, self)
-            self._declare_relay()
+            if declare:
+                self._declare_relay()
         return p
 
     def _close_channel(self, peer: int) -> None:
@@ -356,12 +357,13 @@ class MeshBus:
         if ch is not None:
             ch.close()
 
-    def _drop_path(self, peer: int) -> None:
+    def _drop_path(self, peer: int, *, declare: bool = True) -> None:
         p = self.path_of.pop(peer, None)
         if p is not None:
             self._close_channel(peer)
             del self.channel_of[peer]
-            self._declare_relay()
+            if declare:
+                self._declare_relay()
 
     def _drain(self, peer: int) -> None:
         ch, p = self.channel_of.get(peer), self.path_of.get(peer)
@@ -545,7 +547,17 @@ class MeshBus:
             self._on_signal(obj)
             return
         elif t == "welcome" and self.writer is not None:
-            # a resumed socket: the server forgot what we relay through it
+            # a resumed socket (maybe at the node that took the room over): its roll call is the
+            # peer table now (docs/PROTOCOL.md "Membership and majority"). A rank that joined
+            # while this one was away gets no ``peer`` control of its own: without a path it is
+            # neither sent to nor declared, and its chunks are dropped (``unknown_sender``); one
+            # not listed left meanwhile. (``relay.peers`` already holds the welcome's list.)
+            listed = set(self.relay.peers)
+            for k in [k for k in self.path_of if k not in listed]:
+                self._drop_path(k, declare=False)
+            for k in sorted(listed - set(self.path_of)):
+                self._ensure_path(k, declare=False)
+            # the server forgot what we relay through it
             # (None: declared again even when empty; a server that never heard it relays to all)
             self._relay_declared = None
             self._declare_relay()
