@@ -388,7 +388,12 @@ class MeshBus:
         self.fallbacks.append((p.peer, why))
         again = (f" (tries its channel again in {(p.retry_at_ms - now_ms) / 1000.0:.0f} s)"
                  if self.id < p.peer else "")
-        log.warning("rank %08x: link to %08x uses the relay: %s%s", self.id, p.peer, why, again)
+        # a warning when a path went down or a connection failed; a path whose peer never answered
+        # within the connect bound (a tab takes no TCP path: README "Direct paths") is the normal
+        # case of a mixed room, logged without alarm
+        quiet = was is PathState.CONNECTING and why.startswith("channel not open within")
+        (log.info if quiet else log.warning)("rank %08x: link to %08x uses the relay: %s%s",
+                                             self.id, p.peer, why, again)
         self.relay.send_control({"type": "signal", "to": p.peer, "kind": "bye"})
         self._close_channel(p.peer)
         self._declare_relay()
