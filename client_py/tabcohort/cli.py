@@ -71,6 +71,8 @@ _SIM_FLAGS = {"loss": "--link-loss", "delay_ms": "--link-delay-ms", "kill_leader
 
 
 def _flag(field: str) -> str:
+    if field.startswith("-"):   # (already the option's name)
+        return field
     return _SIM_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
@@ -314,9 +316,12 @@ def _simulate(a: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     from .model import load_dataset
-    try:   # a bad --dataset is named before anything starts (loading is cheap; the run reloads it)
+    try:   # a bad --dataset or --job is named before anything starts (the run loads it again)
         if not cfg.job:
             load_dataset(cfg.dataset, seed=cfg.seed)
+        else:
+            from .jobs import load_job
+            load_job(cfg.job, with_data=False)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document

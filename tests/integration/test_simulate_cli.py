@@ -26,6 +26,7 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
     (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
     (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
+    (["--job", "/no/such/job.py"], "--job='/no/such/job.py'"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)
