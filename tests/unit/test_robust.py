@@ -69,24 +69,34 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     assert math.isclose(got[1], (10.0 + 11.0 + 10.0) / 3, rel_tol=1e-6)
 
 
-def test_the_leader_clips_a_poisoning_follower_and_quarantines_it():
+def _lead_rounds(bucket_of, rounds: int = 12):
+    """A clip-rule leader with followers 2 and 3 driven for ``rounds`` rounds; ``bucket_of(k, col,
+    g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing."""
     r = leader([2, 3], aggregate="clip")
     r.m.start(now_ms=0)
     t = 0.0
-    for _ in range(12):
+    for _ in range(rounds):
         acts = r.drain()
         own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
         col = r.m._collection
         loss, g = r.w.grads_sync(own.offset, own.samples)
         if col is not None:
-            if 2 in col.awaited:
-                r.m.handle(grad(2, 1, col.step, g=list(g), samples=col.shares[2], term=col.term), now_ms=t)
-            if 3 in col.shares:
-                r.m.handle(grad(3, 1, col.step, g=[1e30] * 4, samples=col.shares[3], term=col.term), now_ms=t)
+            for k in (2, 3):
+                b = bucket_of(k, col, g, own.samples)
+                if b is not None:
+                    r.m.handle(grad(k, 1, col.step, g=b, samples=col.shares[k], term=col.term), now_ms=t)
         r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
         t += 1.0
         tick(r, t, peers=(2, 3))
-    st = r.m.state(t)
+    return r, r.m.state(t)
+
+
+def test_the_leader_clips_a_poisoning_follower_and_quarantines_it():
+    def bucket_of(k, col, g, _own_samples):
+        if k == 2:
+            return list(g) if 2 in col.awaited else None
+        return [1e30] * 4 if 3 in col.shares else None
+    r, st = _lead_rounds(bucket_of)
     assert r.m.clipped[3] >= 4 and f"{3:08x}" in st["quarantined"] and st["clipped"][f"{3:08x}"] >= 4
     assert 3 not in r.m.shares                                  # quarantined: no share at all
     assert all(math.isfinite(x) and abs(x) < 1e6 for x in r.w.params())
@@ -96,24 +106,12 @@ def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined
     # near convergence an honest batch's gradient can pass 4 x the median norm; clipping bounds
     # it, and only buckets far past the bound count toward a quarantine (docs/PROTOCOL.md
     # "Untrusted ranks")
-    r = leader([2, 3], aggregate="clip")
-    r.m.start(now_ms=0)
-    t = 0.0
-    for _ in range(12):
-        acts = r.drain()
-        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
-        col = r.m._collection
-        loss, g = r.w.grads_sync(own.offset, own.samples)
-        if col is not None:
-            for k in (2, 3):
-                if k in col.shares:
-                    scale = 1.0 if k == 2 else 6.0 * max(1.0, math.sqrt(own.samples / max(1, col.shares[k])))
-                    r.m.handle(grad(k, 1, col.step, g=[scale * x for x in g], samples=col.shares[k],
-                                    term=col.term), now_ms=t)
-        r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
-        t += 1.0
-        tick(r, t, peers=(2, 3))
-    st = r.m.state(t)
+    def bucket_of(k, col, g, own_samples):
+        if k not in col.shares:
+            return None
+        scale = 1.0 if k == 2 else 6.0 * max(1.0, math.sqrt(own_samples / max(1, col.shares[k])))
+        return [scale * x for x in g]
+    r, st = _lead_rounds(bucket_of)
     assert r.m.clipped[3] >= 4 and not st["quarantined"] and 3 in r.m.shares
 
 
