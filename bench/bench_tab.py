@@ -161,9 +161,12 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium, b
     out: dict = {"cohort": label, "kind": kind, "tab_backend": backend}
     try:
         mesh = kind.endswith("mesh")
-        url = c.serve(*(("--topology", "mesh") if mesh else ()))
         base = kind.split(",")[0]
         n_tabs = {"tab-only": 2, "mixed": 1, "native-only": 0}[base]
+        # tabs carry no trainer token: a tab-only cohort trains only where any rank may lead
+        # (docs/PROTOCOL.md "Roles"); in a mixed one the native ranks lead, as in the product
+        url = c.serve(*(("--topology", "mesh") if mesh else ()),
+                      *(("--any-rank-may-lead",) if base == "tab-only" else ()))
         hidden = "hidden" in kind
         for _ in range(2 - n_tabs):
             c.rank(*(("--rtc-hosts", "127.0.0.1") if mesh else ()))
@@ -415,7 +418,7 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, rounds: int = 
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-solo-{global_batch}-")))
     page = None
     try:
-        url = c.serve("--global-batch", str(global_batch))
+        url = c.serve("--global-batch", str(global_batch), "--any-rank-may-lead")   # (the tab leads itself)
         page = open_tab(chromium, url, query="&backend=python")
         wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, 300, "the tab alone, one round done")
         s = tc(page)["step"]
