@@ -299,6 +299,33 @@ class AiortcChannel:
                 self.connector.spawn(self.pc.close())
 
 
+class _Tasks:
+    """The background tasks of one connector (negotiations, dials, closes): each runs on the
+    loop its channels were opened on; failures are logged as ``what`` and never raised."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.running: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Any) -> None:
+        t = self.loop.create_task(coro)
+        self.running.add(t)
+        t.add_done_callback(self._done)
+
+    def _done(self, t: asyncio.Task) -> None:
+        self.running.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("%s failed: %r", self.what, t.exception())
+
+    async def wait(self, *, cancel: bool = False) -> None:
+        if cancel:
+            for t in list(self.running):
+                t.cancel()
+        if self.running:
+            await asyncio.wait(set(self.running), timeout=5.0)
+
+
 class AiortcConnector:
     """Makes :class:`AiortcChannel` s (see :class:`tabcohort.bus.star.Connector`).
 
@@ -321,30 +348,21 @@ class AiortcConnector:
             set_host_addresses(list(host_addresses))
         self.channel_low_water_bytes = channel_low_water_bytes
         self.drops: dict[str, int] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks = _Tasks("a peer-connection task")
 
     def check(self) -> None:
         import aiortc  # noqa: F401  (fail here, before any network activity, if missing)
 
     def open(self, peer: int, listener: ChannelListener, *, offer_sdp: str | None = None) -> AiortcChannel:
-        self._loop = asyncio.get_running_loop()
+        self._tasks.loop = asyncio.get_running_loop()
         return AiortcChannel(self, peer, listener, offer_sdp)
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` on the channels' loop (callable between loop runs); failures are logged."""
-        t = self._loop.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._done)
-
-    def _done(self, t: asyncio.Task) -> None:
-        self._tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.warning("a peer-connection task failed: %r", t.exception())
+        self._tasks.spawn(coro)
 
     async def aclose(self) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5.0)
+        await self._tasks.wait()
 
 
 def ws_url(server: str, room: str) -> str:
@@ -649,8 +667,7 @@ class TcpConnector:
         self.pending: dict[int, TcpChannel] = {}
         self.server: asyncio.AbstractServer | None = None
         self._listening: asyncio.Future | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks = _Tasks("a direct-path task")
 
     def check(self) -> None:
         """Nothing to import: asyncio does the I/O."""
@@ -678,24 +695,15 @@ class TcpConnector:
 
     def open(self, peer: int, listener: ChannelListener, *, offer: dict | None = None,
              offer_sdp: str | None = None) -> TcpChannel:
-        self._loop = asyncio.get_running_loop()
+        self._tasks.loop = asyncio.get_running_loop()
         return TcpChannel(self, peer, listener, offer)
 
     def spawn(self, coro: Any) -> None:
-        t = self._loop.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._done)
-
-    def _done(self, t: asyncio.Task) -> None:
-        self._tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.warning("a direct-path task failed: %r", t.exception())
+        """Run ``coro`` on the channels' loop; failures are logged."""
+        self._tasks.spawn(coro)
 
     async def aclose(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5.0)
+        await self._tasks.wait(cancel=True)
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()

@@ -110,6 +110,14 @@ class RoomBus(Bus, Protocol):
     def transport_bytes(self) -> dict[str, int]:
         """Chunk bytes (sent + received) by path kind: ``rtc`` and ``ws`` (star) or ``relay`` (mesh)."""
 
+    def pair_bytes(self) -> dict[int, dict[str, int]] | None:
+        """Per peer, chunk bytes (sent + received) by path kind, e.g. ``{"tcp": n, "relay": 0}``
+        (a mesh); ``None`` on a star, whose one path is the server's."""
+
+    def supervise_ticks(self) -> dict[str, int] | None:
+        """A mesh's path-supervision ticks and those late (its loop blocked for > 1 s), as
+        ``{"ticks": n, "late": n}``; ``None`` on a star, which supervises no paths."""
+
     def set_precision(self, precision: str) -> None:
         """Send at ``precision`` from now on.
 

@@ -270,6 +270,10 @@ class MeshBus:
                        "relay": p.sent + p.received - p.direct_sent - p.direct_received}
                 for peer, p in sorted(self.path_of.items())}
 
+    def supervise_ticks(self) -> dict[str, int]:
+        """The supervision ticks and those late (the loop blocked for > 1 s)."""
+        return {"ticks": self.n_supervise_ticks, "late": self.n_late_ticks}
+
     def paths(self) -> dict[int, str]:
         """Each peer's path: its channel's kind (``rtc``, ``tcp``), ``relay`` or ``connecting``
         (not yet up, within the bound)."""

@@ -369,6 +369,13 @@ class StarBus:
         p = self.path
         return {0: "rtc" if p is not None and p.state is PathState.DIRECT else "ws"}
 
+    def pair_bytes(self) -> None:
+        """None: a star has one path, the server's (``transport_bytes``)."""
+        return None
+
+    def supervise_ticks(self) -> None:
+        return None
+
     def transport_bytes(self) -> dict[str, int]:
         """Chunk bytes this rank's link carried (up + down) on the channel and on the socket."""
         p = self.path

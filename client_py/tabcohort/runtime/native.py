@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_body, load_checkpoint, make_checked_worker,
-                      upload_headers,
-                      make_module_worker, params_bytes, trusted_job_source,
+from .session import (RankSession, check_topology, checkpoint_upload, load_checkpoint, make_checked_worker,
+                      make_module_worker, trusted_job_source,
                       path_report)
 
 LINKS = ("ws", "rtc")
@@ -585,15 +584,10 @@ class RankRun(RankSession):
                          if lead is None and st.get("may_lead") is False else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
-        body = checkpoint_body(machine, worker)
-        if body is None:
-            # never store a diverged model (the server refuses it too: HTTP 422)
-            self.progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
-                          "(training diverged)")
+        up = checkpoint_upload(machine, worker, bus, self.progress, final=final)
+        if up is None:
             return
-        data, body_digest = body
-        h = dict(self._headers())
-        h.update(upload_headers(machine, bus, body_digest, final=final))
+        data, h = up[0], {**self._headers(), **up[1]}
         # the node the bus is linked to now (a cluster moves it to the room's owner): no redirect
         url = f"{bus.server_base}/api/rooms/{self.cfg.room}/checkpoint"
         try:

@@ -174,6 +174,20 @@ def upload_headers(machine: Any, bus: Any, body_digest: str, *, final: bool) -> 
     return h
 
 
+def checkpoint_upload(machine: Any, worker: Any, bus: Any, progress: Callable[[str], None], *,
+                      final: bool) -> tuple[bytes, dict[str, str]] | None:
+    """The body and headers of a leader's checkpoint upload (``checkpoint_body``,
+    ``upload_headers``); None, said through ``progress``, when the parameters are not finite
+    (never store a diverged model: the server refuses it too, HTTP 422)."""
+    body = checkpoint_body(machine, worker)
+    if body is None:
+        progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
+                 "(training diverged)")
+        return None
+    data, body_digest = body
+    return data, upload_headers(machine, bus, body_digest, final=final)
+
+
 def path_report(bus: Any) -> dict:
     """The state report's ``links`` (each peer's path, keyed ``server`` or ``%08x``),
     ``link_bytes`` (chunk bytes by path kind) and, on a bus with a path per peer,
@@ -181,9 +195,9 @@ def path_report(bus: Any) -> dict:
     "relay": 0}``) of a :class:`~tabcohort.bus.base.RoomBus`."""
     out = {"links": {("server" if k == 0 else f"{k:08x}"): v for k, v in bus.paths().items()},
            "link_bytes": bus.transport_bytes()}
-    pairs = getattr(bus, "pair_bytes", None)
+    pairs = bus.pair_bytes()
     if pairs is not None:
-        out["pair_bytes"] = {f"{k:08x}": v for k, v in pairs().items()}
+        out["pair_bytes"] = {f"{k:08x}": v for k, v in pairs.items()}
     return out
 
 

@@ -30,8 +30,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, LocalProtocolError, TabcohortError
-from .session import (RankSession, check_dataset, check_topology, checked_job_hash, checkpoint_body, load_checkpoint,
-                      upload_headers,
+from .session import (RankSession, check_dataset, check_topology, checked_job_hash, checkpoint_upload, load_checkpoint,
                       path_report)
 
 
@@ -445,8 +444,9 @@ class TabRun(RankSession):
                         "received": counts[p].received if p in counts else 0, **self._path_why(p, star)}
                        for p, kind in sorted(kinds.items())]
         st["transport"] = bus.transport
-        if not star:   # the mesh's supervise ticks, and those late (its loop blocked for > 1 s)
-            st["supervise"] = {"ticks": bus.n_supervise_ticks, "late": bus.n_late_ticks}
+        ticks = bus.supervise_ticks()
+        if ticks is not None:   # the mesh's supervise ticks, and those late (its loop blocked for > 1 s)
+            st["supervise"] = ticks
         rtc = bus.transport != "ws-star"
         if rtc:  # as a native WebRTC rank reports them (tests and the operator view read these)
             report = path_report(bus)
@@ -483,14 +483,10 @@ class TabRun(RankSession):
         from pyodide.ffi import to_js
 
         m, w, bus = self.driver.machine, self.driver.worker, self.bus
-        body = checkpoint_body(m, w)
-        if body is None:
-            # never store a diverged model (the server refuses it too: HTTP 422)
-            self.progress(f"checkpoint upload skipped: the parameters at step {m.step} are not finite "
-                          "(training diverged)")
+        up = checkpoint_upload(m, w, bus, self.progress, final=final)
+        if up is None:
             return
-        data, body_digest = body
-        h = upload_headers(m, bus, body_digest, final=final)
+        data, h = up
         if self.cfg.get("token"):
             h["Authorization"] = f"Bearer {self.cfg['token']}"
         url = f"{self.cfg['base']}/api/rooms/{self.cfg['room']}/checkpoint"
