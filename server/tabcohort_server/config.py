@@ -141,7 +141,7 @@ class JobConfig:
             raise bad("topology", f"expected one of {TOPOLOGIES}")
         if self.collect_rule not in ("quorum", "grace"):
             raise bad("collect_rule", "expected quorum or grace")
-        from tabcohort.protocol.robust import AGGREGATES
+        from tabcohort.protocol.policy import AGGREGATES
         if self.aggregate not in AGGREGATES:
             raise bad("aggregate", f"expected one of {AGGREGATES}")
         v = self.lr_max

@@ -78,3 +78,12 @@ def test_a_server_that_decodes_parameters_breaks_its_contract(tmp_path):
     # stores checkpoints as bytes; their accuracy is the leader's own evaluation)
     r = lint_with_breach(tmp_path, "server/tabcohort_server/app.py", "from tabcohort.vec import to_vector as _decodes  # noqa")
     assert r.returncode != 0 and "the server never decodes parameters BROKEN" in r.stdout, r.stdout
+
+
+def test_a_request_handler_that_runs_model_code_breaks_the_server_contract(tmp_path):
+    # docs/INTERFACES.md "The server": the job is built once at start (tabcohort_server.assets);
+    # no other server module loads a model or runs a rank's protocol machine
+    r = lint_with_breach(tmp_path, "server/tabcohort_server/rooms.py", "from tabcohort.model import make_worker as _runs_model  # noqa")
+    assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout
+    r = lint_with_breach(tmp_path / "b", "server/tabcohort_server/app.py", "from tabcohort.protocol.machine import RankMachine as _m  # noqa")
+    assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout

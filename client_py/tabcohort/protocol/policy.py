@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+#: aggregation rules a room may choose (PROTOCOL.md "Untrusted ranks"; "mean": the plain
+#: sample-weighted mean, for trusted groups); configuration, so it lives with the timing
+AGGREGATES = ("clip", "trimmed-mean", "mean")
+
 
 @dataclass(frozen=True)
 class Timing:

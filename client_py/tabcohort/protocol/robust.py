@@ -23,11 +23,10 @@ from array import array
 from typing import Any, Sequence
 
 from .._compat import np
+from .policy import AGGREGATES
 
 #: a bucket's norm may be at most this multiple of the reference norm (before the share factor)
 CLIP_FACTOR = 4.0
-#: aggregation rules a room may choose ("mean": the plain sample-weighted mean, for trusted groups)
-AGGREGATES = ("clip", "trimmed-mean", "mean")
 
 
 #: elements per block of :func:`l2_norm` (its float64 temporary stays in cache)
