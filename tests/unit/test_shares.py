@@ -72,6 +72,30 @@ def test_a_rank_whose_one_sample_would_arrive_last_by_far_gets_no_share_and_is_p
     assert big[3] > 100 and sum(big.values()) == 2000
 
 
+def test_a_rank_whose_buckets_arrive_late_is_planned_to_finish_early_by_its_lateness(monkeypatch):
+    import random
+
+    from tabcohort.protocol import shares as shares_mod
+
+    # two ranks of the same mean turnaround; rank 2's jitters by up to +-10 ms
+    rng = random.Random(1)
+    t = SpeedTable()
+    for i in range(60):
+        s = (8, 16, 32)[i % 3]
+        t.observe(1, s, 5.0 + s)
+        t.observe(2, s, 5.0 + s + rng.uniform(-10.0, 10.0))
+    assert t.speeds[1].lateness_ms() < 1e-6 and 2.0 < t.speeds[2].lateness_ms() < 15.0
+    planned, _ = plan_shares(200, [1, 2], {1: 200, 2: 200}, t)
+    monkeypatch.setattr(shares_mod, "LATENESS_MARGIN", 0.0)
+    on_average, _ = plan_shares(200, [1, 2], {1: 200, 2: 200}, t)
+    # equal finish with rank 2's lateness added to its fixed cost: it finishes early by that much
+    late = t.speeds[2].lateness_ms()
+    finish1 = t.predicted_ms(1, planned[1])
+    finish2 = t.predicted_ms(2, planned[2]) + late
+    assert planned[2] < on_average[2] and planned[1] > on_average[1]
+    assert abs(finish1 - finish2) <= 2 * max(t.speeds[k].model()[1] for k in (1, 2)), (planned, finish1, finish2)
+
+
 def test_a_rank_without_history_gets_a_small_probe_share_and_the_first_round_is_equal():
     first, _ = plan_shares(64, [1, 2, 3], {1: 64, 2: 64, 3: 64}, SpeedTable())
     assert sorted(first.values()) == [21, 21, 22]

@@ -746,6 +746,7 @@ class RankMachine:
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
             "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
                        for k, sp in sorted(self.speeds.speeds.items())},
+            "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
             "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
             "may_lead": self.may_lead, "aggregate": self.aggregate,

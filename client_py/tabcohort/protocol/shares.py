@@ -9,6 +9,12 @@ exponentially weighted least-squares fit over the rank's recent buckets. The lea
 the shares that make every bucket arrive at the same time ``T`` (``a_k + b_k s_k = T``, the
 shares summing to the global batch), so no rank waits for another; a rank whose fixed cost
 alone exceeds ``T`` gets no share (one sample from it would make it the last bucket).
+
+A round ends with its last bucket, so a rank whose turnaround jitters (a tab's garbage
+collection, a busy relay) delays the round whenever it is late even when it is on time on
+average. Each rank's lateness (the root mean square of how much later than predicted its
+buckets arrived, an EWMA) is added to its fixed cost: such a rank is planned to finish early
+by that much.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ SLOW_MARGIN = 1.05
 #: PROBE_INTERVAL_MS (milliseconds): a fast cohort would otherwise probe a slow tab hundreds of
 #: times a second, each probe a bucket the tab computes for nothing
 PROBE_EVERY = 8
+#: how many of a rank's lateness (RMS of its buckets' arrival after the predicted time) it is
+#: planned to finish before the others
+LATENESS_MARGIN = 1.0
 PROBE_INTERVAL_MS = 250.0
 #: a rank with no share in a round is sent it only if the leader's last broadcast round is
 #: this old (milliseconds): it follows at most about 1000 / FOLLOW_INTERVAL_MS rounds per second
@@ -41,20 +50,31 @@ class Speed:
     m_ss: float
     m_st: float
     n: int = 1
+    #: EWMA of the squared lateness (ms^2): how much later than the model predicted the
+    #: rank's buckets arrived (early arrivals count 0)
+    m_late2: float = 0.0
 
     def model(self) -> tuple[float, float]:
         """``(a_ms, b_ms_per_sample)`` of ``t(s) = a + b s``, both >= 0, ``b > 0``."""
+        return self._fit()[:2]
+
+    def _fit(self) -> tuple[float, float, bool]:
+        """:meth:`model` and whether it is a two-parameter fit (else a fallback)."""
         var = self.m_ss - self.m_s * self.m_s
         if self.n >= 3 and var > (0.05 * self.m_s) ** 2:
             b = (self.m_st - self.m_s * self.m_t) / var
             a = self.m_t - b * self.m_s
             if b > 0 and a >= 0:
-                return a, b
+                return a, b, True
             if b > 0:                      # a < 0: noise; all of it per sample
-                return 0.0, self.m_t / self.m_s
+                return 0.0, self.m_t / self.m_s, False
         # one share size seen so far: the time cannot be split, count it all per sample
         # except what the smallest observations say is fixed
-        return 0.0, max(self.m_t, 1e-6) / max(self.m_s, 1e-9)
+        return 0.0, max(self.m_t, 1e-6) / max(self.m_s, 1e-9), False
+
+    def lateness_ms(self) -> float:
+        """The RMS of the rank's lateness, ms: against its two-parameter fit (0 until it has one)."""
+        return math.sqrt(self.m_late2)
 
     @property
     def samples_per_s(self) -> float:
@@ -77,6 +97,10 @@ class SpeedTable:
             self.speeds[rank] = Speed(s, t, s * s, s * t)
             return
         a = SPEED_ALPHA
+        fa, fb, fitted = sp._fit()
+        if fitted:        # (against a fallback model, lateness would be the model's own error)
+            late = max(0.0, t - (fa + fb * s))
+            sp.m_late2 += a * (late * late - sp.m_late2)
         sp.m_s += a * (s - sp.m_s)
         sp.m_t += a * (t - sp.m_t)
         sp.m_ss += a * (s * s - sp.m_ss)
@@ -197,7 +221,11 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         shares[k] = min(caps[k], probe_share, left)
         left -= shares[k]
         probing.add(k)
-    models = {k: table.speeds[k].model() for k in known}
+    models = {}
+    for k in known:
+        sp = table.speeds[k]
+        a, b = sp.model()
+        models[k] = (a + LATENESS_MARGIN * sp.lateness_ms(), b)   # a jittery rank finishes early
     frac, excluded = _equal_finish(left, known, caps, models)
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
     for k, v in ints.items():

@@ -25,12 +25,14 @@ class SimRank:
 
     def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
                  ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum",
-                 ms_per_sample: float = 0.0, global_batch: int | None = None, train: Any = None) -> None:
+                 ms_per_sample: float = 0.0, global_batch: int | None = None, train: Any = None,
+                 compute_jitter_ms: float = 0.0) -> None:
         self.sim = sim
         self.id = rank_id
         self.worker = worker
         self.compute_ms = compute_ms            # fixed cost per bucket (virtual ms)
         self.ms_per_sample = ms_per_sample      # plus this per sample of the share
+        self.compute_jitter_ms = compute_jitter_ms  # plus uniform [0, this) from the sim's seed
         self.bus = sim.network.attach(rank_id)
         self.bus.on_message = self._on_message
         self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
@@ -120,6 +122,8 @@ class SimRank:
     def _compute(self, a: Compute) -> None:
         h = a.local_steps
         took = self.compute_ms + self.ms_per_sample * a.samples * h
+        if self.compute_jitter_ms > 0:
+            took += self.sim.rng.uniform(0.0, self.compute_jitter_ms)
         try:
             if h > 1:
                 loss, g = self.worker.local_grads_sync(a.offset, a.samples, h, a.inner_optimizer, a.inner_lr)
@@ -166,12 +170,14 @@ class SimCohort:
     def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
             start: bool = True, lr: float = 0.1, eval_every: int = 0,
             collect_rule: str = "quorum", ms_per_sample: float = 0.0,
-            global_batch: int | None = None, train: Any = None) -> SimRank:
-        """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share * H`` virtual ms
-        (``train``: the room's :class:`~tabcohort.protocol.optim.TrainConfig`, H its local steps)."""
+            global_batch: int | None = None, train: Any = None, compute_jitter_ms: float = 0.0) -> SimRank:
+        """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share * H`` virtual ms,
+        plus a uniform draw from ``[0, compute_jitter_ms)`` (a tab's garbage collection and
+        scheduling; the sim's seeded generator) (``train``: the room's
+        :class:`~tabcohort.protocol.optim.TrainConfig`, H its local steps)."""
         r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
                     eval_every=eval_every, collect_rule=collect_rule, ms_per_sample=ms_per_sample,
-                    global_batch=global_batch, train=train)
+                    global_batch=global_batch, train=train, compute_jitter_ms=compute_jitter_ms)
         self.ranks[rank_id] = r
         if start:
             r.start()
