@@ -17,10 +17,14 @@ server's default digits room), each cohort on a fresh server:
   the cohort), with it again, then alone again (means of the two native and the two mixed
   windows, so a shared machine's drift cancels in part): rounds/s of the
   mixed cohort / native-only at the room's default global batch (64), and at a global batch
-  whose native round takes >= 50 ms (``--big-global-batch``, 20000) the mixed cohort's applied
+  whose native round takes >= 50 ms (``--big-global-batch``, 200000) the mixed cohort's applied
   samples/s against native-only + 0.8 x the tab's solo applied samples/s (the tab alone in a
   room of the same global batch, over whole rounds), with the tab's share and its part of the
   applied samples (the leader's ``applied`` by rank). ``--shares-only`` runs just these.
+  The shares rows run with the cores split (``CoreSplit``): the native ranks on one core, the
+  server and Chromium on the other, as if the tab were a volunteer's own machine (on 2 shared
+  cores a tab can otherwise only take CPU from the native ranks); ``--no-split-cores`` turns
+  it off. Rounds/s and applied samples/s come from the same two reports of the leader.
 
 - compute backends (``--kernels-only`` runs just these): the grads time per bucket of the tab's
   webgpu, js and python backends, measured in one tab's worker (Pyodide), next to numpy natively
@@ -51,6 +55,7 @@ for p in (ROOT, ROOT / "client_py", ROOT / "server"):
     sys.path.insert(0, str(p))
 
 from tests.browser.cdp import Chromium  # noqa: E402
+from tests.browser.cores import CoreSplit  # noqa: E402
 from tests.integration.conftest import Cluster, wait_for  # noqa: E402
 
 #: main-thread probes, installed before the page's own scripts
@@ -329,40 +334,44 @@ def print_kernels(k: dict) -> None:
 
 
 # ---------------------------------------------------------------- shares (PROTOCOL.md, "Shares")
-def leader_applied(c: Cluster) -> tuple[float, int, dict] | None:
-    """(when the leader's report was made, its applied samples in total, by rank) or None."""
+def leader_applied(c: Cluster) -> tuple[float, int, dict, int, int] | None:
+    """(when the leader's report was made, its applied samples in total, by rank, its step, its
+    id) or None."""
     st = c.state()
     lead = next((r for r in st["ranks"] if r["connected"] and r["report"] and r["report"].get("is_leader")), None)
     if lead is None or lead["report_age_s"] is None:
         return None
-    applied = lead["report"].get("applied") or {}
-    return time.monotonic() - lead["report_age_s"], sum(applied.values()), applied
+    rep = lead["report"]
+    applied = rep.get("applied") or {}
+    return time.monotonic() - lead["report_age_s"], sum(applied.values()), applied, rep["step"], lead["id"]
 
 
 def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None) -> dict:
-    """Rounds/s (room step) and applied samples/s (the leader's ``applied`` by rank) over a window;
-    with ``tab_hex``, the tab's part of the applied samples."""
+    """Rounds/s and applied samples/s over a window, both from the same two reports of one
+    leader (its step, and its ``applied`` by rank: samples of the buckets it reduced), so the
+    two rates are of the same rounds; with ``tab_hex``, the tab's part of the applied samples."""
     a0 = wait_for(lambda: leader_applied(c), 20, "the leader's report")
-    t0, s0 = time.monotonic(), c.state()["step"]
-    wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the measuring window", interval_s=0.2)
-    t1, s1 = time.monotonic(), c.state()["step"]
-    a1 = wait_for(lambda: (x := leader_applied(c)) and x[0] > a0[0] + window_s * 0.9 and x, 20, "a newer report")
-    out = {"rounds_per_s": (s1 - s0) / (t1 - t0), "applied_per_s": (a1[1] - a0[1]) / (a1[0] - a0[0])}
+    a1 = wait_for(lambda: (x := leader_applied(c)) and x[0] >= a0[0] + window_s and x, window_s + 20,
+                  "a report a window later", interval_s=0.2)
+    if a1[4] != a0[4]:
+        raise RuntimeError("the leader changed during a measuring window")
+    dt = a1[0] - a0[0]
+    out = {"rounds_per_s": (a1[3] - a0[3]) / dt, "applied_per_s": (a1[1] - a0[1]) / dt, "seconds": round(dt, 2)}
     if tab_hex is not None:
         tab = a1[2].get(tab_hex, 0) - a0[2].get(tab_hex, 0)
-        out["tab_applied_per_s"] = tab / (a1[0] - a0[0])
+        out["tab_applied_per_s"] = tab / dt
         out["tab_applied_fraction"] = tab / max(1, a1[1] - a0[1])
     return out
 
 
-def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dict:
+def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split: "CoreSplit") -> dict:
     """One server, global batch fixed: 2 native ranks alone, then with a tab (pure Python), then
     alone again (their mean is the native-only rate: the drift of a shared machine cancels)."""
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-shares-{global_batch}-")))
     page = None
     out: dict = {"global_batch": global_batch}
     try:
-        url = c.serve("--global-batch", str(global_batch))
+        url = split.serve(c, "--global-batch", str(global_batch))
         c.rank()
         c.rank()
         wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
@@ -371,6 +380,7 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dic
         wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "warm-up rounds", interval_s=0.2)
         native1 = shares_window(c, window_s)
         page = open_tab(chromium, url, query="&backend=python")
+        split.repin()
         wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
         tab_hex = f"{tc(page)['id']:08x}"
         s0 = c.state()["step"]
@@ -413,13 +423,14 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float) -> dic
     return out
 
 
-def tab_solo(chromium: Chromium, global_batch: int, min_s: float, rounds: int = 2) -> dict:
+def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSplit", rounds: int = 2) -> dict:
     """The tab alone in a room of the same global batch: applied samples/s over whole rounds."""
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-solo-{global_batch}-")))
     page = None
     try:
-        url = c.serve("--global-batch", str(global_batch), "--any-rank-may-lead")   # (the tab leads itself)
+        url = split.serve(c, "--global-batch", str(global_batch), "--any-rank-may-lead")   # (the tab leads itself)
         page = open_tab(chromium, url, query="&backend=python")
+        split.repin()
         wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, 300, "the tab alone, one round done")
         s = tc(page)["step"]
         wait_for(lambda: tc(page)["step"] > s, 300, "a round boundary", interval_s=0.02)
@@ -439,20 +450,27 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, rounds: int = 
 
 
 def shares_main(chromium: Chromium, a) -> dict:
-    small = shares_cohort(chromium, a.small_global_batch, a.window)
-    big = shares_cohort(chromium, a.big_global_batch, a.window)
-    solo = tab_solo(chromium, a.big_global_batch, a.window)
+    with CoreSplit([chromium.proc.pid], a.split_cores) as split:
+        small = shares_cohort(chromium, a.small_global_batch, a.window, split)
+        big = shares_cohort(chromium, a.big_global_batch, a.big_window, split)
+        solo = tab_solo(chromium, a.big_global_batch, a.big_window, split)
     small["mixed_over_native_rounds"] = small["mixed"]["rounds_per_s"] / small["native"]["rounds_per_s"]
     for x in (small, big):
         x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
     big["tab_solo"] = solo
     big["mixed_over_native_plus_0.8_tab"] = big["mixed"]["applied_per_s"] / (
         big["native"]["applied_per_s"] + 0.8 * solo["applied_per_s"])
-    return {"small": small, "big": big}
+    # the two parts of that sum, each against its own reference
+    big["tab_part_over_tab_solo"] = big["mixed"]["tab_applied_per_s"] / solo["applied_per_s"]
+    big["native_part_over_native_only"] = (big["mixed"]["applied_per_s"] - big["mixed"]["tab_applied_per_s"]) / \
+        big["native"]["applied_per_s"]
+    big["native_round_ms"] = 1000.0 / big["native"]["rounds_per_s"]
+    return {"small": small, "big": big, "cores": split.describe()}
 
 
 def print_shares(r: dict) -> None:
     sm, bg = r["small"], r["big"]
+    print(f"\n*shares: {r['cores']}*")
     print("\n| shares (2 native ranks + 1 tab, ws star, same server) | global batch | native-only | mixed | ratio | tab's share |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| rounds/s | {sm['global_batch']} | {sm['native']['rounds_per_s']:.1f} | {sm['mixed']['rounds_per_s']:.1f} | "
@@ -468,7 +486,10 @@ def print_shares(r: dict) -> None:
     print(f"\nglobal batch {bg['global_batch']}: tab solo {bg['tab_solo']['applied_per_s']:.0f} applied samples/s; in the "
           f"mixed cohort the tab's buckets were {bg['mixed']['tab_applied_fraction'] * 100:.2f} % of the applied samples "
           f"({bg['mixed']['tab_applied_per_s']:.0f}/s); mixed / (native-only + 0.8 x tab solo) = "
-          f"**{bg['mixed_over_native_plus_0.8_tab']:.2f}**")
+          f"**{bg['mixed_over_native_plus_0.8_tab']:.2f}** (a native-only round: {bg['native_round_ms']:.0f} ms); "
+          f"its parts: the tab's applied samples/s in the mixed cohort / its solo rate "
+          f"**{bg['tab_part_over_tab_solo']:.2f}**, the native ranks' / native-only "
+          f"{bg['native_part_over_native_only']:.2f}")
 
 
 def main() -> int:
@@ -476,9 +497,13 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=10.0, help="measuring window per cohort (s)")
     ap.add_argument("--warmup", type=int, default=30, help="warm-up rounds before the window")
     ap.add_argument("--small-global-batch", type=int, default=64, help="shares rows: the room's default")
-    ap.add_argument("--big-global-batch", type=int, default=20000,
+    ap.add_argument("--big-global-batch", type=int, default=200000,
                     help="shares rows: a global batch whose native round takes >= 50 ms")
+    ap.add_argument("--big-window", type=float, default=30.0,
+                    help="shares rows: measuring window at the big global batch (s; its rounds are slow)")
     ap.add_argument("--shares-only", action="store_true", help="only the shares rows")
+    ap.add_argument("--no-split-cores", dest="split_cores", action="store_false",
+                    help="shares rows: do not pin Chromium to a core of its own (see CoreSplit)")
     ap.add_argument("--kernels-only", action="store_true", help="only the compute-backend rows")
     ap.add_argument("--kernel-seconds", type=float, default=2.0, help="timing per backend and model (s)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "bench_tab.json"))

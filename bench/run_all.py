@@ -106,7 +106,8 @@ ABOUT = {
             "the same job: the grads time per bucket of the tab's webgpu, js and python backends in one tab "
             "and of numpy natively (the digits MLP and a 1.13M-parameter MLP; webgpu runs on the adapter "
             "named, here SwiftShader, a CPU implementation: not a GPU's speed), join time, rounds/s of "
-            "mixed and tab-only cohorts per tab backend, main-thread long tasks, shares."),
+            "mixed and tab-only cohorts per tab backend, main-thread long tasks, shares (with the native ranks "
+            "on one core and the server and Chromium on the other, as if the tab were a volunteer's own machine)."),
     "anchors": ("Against gloo and hivemind", "one synchronous step on 1M float32 parameters: a cohort "
                 "round through a real server, over the native ranks' direct TCP paths (`tcp-mesh`) and "
                 "over the WebSocket star (`ws-star`), timed as gloo's broadcast + reduce is (from the "

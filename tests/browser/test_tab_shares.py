@@ -1,13 +1,14 @@
 """A volunteer tab adds compute without slowing the native ranks (docs/PROTOCOL.md, "Shares"):
 two native ranks train in a WebSocket-star room with a global batch large enough that a round
-takes tens of milliseconds; a real Chromium tab (Pyodide, the pure-Python backend: ``?backend=python``, the slowest) joins. The
-leader gives the tab a share its speed can deliver in the round's time, its buckets enter the
-reduce (the leader's ``applied`` samples by rank), and the native ranks' round rate with the tab
-is not stalled by it: at least half its rate without it (before it joined, and while it is stopped: a shared
-machine's drift hits both). The tab caps its bucket (``?batch=``, a
-volunteer's setting): the native ranks' numpy rounds are CPU-bound, and on a two-core machine an
-uncapped tab's Python would take a core from them (the protocol's part, that the round does not
-wait for the tab, is what this measures). Every wait is a bounded poll."""
+takes milliseconds of numpy; a real Chromium tab (Pyodide, the pure-Python backend:
+``?backend=python``, the slowest) joins. The leader gives the tab a share its speed can deliver
+in the round's time, its buckets enter the reduce (the leader's ``applied`` samples by rank), and
+the native ranks' round rate with the tab stays at least 0.8 of their rate without it (before it
+joined, and while it is stopped: a shared machine's drift hits both). The cores are split as in
+bench/bench_tab.py (``cores.CoreSplit``): the native ranks on one, the server and Chromium on the
+other, as if the tab were the volunteer's own machine; on 2 shared cores Chromium's Python would
+otherwise take CPU from the natives' numpy, which is the scheduler's doing, not the protocol's.
+The tab caps its bucket (``?batch=``, a volunteer's setting). Every wait is a bounded poll."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import time
 import pytest
 
 from .conftest import wait_for, wait_tab
+from .cores import CoreSplit, browser_pids
 
 pytestmark = pytest.mark.browser
 
-#: samples a round: a native numpy round takes tens of ms, so a tab's page-worker hops fit
-GLOBAL_BATCH = 20000
+#: samples a round: a native numpy round on one core takes ~50 ms, so a tab's page-worker hops
+#: (~10 ms) and its lateness fit (at 20000, ~11 ms rounds, the tab was left out of many rounds)
+GLOBAL_BATCH = 100000
 #: the round rate is the best of a few short windows: other jobs on a small machine slow some
-WINDOW_S, WINDOWS = 2.0, 2
+WINDOW_S, WINDOWS = 3.0, 2
 #: the tab's cap (samples per bucket): a small part of a round of its Python
 TAB_BATCH = 8
 
@@ -42,7 +45,14 @@ def round_rate(cluster, window_s: float = WINDOW_S, windows: int = WINDOWS) -> f
 
 
 def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round_rate_holds(cluster, tabs):
-    url = cluster.serve("--global-batch", str(GLOBAL_BATCH))
+    pids = browser_pids()
+    assert pids, "no Chromium process below this one"
+    with CoreSplit(pids) as split:
+        _natives_with_and_without_a_tab(cluster, tabs, split)
+
+
+def _natives_with_and_without_a_tab(cluster, tabs, split: CoreSplit) -> None:
+    url = split.serve(cluster, "--global-batch", str(GLOBAL_BATCH))
     cluster.rank()
     cluster.rank()
     wait_for(lambda: len([r for r in cluster.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 40,
@@ -52,6 +62,7 @@ def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round
     without = [round_rate(cluster)]
 
     tab = tabs(url, f"?room=digits&batch={TAB_BATCH}&backend=python")
+    split.repin()
     st = wait_tab(tab, lambda s: s["ready"] and s["cohort"] == 3, 60, "the tab ready in a cohort of 3")
     tab_hex = f"{st['id']:08x}"
     assert st["backend"] == "python"
@@ -63,8 +74,9 @@ def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round
     assert lead["global_batch"] == GLOBAL_BATCH
     assert tab_hex in lead["speeds"]
     with_tab = [round_rate(cluster)]
-    lead = leader_report(cluster)
-    assert 0 < lead["shares"].get(tab_hex, 0) <= TAB_BATCH, lead["shares"]   # a share of its own, capped
+    lead = wait_for(lambda: (r := leader_report(cluster)) and r["shares"].get(tab_hex, 0) > 0 and r, 10,
+                    "a round with a share for the tab")
+    assert lead["shares"][tab_hex] <= TAB_BATCH, lead["shares"]   # a share of its own, capped
     # the page shows its share and its measured speed as text
     text = wait_for(lambda: (t := tab.page.evaluate("document.getElementById('s-share').textContent"))
                     and "samples/s measured" in t and not t.startswith("none") and t, 10, "the page's share")
@@ -77,9 +89,9 @@ def test_a_joining_tab_gets_a_share_its_buckets_are_applied_and_the_native_round
     wait_for(lambda: (r := leader_report(cluster)) and r.get("cohort") == 3 and r["shares"].get(tab_hex, 0) > 0, 30,
              "the tab back in the cohort with a share")
     with_tab.append(round_rate(cluster))
-    # the best rate with the tab against the mean rate without it (before it joined, while stopped)
-    # Not stalled by the tab: a tab that were awaited would hold each round for its turnaround
-    # (tens of ms against the natives' ~1 ms: a rate of a few percent). The ratio itself is a
-    # performance figure, measured in bench/bench_tab.py, not asserted here: on 2 shared cores
-    # Chromium's compute takes CPU from the natives (CI measured 0.75).
-    assert max(with_tab) >= 0.5 * sum(without) / len(without), (with_tab, without, lead["shares"], lead["speeds"])
+    # the best rate with the tab against the mean rate without it (before it joined, while stopped):
+    # a tab that were awaited would hold each round for its turnaround (tens of ms against the
+    # natives' few: a rate of a few percent). The ratio itself is measured in bench/bench_tab.py.
+    assert max(with_tab) >= 0.8 * sum(without) / len(without), (with_tab, without, lead["shares"], lead["speeds"])
+    print(f"\nnative round rate with the tab / without: {max(with_tab) / (sum(without) / len(without)):.2f} "
+          f"({split.describe()}); the tab's share {lead['shares'][tab_hex]}, applied {lead['applied'].get(tab_hex)}")
