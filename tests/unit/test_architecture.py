@@ -87,3 +87,6 @@ def test_a_request_handler_that_runs_model_code_breaks_the_server_contract(tmp_p
     assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout
     r = lint_with_breach(tmp_path / "b", "server/tabcohort_server/app.py", "from tabcohort.protocol.machine import RankMachine as _m  # noqa")
     assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout
+    # (the package re-exports the machine: importing it from there is the same breach)
+    r = lint_with_breach(tmp_path / "c", "server/tabcohort_server/rooms.py", "from tabcohort.protocol import RankMachine as _m  # noqa")
+    assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout

@@ -56,24 +56,21 @@ class Speed:
 
     def model(self) -> tuple[float, float]:
         """``(a_ms, b_ms_per_sample)`` of ``t(s) = a + b s``, both >= 0, ``b > 0``."""
-        return self._fit()[:2]
-
-    def _fit(self) -> tuple[float, float, bool]:
-        """:meth:`model` and whether it is a two-parameter fit (else a fallback)."""
         var = self.m_ss - self.m_s * self.m_s
         if self.n >= 3 and var > (0.05 * self.m_s) ** 2:
             b = (self.m_st - self.m_s * self.m_t) / var
             a = self.m_t - b * self.m_s
             if b > 0 and a >= 0:
-                return a, b, True
+                return a, b
             if b > 0:                      # a < 0: noise; all of it per sample
-                return 0.0, self.m_t / self.m_s, False
+                return 0.0, self.m_t / self.m_s
         # one share size seen so far: the time cannot be split, count it all per sample
         # except what the smallest observations say is fixed
-        return 0.0, max(self.m_t, 1e-6) / max(self.m_s, 1e-9), False
+        return 0.0, max(self.m_t, 1e-6) / max(self.m_s, 1e-9)
 
     def lateness_ms(self) -> float:
-        """The RMS of the rank's lateness, ms: against its two-parameter fit (0 until it has one)."""
+        """The RMS of the rank's lateness, ms (each bucket's arrival after the model's
+        prediction, at most the prediction itself)."""
         return math.sqrt(self.m_late2)
 
     @property
@@ -97,10 +94,14 @@ class SpeedTable:
             self.speeds[rank] = Speed(s, t, s * s, s * t)
             return
         a = SPEED_ALPHA
-        fa, fb, fitted = sp._fit()
-        if fitted:        # (against a fallback model, lateness would be the model's own error)
-            late = max(0.0, t - (fa + fb * s))
-            sp.m_late2 += a * (late * late - sp.m_late2)
+        # lateness against the model the leader plans with (the fit, or its fallback), on every
+        # bucket, probes too, so it follows the rank's current jitter and decays while the rank
+        # only answers probes; at most the predicted turnaround itself, so neither one outlier
+        # (a rank's 2 s pause) nor a fallback's error on a probe shuts a rank out for long
+        fa, fb = sp.model()
+        pred = fa + fb * s
+        late = min(max(0.0, t - pred), pred)
+        sp.m_late2 += a * (late * late - sp.m_late2)
         sp.m_s += a * (s - sp.m_s)
         sp.m_t += a * (t - sp.m_t)
         sp.m_ss += a * (s * s - sp.m_ss)
