@@ -74,7 +74,10 @@ def check_redis_url(url: object, flag: str = "--redis") -> str:
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(flag, url, "expected a URL like redis://127.0.0.1:6379/0")
-    u = urllib.parse.urlsplit(url)
+    try:
+        u = urllib.parse.urlsplit(url)
+    except ValueError as exc:             # e.g. an unclosed IPv6 bracket: redis://[::1
+        raise ConfigError(flag, url, f"not a URL ({exc}); expected e.g. redis://127.0.0.1:6379/0") from None
     if u.scheme == "unix":
         if not u.path:
             raise ConfigError(flag, url, "a unix:// URL needs a socket path")
@@ -230,7 +233,10 @@ class ClusterConfig:
                 and all(c.isalnum() or c in "-_." for c in self.node_id)):
             raise ConfigError("--node-id", self.node_id, "1..64 characters of [A-Za-z0-9._-]")
         if self.advertise_url:
-            u = urllib.parse.urlsplit(self.advertise_url)
+            try:
+                u = urllib.parse.urlsplit(self.advertise_url)
+            except ValueError:
+                raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]") from None
             if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
                 raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]")
 

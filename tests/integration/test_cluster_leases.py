@@ -72,7 +72,7 @@ def test_failover_bound_is_lease_tick_takeover_and_stagger():
 
 
 @pytest.mark.parametrize("url", ["", "http://h:6379/0", "redis://:6379/0", "redis://h:99999/0", "redis://h/x",
-                                 "unix://"])
+                                 "unix://", "redis://[::1"])
 def test_bad_redis_urls_name_the_flag(url):
     with pytest.raises(ConfigError) as e:
         cluster.check_redis_url(url, "--redis")

@@ -20,6 +20,9 @@ def cfg(env: dict, **args) -> RankConfig:
 @pytest.mark.parametrize("env,var,value", [
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "3.5"},
      "TABCOHORT_BATCH", "3.5"),
+    # (a u32 on the wire: a larger batch joined, then failed every hello and beat)
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "99999999999999"},
+     "TABCOHORT_BATCH", "99999999999999"),
     ({"TABCOHORT_SERVER": "127.0.0.1:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "127.0.0.1:8080"),
     ({"TABCOHORT_SERVER": "http://no-such-host.invalid:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
      "http://no-such-host.invalid:8080"),

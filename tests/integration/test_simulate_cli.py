@@ -27,6 +27,11 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
     (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
     (["--job", "/no/such/job.py"], "--job='/no/such/job.py'"),
+    # as serve bounds them: a batch over 2^24 failed every hello (u32) and hung; an infinite
+    # delay delivered nothing
+    (["--global-batch", "100000000000"], "--global-batch=100000000000"),
+    (["--batch", "16777217"], "--batch=16777217"),
+    (["--link-delay-ms", "inf"], "--link-delay-ms=inf"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)
@@ -56,6 +61,14 @@ def test_a_run_whose_loss_runs_away_with_finite_gradients_is_diverged_too():
     r = simulate("--ranks", "2", "--dataset", "digits", "--lr", "1000000", "--steps", "150", "--max-seconds", "60")
     assert r.returncode == 1, r.stderr[-2000:]
     assert "diverged" in r.stderr and "loss ended at" in r.stderr and "--lr" in r.stderr
+
+
+def test_an_lr_above_the_default_ceiling_still_trains_one_cohort():
+    # the ranks' lr ceiling (10 by default, against a hostile leader) is raised to the run's own
+    # lr: at --lr 11 the follower refused every round and the run ended "bit-identical: NO"
+    r = simulate("--ranks", "2", "--dataset", "digits", "--lr", "11", "--steps", "30", "--max-seconds", "60", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["bit_identical"] is True, (r.stdout[-1500:], r.stderr[-1500:])
 
 
 def test_steps_is_an_exact_limit_in_process():

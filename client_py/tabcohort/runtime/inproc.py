@@ -24,6 +24,13 @@ from .driver import RankDriver
 
 #: More ranks than this in one process are a configuration error, not a slow death.
 MAX_RANKS = 256
+#: the largest batch or global batch, as ``serve`` bounds it (``JobConfig.validate``)
+MAX_BATCH = 2**24
+#: the machine's default lr ceiling (``RankMachine(lr_max=...)``; ``serve --lr-max``); a run
+#: whose lr is higher raises its ranks' ceiling to it (they are all this process's own)
+LR_MAX = 10.0
+#: the longest one-way link delay (ms): an infinite one would deliver nothing, each rank alone
+MAX_DELAY_MS = 60_000.0
 #: A run whose step has not advanced for this long while buckets are non-finite has diverged.
 DIVERGED_AFTER_S = 5.0
 #: A classifier whose final training loss is this many times a uniform guess's (ln classes) has
@@ -88,9 +95,12 @@ class InprocConfig:
         pos_int("steps")
         for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch"):
             pos_int(name, 0)
+        for name in ("batch", "global_batch"):   # as `serve` bounds them (a u32 on the wire, and memory)
+            if getattr(self, name) > MAX_BATCH:
+                raise ConfigError(name, getattr(self, name), f"must be at most {MAX_BATCH}")
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
             raise ConfigError("lr", self.lr, "must be a finite number > 0")
-        for name, lo, hi in (("loss", 0.0, 1.0), ("delay_ms", 0.0, math.inf), ("bandwidth_bytes_per_s", 0.0, math.inf),
+        for name, lo, hi in (("loss", 0.0, 1.0), ("delay_ms", 0.0, MAX_DELAY_MS), ("bandwidth_bytes_per_s", 0.0, math.inf),
                              ("target_accuracy", 0.0, 1.0), ("max_seconds", 0.0, math.inf),
                              ("heal_after_ms", 0.0, math.inf)):
             v = getattr(self, name)
@@ -177,7 +187,11 @@ class InprocCohort:
         m = RankMachine(k, w, bus, job=self.job, now_ms=RankDriver.clock_ms(self.loop), timing=cfg.timing,
                         lr=cfg.lr, eval_every=cfg.eval_every, precision=cfg.precision,
                         collect_rule=cfg.collect_rule, global_batch=cfg.resolved_global_batch,
-                        step_limit=cfg.steps, train=cfg.train)
+                        step_limit=cfg.steps, train=cfg.train,
+                        # every rank here is this process's own: the lr ceiling (against a hostile
+                        # leader, docs/PROTOCOL.md "Untrusted ranks") is the run's own lr, as
+                        # `serve --lr-max` would be set for it
+                        lr_max=max(LR_MAX, cfg.lr))
         d = RankDriver(m, w, bus)
         self.drivers[k] = d
         d.start()

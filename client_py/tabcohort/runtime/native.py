@@ -155,8 +155,9 @@ class RankConfig:
                 b = int(b) if not isinstance(b, bool) and str(b).strip().lstrip("-").isdigit() else None
             except ValueError:
                 b = None
-            if b is None or b < 1:
-                raise ConfigError(self._name("batch"), self.batch, "must be an integer >= 1")
+            if b is None or b < 1 or b > 2**24:
+                # (a u32 on the wire; `serve` bounds a room's batch the same way)
+                raise ConfigError(self._name("batch"), self.batch, f"must be an integer in [1, {2**24}]")
             self.batch = b
         if self.link not in LINKS:
             raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
