@@ -492,7 +492,14 @@ def _serve_checked(a: argparse.Namespace) -> int:
                                     advertise_url=(a.advertise_url or os.environ.get("TABCOHORT_ADVERTISE_URL")
                                                    or "").rstrip("/"),
                                     timing=timing)
-        cfg.cluster.validate()
+        try:
+            cfg.cluster.validate()
+        except ConfigError as exc:   # name the environment variable when the value came from it
+            env = {"--node-id": ("TABCOHORT_NODE_ID", a.node_id),
+                   "--advertise-url": ("TABCOHORT_ADVERTISE_URL", a.advertise_url)}.get(exc.variable)
+            if env is not None and not env[1] and os.environ.get(env[0]):
+                raise ConfigError(env[0], exc.value, exc.reason) from None
+            raise
     elif a.node_id or a.advertise_url:
         raise ConfigError("--node-id" if a.node_id else "--advertise-url", a.node_id or a.advertise_url,
                           "only with --redis (a cluster node)")

@@ -348,3 +348,14 @@ def test_tabcohort_redis_variable_is_named_when_it_is_bad(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0",
                         "--dataset", "synthetic"], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "TABCOHORT_REDIS" in r.stderr, r.stderr
+
+
+def test_tabcohort_node_id_variable_is_named_when_it_is_bad():
+    # (a bad value from TABCOHORT_NODE_ID was reported as --node-id, a flag the user never gave)
+    import sys
+
+    from .conftest import ROOT, _env
+    env = dict(_env(), TABCOHORT_REDIS="redis://127.0.0.1:6379/0", TABCOHORT_NODE_ID="bad id!")
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0",
+                        "--dataset", "synthetic"], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "TABCOHORT_NODE_ID='bad id!'" in r.stderr, r.stderr
