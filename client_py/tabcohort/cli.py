@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="digits (needs scikit-learn), synthetic, or a path to an .npz with X and y")
     s.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
                    help="train a module job (README \"Write your own job\") instead of the built-in MLP over --dataset")
-    s.add_argument("--batch", type=int, default=32, help="samples per bucket per rank")
+    s.add_argument("--batch", type=int, default=32,
+                   help="samples per rank per round when --global-batch is not given (the global batch is "
+                        "then ranks x batch); with --global-batch it is unused: any rank here may take a whole round")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
@@ -326,7 +328,7 @@ def _simulate(a: argparse.Namespace) -> int:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
     out = sys.stderr if a.json else sys.stdout
-    print(f"tabcohort simulate: {cfg.ranks} ranks, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, batch {cfg.batch}/rank, "
+    print(f"tabcohort simulate: {cfg.ranks} ranks, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
