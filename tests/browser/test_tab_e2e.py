@@ -50,10 +50,12 @@ def test_two_tabs_and_a_native_rank_train_digits_to_90_percent_bit_identical(clu
     backends = {r["id"]: r["backend"] for r in finals}
     tab_ids = set(ids)
     native_id = next(k for k in backends if k not in tab_ids)
-    # auto: Chromium here exposes WebGPU, but on SwiftShader (a CPU implementation) it is slower than
-    # the js kernels in the start probe, so the tabs compute on js and say why
-    assert all(backends[k] == "js" for k in tab_ids), backends
-    assert all("slower than js" in (r.get("backend_note") or "") for r in finals if r["id"] in tab_ids), finals
+    # auto: Chromium here exposes WebGPU on SwiftShader (a CPU implementation); the start probe times
+    # webgpu against js and keeps the faster. It is usually js, but on a loaded 2-core machine
+    # SwiftShader once won the probe (CI): either is a correct choice, never python; a js tab says why
+    assert all(backends[k] in ("js", "webgpu") for k in tab_ids), backends
+    assert all("slower than js" in (r.get("backend_note") or "") for r in finals
+               if r["id"] in tab_ids and r["backend"] == "js"), finals
 
     # every link of every tab is the WebSocket star relay, and it carried bytes both ways
     for k, s in mid.items():
