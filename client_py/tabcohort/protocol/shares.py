@@ -32,13 +32,13 @@ SLOW_MARGIN = 1.05
 #: PROBE_INTERVAL_MS (milliseconds): a fast cohort would otherwise probe a slow tab hundreds of
 #: times a second, each probe a bucket the tab computes for nothing
 PROBE_EVERY = 8
-#: how many of a rank's lateness (RMS of its buckets' arrival after the predicted time) it is
-#: planned to finish before the others
-LATENESS_MARGIN = 1.0
 PROBE_INTERVAL_MS = 250.0
 #: a rank with no share in a round is sent it only if the leader's last broadcast round is
 #: this old (milliseconds): it follows at most about 1000 / FOLLOW_INTERVAL_MS rounds per second
 FOLLOW_INTERVAL_MS = 50.0
+#: how many of a rank's lateness (RMS of its buckets' arrival after the predicted time) it is
+#: planned to finish before the others
+LATENESS_MARGIN = 1.0
 
 
 @dataclass
