@@ -15,9 +15,11 @@ most 64 entries of short keys, lists at most 1024 items.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 
 #: Nesting depth a control may have (a report is at most 3 deep); anything deeper is dropped
 #: (``too_deep``) before the JSON parser recurses.
@@ -25,7 +27,8 @@ MAX_DEPTH = 8
 
 U32 = {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}
 U63 = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
-NUM = {"type": "number"}          # finite: the parser refuses NaN and Infinity literals
+NUM = {"type": "number"}          # finite: the parser refuses NaN and Infinity literals, and
+                                  # _Validator what overflows a double (1e999)
 NUM_OR_NULL = {"type": ["number", "null"]}
 STR = {"type": "string", "maxLength": 256}
 STR_OR_NULL = {"type": ["string", "null"], "maxLength": 256}
@@ -141,9 +144,26 @@ SERVER_CONTROL_SCHEMAS: dict[str, dict] = {
            "properties": {"lr": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}}},
 }
 
-_REGISTER = Draft202012Validator(REGISTER)
-_SERVER_VALIDATORS = {t: Draft202012Validator(s) for t, s in SERVER_CONTROL_SCHEMAS.items()}
-_VALIDATORS = {t: Draft202012Validator(s) for t, s in CONTROL_SCHEMAS.items()}
+
+def _finite(instance: Any) -> bool:
+    """Whether a JSON number is finite as a double: ``json.loads`` turns a literal too large for
+    one (``1e999``) into an infinity, and keeps an integer literal of up to 4300 digits exact,
+    one no double holds (the room's ``float`` of it overflows)."""
+    return math.isfinite(instance) if isinstance(instance, float) else -_FLOAT_MAX <= instance <= _FLOAT_MAX
+
+
+_FLOAT_MAX = int(sys.float_info.max)
+_BASE_TYPES = Draft202012Validator.TYPE_CHECKER
+#: Draft 2020-12 whose "number" and "integer" are finite as doubles (:func:`_finite`): a field
+#: holding anything else has the wrong type like any other (``bad_report.<field>``), never a
+#: value the room keeps. (Both: the range keywords skip what is not a "number".)
+_Validator = validators.extend(Draft202012Validator, type_checker=_BASE_TYPES.redefine_many({
+    "number": lambda _c, x: _BASE_TYPES.is_type(x, "number") and _finite(x),
+    "integer": lambda _c, x: _BASE_TYPES.is_type(x, "integer") and _finite(x)}))
+
+_REGISTER = _Validator(REGISTER)
+_SERVER_VALIDATORS = {t: _Validator(s) for t, s in SERVER_CONTROL_SCHEMAS.items()}
+_VALIDATORS = {t: _Validator(s) for t, s in CONTROL_SCHEMAS.items()}
 for _v in _VALIDATORS.values():
     Draft202012Validator.check_schema(_v.schema)
 

@@ -81,6 +81,12 @@ RAW_ATTACKS = [
     ('{"type": "report", "state": {"step": NaN}}', "bad_json"),
     ('{"type": "report", "state": {"loss": Infinity}}', "bad_json"),
     ('{"type": "report", "state": {"step": 1e400}}', "bad_report.step"),
+    ('{"type": "report", "state": {"loss": 1e999}}', "bad_report.loss"),      # inf after parsing
+    ('{"type": "report", "state": {"loss": -1e999}}', "bad_report.loss"),
+    ('{"type": "report", "state": {"loss": ' + "9" * 400 + "}}", "bad_report.loss"),  # no double holds it
+    ('{"type": "report", "state": {"step": ' + "9" * 400 + "}}", "bad_report.step"),
+    ('{"type": "report", "state": {"speeds": {"0000000a": 1e999}}}', "bad_report.speeds"),
+    ('{"type": "report", "state": {"policy": {"lr": 1e999}}}', "bad_report.policy"),
     ('{"type": "report", "state": {"step": ' + "9" * 5000 + "}}", "bad_json"),
     ("[" * 30000 + "]" * 30000, "too_deep"),
     ('{"type": "report", "state": {"counters": ' + '{"a":' * 10000 + "1" + "}" * 10000 + "}}", "too_deep"),
@@ -104,6 +110,23 @@ def test_a_malformed_control_is_dropped_by_reason_and_the_room_goes_on(attack, r
         r.control(lead, report(lead, step=step, leader=lead.id, is_leader=True, loss=0.5, accuracy=0.5), now=1)
     assert r.stopped and r.step() == 50
     assert "RecursionError" not in caplog.text and bad.connected
+
+
+def test_a_report_with_a_number_no_double_holds_is_dropped_and_counted_like_any_bad_field():
+    """A loss of 1e999 (an infinity once parsed) or of 400 digits is not kept (once shown as null),
+    nor the rest of that report: counted as ``bad_report.loss`` in the room's drops, /metrics and
+    the rank's charges, and the rank's previous report stands."""
+    r, _ = make_room()
+    lead = r.register(now=0, trainer=True)
+    r.control(lead, report(lead, step=3, leader=lead.id, is_leader=True, loss=0.25), now=1)
+    for i, big in enumerate(("1e999", "-1e999", "9" * 400), start=1):
+        r.control(lead, '{"type": "report", "state": {"step": 4, "is_leader": true, "leader": %d, "loss": %s}}'
+                  % (lead.id, big), now=1 + i)
+        assert r.drops == {"bad_report.loss": i} and lead.charged == {"bad_report.loss": i}
+    assert lead.report["loss"] == 0.25 and lead.report["step"] == 3
+    s = r.summary(5.0)
+    assert s["loss"] == 0.25 and s["drops"] == {"bad_report.loss": 3}
+    assert 'tabcohort_drops_total{reason="bad_report.loss",room="r"} 3.0' in renders(r)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
