@@ -114,18 +114,23 @@ class ClusterTiming:
     stagger_ms: float = 1000.0
 
     def validate(self) -> None:
-        for name in ("lease_ms", "tick_ms", "takeover_ms", "stagger_ms"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3_600_000:
-                raise ConfigError(f"--cluster-{name.replace('_', '-')}", v, "must be milliseconds in [0, 3600000]")
-        if not 100 <= self.lease_ms:
-            raise ConfigError("--cluster-lease-ms", self.lease_ms, "must be >= 100")
-        if not 10 <= self.tick_ms <= self.lease_ms / 3:
-            raise ConfigError("--cluster-tick-ms", self.tick_ms, f"must be in [10, lease_ms / 3 = {self.lease_ms / 3:g}]")
+        """Raise a ConfigError naming the flag and its real range (the lease >= 100 ms, the tick
+        >= 10 ms and at most a third of the lease; each at most an hour)."""
+        _check_ms("lease_ms", self.lease_ms, 100, 3_600_000)
+        _check_ms("tick_ms", self.tick_ms, 10, self.lease_ms / 3, f"--cluster-lease-ms / 3 = {self.lease_ms / 3:g}")
+        _check_ms("takeover_ms", self.takeover_ms, 0, 3_600_000)
+        _check_ms("stagger_ms", self.stagger_ms, 0, 3_600_000)
 
     def failover_bound_ms(self, n_eligible: int = 2) -> float:
         """The longest a room of a dead owner stays unowned (module docstring)."""
         return self.lease_ms + self.tick_ms + self.takeover_ms + self.stagger_ms * max(0, n_eligible - 1)
+
+
+def _check_ms(name: str, v: object, lo: float, hi: float, hi_text: str | None = None) -> None:
+    """A ConfigError naming ``--cluster-NAME`` unless ``v`` is milliseconds in ``[lo, hi]``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ConfigError(f"--cluster-{name.replace('_', '-')}", v,
+                          f"must be milliseconds in [{lo:.15g}, {hi_text or f'{hi:.15g}'}]")
 
 
 def claim_rank(me: str, loads: dict[str, tuple[float, Iterable[str]]], room: str, my_load: float) -> int:

@@ -92,6 +92,19 @@ def test_bad_timing_names_the_flag(field, value):
     assert e.value.variable == "--cluster-" + field.replace("_", "-")
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("lease_ms", -5, "[100, 3600000]"), ("lease_ms", 50, "[100, 3600000]"), ("lease_ms", 99.9, "[100, 3600000]"),
+    ("lease_ms", 4_000_000, "[100, 3600000]"), ("tick_ms", -1, "[10, --cluster-lease-ms / 3 = 1666.67]"),
+    ("tick_ms", 5, "[10, --cluster-lease-ms / 3 = 1666.67]"), ("takeover_ms", -1, "[0, 3600000]")])
+def test_a_bad_timing_message_states_the_range_the_check_enforces(field, value, says):
+    # (a lease of 50 ms was refused as "must be >= 100", and one of -5 as "in [0, 3600000]")
+    with pytest.raises(ConfigError) as e:
+        cluster.ClusterTiming(**{field: value}).validate()
+    assert e.value.reason == f"must be milliseconds in {says}", e.value.reason
+    cluster.ClusterTiming(lease_ms=100, tick_ms=10, takeover_ms=0).validate()     # both ends are valid
+    cluster.ClusterTiming(lease_ms=3_600_000, tick_ms=1_200_000, takeover_ms=3_600_000).validate()
+
+
 def test_a_4012_reason_becomes_the_owners_socket_url_and_anything_else_is_refused():
     cur = "ws://10.0.0.2:8080/api/rooms/digits/ws"
     assert moved_ws_url(cur, "http://10.0.0.1:8081") == "ws://10.0.0.1:8081/api/rooms/digits/ws"
