@@ -287,8 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--advertise-url", default=None, metavar="URL",
                    help="the base URL other nodes send ranks and pages to (TABCOHORT_ADVERTISE_URL; "
                         "default: http://HOST:PORT as bound)")
-    c.add_argument("--cluster-lease-ms", type=float, default=5000.0, help="room lease in Redis, ms")
-    c.add_argument("--cluster-tick-ms", type=float, default=1000.0, help="heartbeat / renew period, ms")
+    # (defaults None, applied with --redis: a value given without it is refused, not ignored)
+    c.add_argument("--cluster-lease-ms", type=float, default=None,
+                   help="room lease in Redis, ms, in [100, 3600000] (default 5000)")
+    c.add_argument("--cluster-tick-ms", type=float, default=None,
+                   help="heartbeat / renew period, ms, at most a third of the lease (default 1000)")
     c.add_argument("--cluster-takeover-ms", type=float, default=None,
                    help="a dead owner's room is claimed this long after its lease lapsed, ms (default: the lease)")
     v.add_argument("--advertise", action="store_true",
@@ -487,9 +490,10 @@ def _serve_checked(a: argparse.Namespace) -> int:
         node_id = a.node_id or os.environ.get("TABCOHORT_NODE_ID") or (
             "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in socket.gethostname())[:48]
             + "-" + secrets.token_hex(3))
-        timing = ClusterTiming(lease_ms=a.cluster_lease_ms, tick_ms=a.cluster_tick_ms,
-                               takeover_ms=a.cluster_lease_ms if a.cluster_takeover_ms is None
-                               else a.cluster_takeover_ms)
+        lease_ms = ClusterTiming.lease_ms if a.cluster_lease_ms is None else a.cluster_lease_ms
+        timing = ClusterTiming(lease_ms=lease_ms,
+                               tick_ms=ClusterTiming.tick_ms if a.cluster_tick_ms is None else a.cluster_tick_ms,
+                               takeover_ms=lease_ms if a.cluster_takeover_ms is None else a.cluster_takeover_ms)
         cfg.cluster = ClusterConfig(redis_url=redis_url, node_id=node_id,
                                     advertise_url=(a.advertise_url or os.environ.get("TABCOHORT_ADVERTISE_URL")
                                                    or "").rstrip("/"),
@@ -502,9 +506,15 @@ def _serve_checked(a: argparse.Namespace) -> int:
             if env is not None and not env[1] and os.environ.get(env[0]):
                 raise ConfigError(env[0], exc.value, exc.reason) from None
             raise
-    elif a.node_id or a.advertise_url:
-        raise ConfigError("--node-id" if a.node_id else "--advertise-url", a.node_id or a.advertise_url,
-                          "only with --redis (a cluster node)")
+    else:   # a cluster option without a cluster would be silently ignored: refuse it (only the
+        # flags: TABCOHORT_NODE_ID / TABCOHORT_ADVERTISE_URL may be set by default, as in
+        # docker-compose.yml, and are read only with Redis)
+        for flag, val in (("--node-id", a.node_id), ("--advertise-url", a.advertise_url),
+                          ("--cluster-lease-ms", a.cluster_lease_ms), ("--cluster-tick-ms", a.cluster_tick_ms),
+                          ("--cluster-takeover-ms", a.cluster_takeover_ms)):
+            if val is not None:
+                raise ConfigError(flag, val, "needs --redis (or TABCOHORT_REDIS): it configures a cluster "
+                                  "node, and without Redis this server is not one")
     ifaces = None
     if a.advertise_interfaces:
         import ipaddress

@@ -123,6 +123,20 @@ def test_serve_bad_listen_settings_are_config_errors(args, named):
     assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("args", [["--cluster-lease-ms", "2000"], ["--cluster-tick-ms", "100"],
+                                  ["--cluster-takeover-ms", "1000"], ["--node-id", "n1"],
+                                  ["--advertise-url", "http://10.0.0.1:8080"]])
+def test_serve_cluster_options_without_redis_are_config_errors_not_ignored(args):
+    # (--cluster-lease-ms and the other timing flags were silently ignored: the server served alone)
+    env = {k: v for k, v in _env().items() if k != "TABCOHORT_REDIS"}
+    env["TABCOHORT_NODE_ID"] = "set-by-default"   # (read only with Redis: not what is refused)
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--dataset", "synthetic", *args],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"configuration error: {args[0]}=" in r.stderr and "needs --redis" in r.stderr, r.stderr
+    assert "tabcohort serve: http" not in r.stdout, r.stdout        # refused before it listened
+
+
 def test_serve_on_a_port_in_use_is_a_config_error():
     import socket
     with socket.socket() as s:
