@@ -192,6 +192,8 @@ class Room:
         self.started_at: float | None = None
         self.stopped = False
         self.stop_reason: str | None = None
+        #: called with the room once it stops (``tabcohort serve`` prints a line)
+        self.on_stop: list[Callable[[Room], None]] = []
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
@@ -782,6 +784,8 @@ class Room:
         self.stopped = True
         self.stop_reason = reason
         self.broadcast_control({"type": "stop", "reason": reason})
+        for f in list(self.on_stop):
+            f(self)
 
     def rank_drops(self) -> dict[str, dict[str, int]]:
         """Drops the connected ranks report (validated reports), summed by reason:

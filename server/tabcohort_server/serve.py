@@ -5,6 +5,7 @@ URL it listens on."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from typing import Any, Callable
 
@@ -81,6 +82,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
         progress(f"  operate: {url}/operator?room={name}#operator=" + app[OPERATOR_TOKEN])
+        if room is not None and not room.stopped:
+            room.on_stop.append(lambda r: _say_stopped(r, progress))
     if config.any_rank_may_lead:
         progress("roles: any rank may lead (--any-rank-may-lead: for trusted groups only)")
     else:
@@ -136,6 +139,21 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         if adv is not None:
             await adv.stop()
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
+
+
+def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
+    """One line when a room stops while the server runs: at its ``--steps`` limit (with the
+    final step), or for another reason (target accuracy, duration, diverged, the operator)."""
+    step = room.step()
+    if room.job.steps and step >= room.job.steps:
+        line = (f"tabcohort serve: room {room.name} reached its step limit (--steps {room.job.steps}) at "
+                f"step {step}; its ranks are told to stop")
+    else:
+        line = f"tabcohort serve: room {room.name} stopped at step {step}: {room.stop_reason}"
+    try:
+        progress(line)
+    except Exception:    # (an output gone away must not fail the report that stopped the room)
+        logging.getLogger("tabcohort.server").warning("%s", line)
 
 
 async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], None],

@@ -46,6 +46,10 @@ def test_serve_steps_is_an_exact_limit_and_the_final_checkpoint_is_at_it(cluster
     assert [_stopped_step(p.text()) for p in ranks] == [30, 30]
     st = cluster.state()
     assert st["stopped"] and st["step"] == 30 and st["checkpoint"]["step"] == 30, st
+    # the server says so too (it printed nothing when the room reached its limit), once
+    said = "tabcohort serve: room digits reached its step limit (--steps 30) at step 30"
+    wait_for(lambda: said in cluster.server.text(), 10, "the server's step-limit line")
+    assert cluster.server.text().count("reached its step limit") == 1, cluster.server.text()
 
 
 def _free_port() -> int:
