@@ -156,6 +156,22 @@ def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_refused_trainer_token_is_a_clear_error_with_the_hint_and_no_unclosed_session(cluster):
+    # (it was "tabcohort: error: server refused the link (close 4001: bad trainer token)", exit 1,
+    # then aiohttp's "Unclosed client session" from the socket the refused bus left open)
+    cluster.serve("--dataset", "synthetic")
+    wrong = "a-wrong-trainer-token-0123"
+    for args, env, named in ((["--trainer-token", wrong], {}, "--trainer-token='<hidden>'"),
+                             ([], {"TABCOHORT_TRAINER_TOKEN": wrong}, "TABCOHORT_TRAINER_TOKEN='<hidden>'")):
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", cluster.room,
+                            *args], capture_output=True, text=True, timeout=60, env={**_env(), **env}, cwd=ROOT)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2 and f"configuration error: {named}: the server refused the trainer token" in r.stderr, out
+        assert "--any-rank-may-lead" in r.stderr and ".trainer-token" in r.stderr, out
+        assert "Unclosed" not in out and "Traceback" not in out and wrong not in out, out
+    assert cluster.state()["drops"].get("bad_trainer_token") == 2
+
+
 def test_a_bad_trainer_token_is_named_and_never_shown():
     with pytest.raises(ConfigError) as e:
         cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d",

@@ -3,13 +3,15 @@ plain controls and a number for the clock (docs/INTERFACES.md, "Bus" and "Close 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from tabcohort.bus.base import LinkBytes
-from tabcohort.bus.room import (CLOSE_MOVED, CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_ID, MAX_MOVES, RoomClient,
-                                http_base)
+from tabcohort.bus.room import (CLOSE_BAD_TOKEN, CLOSE_MOVED, CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_ID,
+                                MAX_MOVES, LinkFailed, RoomClient, http_base)
+from tabcohort.bus.star import StarBus
 from tabcohort.errors import ConfigError
 
 
@@ -179,3 +181,38 @@ def test_a_first_registration_is_retried_while_the_cluster_has_no_owner():
     rc = RoomClient(reconnect_max_s=5.0, rng=random.Random(3))
     assert rc.refused(CLOSE_TRY_AGAIN, now_ms=0.0) is not None
     assert rc.refused(4001, now_ms=0.0) is None
+
+
+class _RefusingSocket:
+    """A socket adapter whose server closes every attempt at once (``code``, ``reason``)."""
+
+    can_pause = False
+
+    def __init__(self, code: int, reason: str) -> None:
+        self.code, self.reason = code, reason
+        self.opened = self.aclosed = 0
+
+    def open(self, url, listener) -> None:
+        self.opened += 1
+        asyncio.get_running_loop().call_soon(listener.on_closed, self.code, self.reason)
+
+    def send_text(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.aclosed += 1
+
+
+@pytest.mark.needs_loop
+def test_a_bus_the_server_refuses_releases_its_socket_before_it_raises():
+    # (a rank with a wrong trainer token printed aiohttp's "Unclosed client session" on exit:
+    # connect gave up with the socket adapter's session still open)
+    sock = _RefusingSocket(CLOSE_BAD_TOKEN, "bad trainer token")
+    bus = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws", trainer_token="x" * 16)
+    with pytest.raises(LinkFailed) as e:
+        asyncio.run(asyncio.wait_for(bus.connect(timeout_s=5.0), 10.0))
+    assert (e.value.code, e.value.reason) == (CLOSE_BAD_TOKEN, "bad trainer token")
+    assert sock.opened == 1 and sock.aclosed == 1

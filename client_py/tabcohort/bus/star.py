@@ -228,8 +228,8 @@ class StarBus:
                 break
             except LinkFailed as e:
                 at = None if self.closed else self.room.refused(e.code, now_ms=self.now_ms())
-                if at is None:
-                    self.socket.close()
+                if at is None:   # given up: release what the attempt opened (aiohttp's session)
+                    await self.socket.aclose()
                     raise
                 log.info("server admits registrations at a bounded rate (close %s); retry in %.2f s",
                          e.code, at / 1000.0 - self._loop.time())
