@@ -257,6 +257,37 @@ def _drive(r, t, late=(), slow_ms=500.0, silent=()):
     return acts, end
 
 
+def test_a_fast_leader_replans_at_most_every_replan_interval_and_at_once_when_the_cohort_changes(monkeypatch):
+    # PROTOCOL.md "Shares": planning is per-rank work, so a leader whose rounds take well under
+    # REPLAN_INTERVAL_MS keeps its plan for at most that long (never longer: the estimates move),
+    # and plans afresh in the round after the ranks it plans for change (a newcomer's probe share
+    # is not delayed) and at every probe round
+    from tabcohort.protocol import machine as machine_mod
+    from tabcohort.protocol.shares import REPLAN_INTERVAL_MS
+
+    calls = []
+    monkeypatch.setattr(machine_mod, "plan_shares", lambda *a, **k: calls.append(1) or plan_shares(*a, **k))
+    r = leader_with([2, 3], global_batch=48)
+    r.m.start(now_ms=0)
+    assert calls
+    t, last_plan, planned, kept = 0.0, 0.0, 1, 0
+    for i in range(400):
+        _, end = _drive(r, t)
+        t, n0 = end + 0.05, len(calls)
+        if i == 300:
+            r.m.handle(beat(4, batch=64), now_ms=t)              # a newcomer
+        tick(r, t, peers=(2, 3, 4) if i >= 300 else (2, 3))     # drives the next round
+        started = max(v[0] for v in r.m._sent_rounds.values())
+        if len(calls) > n0:
+            planned, last_plan = planned + 1, started
+        else:
+            kept += 1
+            assert started - last_plan < REPLAN_INTERVAL_MS, (i, started, last_plan)
+        if i == 300:
+            assert len(calls) > n0 and r.m.shares.get(4, 0) >= 1   # its probe share, in this round
+    assert kept > planned, (kept, planned)                      # rounds of ~0.4 ms reuse plans
+
+
 def test_a_rank_without_a_share_is_sent_rounds_at_most_every_follow_interval():
     # PROTOCOL.md "Shares", followers without a share: rank 3 (500 ms per bucket) gets no share
     # once measured, and the fast cohort's rounds go to rank 2 alone, addressed; rank 3 still

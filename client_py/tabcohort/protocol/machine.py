@@ -27,7 +27,7 @@ from .assign import windows
 from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
 from .robust import AGGREGATES, clip_to_median_norm, trimmed_mean
-from .shares import FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, SpeedTable, plan_shares
+from .shares import FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable, plan_shares
 from .policy import Policy, Timing, policy
 from .roster import Roster
 
@@ -320,6 +320,8 @@ class RankMachine:
         self._broadcast_ms = -math.inf
         self._broadcast_term = -1
         self._probe_ms = -math.inf          # when this rank last probed ranks with no share
+        # the last plan of shares: (what it was planned for, when, shares, probing) ("Shares")
+        self._plan: tuple[tuple, float, dict[int, int], set[int]] | None = None
         # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
         self._sent_rounds: dict[tuple[int, int], tuple[float, dict[int, int]]] = {}
         # each rank's last probe shares, oldest first: rank -> [(term, step, sent at, samples)],
@@ -1149,8 +1151,15 @@ class RankMachine:
             # share every round; a slow one's answer must find its probe still kept)
             unanswered = {k for k in ids if k != self.id and k not in self.speeds.speeds
                           and self._probe_backing_off(k, now_ms)}
-            shares, probing = plan_shares(self.global_batch, [k for k in ids if k not in unanswered],
-                                          batches, self.speeds, probe=probe)
+            planned = [k for k in ids if k not in unanswered]
+            key = (self.global_batch, tuple((k, batches[k], k in self.speeds.speeds) for k in planned))
+            plan = self._plan
+            if (not probe and plan is not None and plan[0] == key and not plan[3]
+                    and 0 <= now_ms - plan[1] < REPLAN_INTERVAL_MS):
+                shares, probing = dict(plan[2]), set()      # "Shares": the plan of 2 ms ago
+            else:
+                shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe)
+                self._plan = (key, now_ms, dict(shares), set(probing))
             if probing:
                 self._probe_ms = now_ms
             if self.id not in shares:
