@@ -340,6 +340,10 @@ def _simulate(a: argparse.Namespace) -> int:
     else:
         print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {res.accuracy * 100:.2f} %, "
               f"{res.samples_per_s:.0f} samples/s, leaders {[f'{k:08x}' for k in res.leaders]}")
+        if res.shares or res.speeds:
+            print("last shares of the global batch (samples, the rank's measured samples/s): " + ", ".join(
+                f"{k} {res.shares.get(k, 0)}" + (f" ({res.speeds[k]:.0f}/s)" if k in res.speeds else "")
+                for k in sorted(set(res.shares) | set(res.speeds))))
         print(f"bit-identical parameters on all {len(res.digests)} ranks: "
               f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})")
     return 0 if res.bit_identical else 1

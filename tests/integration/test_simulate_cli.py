@@ -78,3 +78,17 @@ def test_steps_is_an_exact_limit_in_process():
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["steps"] == 50 and res["bit_identical"] is True, res
+
+
+def test_the_output_says_each_rank_s_share_of_the_global_batch_and_its_measured_speed():
+    # "Shares": a person sees why a rank got few samples (its measured samples/s), in the text
+    # output and in the JSON document
+    r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "200", "--global-batch", "96")
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("last shares of the global batch"))
+    parts = line.split(": ", 1)[1].split(", ")
+    assert len(parts) == 3 and all("/s)" in p for p in parts), line
+    assert sum(int(p.split()[1]) for p in parts) == 96, line
+    r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "200", "--global-batch", "96", "--json")
+    res = json.loads(r.stdout)
+    assert sum(res["shares"].values()) == 96 and len(res["speeds"]) == 3, res

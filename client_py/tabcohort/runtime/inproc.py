@@ -134,6 +134,10 @@ class InprocResult:
     digests: dict[int, str]
     leaders: list[int]
     events: list[str]
+    #: the last leader's shares of the global batch (samples per rank, by 8-hex-digit id) and its
+    #: measured throughput of each rank (samples/s) (PROTOCOL.md "Shares"); empty without a leader
+    shares: dict[str, int] = field(default_factory=dict)
+    speeds: dict[str, float] = field(default_factory=dict)
 
 
 class InprocCohort:
@@ -309,12 +313,20 @@ class InprocCohort:
         self.progress(f"[{now:6.1f}s] step {step:5d}  leader {st['id_hex']}  cohort {st['cohort']}  "
                       f"loss {st['loss']:.4f}  acc {acc_s}  {st['steps_per_s']:6.1f} steps/s  "
                       f"{st['samples_per_s']:8.0f} samples/s  {st['wire_bytes_per_s'] / 1e6:6.2f} MB/s")
+        if st.get("shares") or st.get("speeds"):
+            # "Shares": who computes how much of the global batch, and why (measured samples/s)
+            speeds, shares = st.get("speeds") or {}, st.get("shares") or {}
+            self.progress("          shares  " + "  ".join(
+                f"{k} {shares.get(k, 0)} ({speeds[k]:.0f}/s)" if k in speeds else f"{k} {shares.get(k, 0)}"
+                for k in sorted(set(shares) | set(speeds))))
 
     def _event(self, text: str) -> None:
         self.events.append(text)
         self.progress("  * " + text)
 
     async def _finish(self, seconds: float, samples: int, leaders: list[int]) -> InprocResult:
+        ld = self.leader() or (self.drivers.get(leaders[-1]) if leaders else None)
+        st = ld.state() if ld is not None else {}       # the last leader's shares and speeds
         self.network.heal()
         for d in self.drivers.values():
             d.stop()
@@ -335,7 +347,8 @@ class InprocCohort:
         return InprocResult(steps=steps, accuracy=acc, loss=loss,
                             samples_per_s=samples / seconds if seconds > 0 else 0.0, seconds=seconds,
                             bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
-                            events=self.events)
+                            events=self.events, shares=dict(st.get("shares") or {}),
+                            speeds=dict(st.get("speeds") or {}))
 
 
 async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:
