@@ -142,10 +142,13 @@ function render(s, q) {
   const quar = lr.quarantined && typeof lr.quarantined === "object" ? lr.quarantined : {};
   const silent = Array.isArray(lr.silent) ? lr.silent : [];
   const clipped = lr.clipped && typeof lr.clipped === "object" ? lr.clipped : {};
+  // how long the leader's rounds waited for a rank's bucket after all the others were in (ms)
+  const held = lr.held_ms && typeof lr.held_ms === "object" ? lr.held_ms : {};
   const shareCell = (k) => {
     if (Object.hasOwn(quar, k)) return `quarantined (${num(quar[k], 0)} s left)`;
     const base = Object.hasOwn(shares, k) ? text(shares[k]) : lead ? "none" : "–";
-    const extra = [silent.includes(k) ? "silent: probed only" : "", Object.hasOwn(clipped, k) ? `${text(clipped[k])} clipped` : ""];
+    const extra = [silent.includes(k) ? "silent: probed only" : "", Object.hasOwn(clipped, k) ? `${text(clipped[k])} clipped` : "",
+      Object.hasOwn(held, k) && typeof held[k] === "number" && held[k] >= 1 ? `held rounds ${num(held[k] / 1000, 1)} s in all` : ""];
     return [base, ...extra.filter(Boolean)].join(", ");
   };
   $("r-batch").textContent = lead ? `${text(lr.global_batch ?? "–")} samples a round, epoch ${num(lr.epoch, 2)}` : "–";

@@ -71,7 +71,7 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "pair_bytes",
                  "counters", "gaps", "drops", "transport", "rejoins",
                  "term", "members", "majority", "diverged", "global_batch", "samples_assigned", "epoch",
-                 "shares", "speeds", "lateness_ms", "applied", "flaps", "probation", "round_gaps", "kind",
+                 "shares", "speeds", "lateness_ms", "held_ms", "applied", "flaps", "probation", "round_gaps", "kind",
                  "backend_note", "adapter",
                  "may_lead", "aggregate", "clipped", "quarantined", "silent", "page_inbox",
                  "local_steps", "outer_optimizer")

@@ -85,7 +85,7 @@ REPORT_STATE = {
         "term": U63, "members": U32, "majority": BOOL, "diverged": U63, "rejoins": U63,
         "global_batch": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**32 - 1},
         "samples_assigned": U63, "epoch": NUM_OR_NULL,
-        "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "lateness_ms": _ranks_map(NUM), "flaps": _ranks_map(U63),
+        "shares": _ranks_map(U32), "speeds": _ranks_map(NUM), "lateness_ms": _ranks_map(NUM), "held_ms": _ranks_map(NUM), "flaps": _ranks_map(U63),
         "applied": _ranks_map(U63),
         "probation": {"type": "array", "maxItems": 4096, "items": RANK_HEX},
         # untrusted ranks (docs/PROTOCOL.md, "Untrusted ranks"): the rank's role, the leader's

@@ -495,3 +495,19 @@ def test_a_round_below_the_global_batch_is_counted_while_a_needed_rank_is_measur
         t += 1.0
     assert r.m.shares == {1: 16, 2: 16, 7: 16}
     assert r.m.counters["rounds_below_global_batch"] == below
+
+
+def test_the_report_charges_the_rank_whose_bucket_held_the_round():
+    # "Shares", state report: held_ms charges the awaited rank whose bucket came last with how
+    # long the round waited for it after every other awaited bucket was in
+    r = leader_with([2, 3], global_batch=48)
+    r.m.start(now_ms=0)
+    col = r.m._collection
+    acts, end = _drive(r, 0.0, late=(3,), slow_ms=40.0)
+    others = max(0.05 + 0.01 * col.shares[1], 0.1 + 0.01 * col.shares[2])
+    assert end == 40.0 and r.m.step == 1
+    held = r.m.state(end)["held_ms"]
+    assert set(held) == {"00000003"} and abs(held["00000003"] - round(40.0 - others, 1)) < 1e-9, held
+    tick(r, end + 1.0, peers=(2, 3))
+    _drive(r, end + 1.0)                                     # on time: nobody charged more
+    assert r.m.state(end + 50)["held_ms"]["00000003"] == held["00000003"]

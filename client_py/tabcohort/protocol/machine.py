@@ -98,7 +98,7 @@ class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
-                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms")
+                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -115,6 +115,7 @@ class _Collection:
         self.last_ms: float | None = None       # latest arrival of a bucket of this step
         self.grace_until_ms: float | None = None
         self.window_end_ms: float | None = None  # the collect window's end, once it is armed
+        self.arrived_ms: dict[int, float] = {}   # id -> when its accepted bucket arrived
 
 
 class _Spread:
@@ -142,8 +143,9 @@ def _opt_len(msg: dict) -> int:
         return -1
 
 
-def _arrived(col: _Collection, now_ms: float) -> None:
-    """Record a bucket arrival time on the collection (first and latest)."""
+def _arrived(col: _Collection, now_ms: float, rank: int) -> None:
+    """Record a bucket arrival time on the collection (first, latest, and the rank's)."""
+    col.arrived_ms[rank] = now_ms
     if col.first_ms is None:
         col.first_ms = now_ms
     col.last_ms = now_ms if col.last_ms is None else max(col.last_ms, now_ms)
@@ -314,6 +316,9 @@ class RankMachine:
         self.speeds = SpeedTable()          # the leader's throughput estimates ("Shares")
         #: samples of each rank's buckets that entered a reduce this rank applied ("Shares")
         self.applied_by: dict[int, int] = {}
+        #: per rank, how long the rounds this rank drove waited for that rank's bucket after every
+        #: other awaited bucket had arrived, ms in total ("Shares": who holds the rounds)
+        self.held_ms: dict[int, float] = {}
         self.cursor = 0                     # samples assigned before the current step
         self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
         # the last round this rank drove as a broadcast: when, in which term ("Shares")
@@ -749,6 +754,7 @@ class RankMachine:
             "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
                        for k, sp in sorted(self.speeds.speeds.items())},
             "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())},
+            "held_ms": {f"{k:08x}": round(v, 1) for k, v in sorted(self.held_ms.items())},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
             "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
             "may_lead": self.may_lead, "aggregate": self.aggregate,
@@ -1282,7 +1288,7 @@ class RankMachine:
             return
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
-            _arrived(col, now_ms)
+            _arrived(col, now_ms, self.id)
         self._phase = Phase.COLLECT
         self._phase_deadline_ms = now_ms + self.policy.collect_ms
         col.window_end_ms = self._phase_deadline_ms
@@ -1324,7 +1330,7 @@ class RankMachine:
             self._rejected(col, sender, now_ms)
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
-        _arrived(col, now_ms)
+        _arrived(col, now_ms, sender)
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
             self._silent.discard(sender)
@@ -1435,6 +1441,14 @@ class RankMachine:
         ewma = self.spread_ewma_ms
         self.spread_ewma_ms = sample if ewma is None else ewma + _SPREAD_ALPHA * (sample - ewma)
 
+    def _charge_hold(self, col: _Collection) -> None:
+        """"Shares": the awaited rank whose bucket arrived last is charged the time the round
+        waited for it after every other awaited bucket was in (``held_ms``, reported)."""
+        times = sorted((t, k) for k, t in col.arrived_ms.items() if k in col.awaited)
+        if len(times) >= 2:
+            (t2, _), (t1, last) = times[-2], times[-1]
+            self.held_ms[last] = self.held_ms.get(last, 0.0) + (t1 - t2)
+
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection
         if col is not None:
@@ -1472,6 +1486,8 @@ class RankMachine:
                     for k, (_, n, _) in (col.received.items() if col is not None else
                                          ((self.id, buckets[0]),)):
                         self.applied_by[k] = self.applied_by.get(k, 0) + n
+                    if col is not None:
+                        self._charge_hold(col)
             else:
                 self.counters["empty_round"] += 1
         except Exception as exc:
