@@ -7,7 +7,7 @@ import math
 
 from hypothesis import given, settings, strategies as st
 
-from tabcohort.protocol import Compute, RankMachine, Timing
+from tabcohort.protocol import Compute, Timing
 from tabcohort.protocol.assign import windows
 from tabcohort.protocol.shares import SpeedTable, plan_shares
 
@@ -228,14 +228,14 @@ def test_a_capped_rank_takes_its_cap_and_the_others_split_the_rest_by_speed():
     assert abs(shares[2] - 2 * shares[3]) <= 2, shares
 
 
-def tick(r, until, peers=(), batch=2):
-    """Step every deadline up to ``until``, the peers beating at each (declaring ``batch``)."""
+def tick(r, until, peers=()):
+    """Step every deadline up to ``until``, the peers beating at each."""
     while (d := r.m.next_deadline_ms()) is not None and d <= until:
         for p in peers:
-            r.m.handle(beat(p, batch=batch), now_ms=d)
+            r.m.handle(beat(p), now_ms=d)
         r.m.on_timer(now_ms=d)
     for p in peers:
-        r.m.handle(beat(p, batch=batch), now_ms=until)
+        r.m.handle(beat(p), now_ms=until)
 
 
 def _drive(r, t, late=(), slow_ms=500.0, silent=()):
@@ -511,81 +511,3 @@ def test_the_report_charges_the_rank_whose_bucket_held_the_round():
     tick(r, end + 1.0, peers=(2, 3))
     _drive(r, end + 1.0)                                     # on time: nobody charged more
     assert r.m.state(end + 50)["held_ms"]["00000003"] == held["00000003"]
-
-
-def test_a_rank_whose_share_saves_less_than_it_holds_the_rounds_gets_no_share():
-    # PROTOCOL.md "Shares": a share must pay for its hold. Ranks 1 and 2 take 0.01 ms per sample,
-    # rank 3 one ms: its planned share of 2000 samples (about 20 ms of its time) saves the others
-    # about 10 ms; once it holds rounds longer than that it gets none, a fast rank holding as
-    # long keeps its share (its samples save far more), and the caps still cover the round
-    from tabcohort.protocol.shares import HOLD_AFTER
-
-    t = SpeedTable()
-    for i in range(12):
-        for k, b in ((1, 0.01), (2, 0.01), (3, 1.0)):
-            s = (200, 400, 800)[i % 3] // (40 if k == 3 else 1)
-            t.observe(k, s, 2.0 + b * s)
-    caps = {1: 4000, 2: 4000, 3: 4000}
-    base, _ = plan_shares(2000, [1, 2, 3], caps, t)
-    assert base[3] > 0 and t.speeds[3].n >= HOLD_AFTER
-    saved_ms = base[3] / (2 / 0.01)
-    for _ in range(30):
-        t.observe_hold(3, 3 * saved_ms)
-        t.observe_hold(1, 3 * saved_ms)
-    held, _ = plan_shares(2000, [1, 2, 3], caps, t)
-    assert 3 not in held and held[1] > 0 and sum(held.values()) == 2000, held
-    # answered probes (holding nothing) bring it back
-    for _ in range(30):
-        t.observe_hold(3, 0.0)
-    back, _ = plan_shares(2000, [1, 2, 3], caps, t)
-    assert back.get(3, 0) > 0, back
-    # the caps of the others cannot cover the round without it: it keeps its share, however long
-    # it holds the rounds (its 200 samples save the others about 1 ms; it holds them 50)
-    for _ in range(30):
-        t.observe_hold(3, 50.0)
-    tight, _ = plan_shares(2000, [1, 2, 3], {1: 900, 2: 900, 3: 4000}, t)
-    assert tight.get(3, 0) >= 200 and sum(tight.values()) == 2000, tight
-
-
-def _rounds_with_a_pausing_rank(rounds: int = 400) -> tuple[list[int], list[float], RankMachine]:
-    """Leader 1 (cap 64) and ranks 2 (0.01 ms/sample) and 3 (0.2 ms/sample, and 30 ms late in
-    three rounds of ten at random: a tab's pauses), global batch 6000, in virtual time. Returns
-    rank 3's share and each round's duration (ms), and the leader's machine."""
-    import random
-
-    rng = random.Random(3)
-    r = leader_with([2, 3], global_batch=6000, batches={2: 6000, 3: 6000})
-    r.m.start(now_ms=0)
-    t, shares3, took = 0.0, [], []
-    for _ in range(rounds):
-        acts = r.drain()
-        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
-        col = r.m._collection
-        end = t + 1.0 + 0.01 * own.samples
-        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=end)
-        for k in sorted(col.shares if col is not None else ()):
-            if k == 1:
-                continue
-            s = col.shares[k]
-            at = t + 1.0 + (0.01 * s if k == 2 else 0.2 * s + (30.0 if rng.random() < 0.3 else 0.0))
-            if k in col.awaited or at <= end:             # a probe arriving after the round: lost
-                r.m.handle(grad(k, col.term, col.step, samples=s), now_ms=at)
-                end = max(end, at) if k in col.awaited else end
-        shares3.append(r.m.shares.get(3, 0))
-        took.append(end - t)
-        t = end + 0.5
-        tick(r, t, peers=(2, 3), batch=6000)
-    return shares3, took, r.m
-
-
-def test_the_leader_stops_giving_a_share_to_a_rank_that_keeps_holding_rounds_and_probes_it_again(monkeypatch):
-    # the wiring: holds come from the rounds' arrivals, a probe's answer lowers the hold, and
-    # the cohort's rounds get shorter than when the pausing rank keeps its share
-    shares3, took, m = _rounds_with_a_pausing_rank()
-    assert max(shares3[:20]) > 1                                 # it had shares at first
-    assert 0 < sum(1 for s in shares3[-200:] if s > 1) < 40, shares3[-200:]   # now and then
-    assert m.held_ms[3] > 0 and m.speeds.speeds[3].m_hold > 0
-    monkeypatch.setattr(SpeedTable, "observe_hold", lambda *a: None)
-    kept3, kept_took, _ = _rounds_with_a_pausing_rank()
-    assert sum(1 for s in kept3[-200:] if s > 1) > 150
-    assert sum(took[-200:]) < 0.97 * sum(kept_took[-200:]), (sum(took[-200:]), sum(kept_took[-200:]))

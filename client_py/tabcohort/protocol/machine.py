@@ -1386,7 +1386,6 @@ class RankMachine:
         if share is None or self.train.local_steps * share != samples:
             return
         if pr is not None:                       # answered: this rank's earlier probes are moot
-            self.speeds.observe_hold(rank, 0.0)  # a probe holds no round: its hold decays
             del q[:q.index(pr) + 1]
             if not q:
                 del self._probe_sent[rank]
@@ -1449,8 +1448,6 @@ class RankMachine:
         if len(times) >= 2:
             (t2, _), (t1, last) = times[-2], times[-1]
             self.held_ms[last] = self.held_ms.get(last, 0.0) + (t1 - t2)
-            for _, k in times:                 # the planner's estimate: a share must pay its hold
-                self.speeds.observe_hold(k, t1 - t2 if k == last else 0.0)
 
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection

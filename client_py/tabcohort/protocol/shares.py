@@ -15,11 +15,6 @@ collection, a busy relay) delays the round whenever it is late even when it is o
 average. Each rank's lateness (the root mean square of how much later than predicted its
 buckets arrived, an EWMA) is added to its fixed cost: such a rank is planned to finish early
 by that much.
-
-A rank is worth a share only if it adds more than it costs: the leader also measures how long
-each rank's bucket holds rounds up (after every other awaited bucket arrived, an EWMA per round),
-and a rank whose hold exceeds the time its share saves the others (its samples at their combined
-speed) gets no share; it is probed, and each answered probe (never waited for) lowers its hold.
 """
 
 from __future__ import annotations
@@ -44,8 +39,6 @@ FOLLOW_INTERVAL_MS = 50.0
 #: how many of a rank's lateness (RMS of its buckets' arrival after the predicted time) it is
 #: planned to finish before the others
 LATENESS_MARGIN = 1.0
-#: a rank's holds (see SpeedTable.observe_hold) count from its this-many-th bucket on
-HOLD_AFTER = 4
 #: the leader plans shares afresh at most this often (milliseconds) while the ranks it plans
 #: for, their caps and which of them have history stay the same, and at every probe round:
 #: planning is per-rank work that took about a tenth of a leader's CPU at 5,000 rounds/s, and
@@ -65,9 +58,6 @@ class Speed:
     #: EWMA of the squared lateness (ms^2): how much later than the model predicted the
     #: rank's buckets arrived (early arrivals count 0)
     m_late2: float = 0.0
-    #: EWMA of how long (ms) a round this rank was awaited in waited for its bucket after every
-    #: other awaited bucket had arrived (0 when it was not last; a probe, never awaited, adds 0)
-    m_hold: float = 0.0
     #: the fit of the current moments (``None``: not computed since they last changed)
     _fit: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
@@ -130,15 +120,6 @@ class SpeedTable:
         sp.m_st += a * (s * t - sp.m_st)
         sp.n += 1
         sp._fit = None
-
-    def observe_hold(self, rank: int, held_ms: float) -> None:
-        """A round ``rank`` had a bucket in (awaited, or a probe: 0) waited ``held_ms`` for it
-        after every other awaited bucket had arrived."""
-        sp = self.speeds.get(rank)
-        # counted once the rank's share comes from its own fit: before that a hold is the
-        # planner's ignorance (a first equal split), not the rank's
-        if sp is not None and sp.n >= HOLD_AFTER and math.isfinite(held_ms) and held_ms >= 0:
-            sp.m_hold += SPEED_ALPHA * (held_ms - sp.m_hold)
 
     def forget(self, rank: int) -> None:
         self.speeds.pop(rank, None)
@@ -260,21 +241,6 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         a, b = sp.model()
         models[k] = (a + LATENESS_MARGIN * sp.lateness_ms(), b)   # a jittery rank finishes early
     frac, excluded = _equal_finish(left, known, caps, models)
-    # a rank whose bucket holds the rounds up longer than its share saves the others: no share
-    # (while the others' caps still cover the round), the worst first, the rest planned again
-    while len(frac) > 1:
-        worst, worst_by = None, 0.0
-        speed, room = sum(1.0 / models[j][1] for j in frac), sum(caps[j] for j in frac)
-        for k, v in frac.items():
-            others = speed - 1.0 / models[k][1]                           # samples per ms
-            by = table.speeds[k].m_hold - v / others                      # ms held - ms saved
-            if by > worst_by and room - caps[k] >= left:
-                worst, worst_by = k, by
-        if worst is None:
-            break
-        excluded.add(worst)
-        frac, more = _equal_finish(left, [k for k in frac if k != worst], caps, models)
-        excluded |= more
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
     for k, v in ints.items():
         if v > 0:
