@@ -228,14 +228,14 @@ def test_a_capped_rank_takes_its_cap_and_the_others_split_the_rest_by_speed():
     assert abs(shares[2] - 2 * shares[3]) <= 2, shares
 
 
-def tick(r, until, peers=()):
-    """Step every deadline up to ``until``, the peers beating at each."""
+def tick(r, until, peers=(), batch=2):
+    """Step every deadline up to ``until``, the peers beating at each (declaring ``batch``)."""
     while (d := r.m.next_deadline_ms()) is not None and d <= until:
         for p in peers:
-            r.m.handle(beat(p), now_ms=d)
+            r.m.handle(beat(p, batch=batch), now_ms=d)
         r.m.on_timer(now_ms=d)
     for p in peers:
-        r.m.handle(beat(p), now_ms=until)
+        r.m.handle(beat(p, batch=batch), now_ms=until)
 
 
 def _drive(r, t, late=(), slow_ms=500.0, silent=()):
@@ -511,3 +511,35 @@ def test_the_report_charges_the_rank_whose_bucket_held_the_round():
     tick(r, end + 1.0, peers=(2, 3))
     _drive(r, end + 1.0)                                     # on time: nobody charged more
     assert r.m.state(end + 50)["held_ms"]["00000003"] == held["00000003"]
+
+
+def test_under_a_fixed_global_batch_a_rank_on_probation_gets_probes_until_it_is_readmitted():
+    # "Shares" with "Flapping ranks": a rank on probation is not awaited; a share of the global
+    # batch given to it is lost whenever it misses the round, so it gets one-sample probes
+    # (accepted, not awaited) and the others cover the global batch; its in-time probes count
+    # towards its readmission, after which it has a share again
+    r = leader_with([2, 3], global_batch=600, batches={2: 600, 3: 600})
+    r.m.start(now_ms=0)
+    t, seen = 0.0, []
+    for i in range(80):
+        if i == 20:
+            r.m._probation[3] = 3                   # as after a flap
+        on_probation = 3 in r.m._probation
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        end = t + 1.0 + 0.01 * own.samples
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=end)
+        for k in sorted(col.shares if col is not None else (), key=lambda k: col.shares[k]):  # in arrival order
+            if k != 1:
+                at = t + 1.0 + 0.02 * col.shares[k]
+                r.m.handle(grad(k, col.term, col.step, samples=col.shares[k]), now_ms=at)
+                end = max(end, at)
+        seen.append((i, on_probation, dict(col.shares) if col is not None else {}))
+        t = end + 0.5
+        tick(r, t, peers=(2, 3), batch=600)
+    probation = [sh for i, p, sh in seen if i >= 21 and p]
+    assert probation and all(sh.get(3, 0) <= 1 for sh in probation), probation
+    assert all(sum(v for k, v in sh.items() if k != 3) == 600 for sh in probation), probation
+    assert 3 not in r.m._probation and r.m.counters["readmitted"] >= 1
+    assert seen[-1][2].get(3, 0) > 100, seen[-1]

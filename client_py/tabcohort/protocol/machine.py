@@ -1139,13 +1139,16 @@ class RankMachine:
             m = self.roster.members.get(k)
             batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch
         probing: set[int] = set()
-        # "Untrusted ranks": quarantined ranks get no share; silent ones only a probe
+        # "Untrusted ranks": quarantined ranks get no share; silent ones only a probe; under a
+        # fixed global batch so do ranks on probation ("Flapping ranks": a share not awaited
+        # is the others' samples, lost whenever it misses the round)
         for k, until in list(self.quarantined.items()):
             if now_ms >= until:
                 del self.quarantined[k]
                 self._clip_recent.pop(k, None)
                 self.counters["quarantine_ended"] += 1
-        held_back = {k for k in ids if k != self.id and (k in self.quarantined or k in self._silent)}
+        held_back = {k for k in ids if k != self.id and (k in self.quarantined or k in self._silent or (
+            self.global_batch is not None and k in self._probation))}
         ids = [k for k in ids if k not in held_back]
         if self.global_batch is None:
             shares = {k: int(batches[k]) for k in ids}
