@@ -65,6 +65,8 @@ ATTACKS = [
     ({"type": "report", "state": {"backend": "x" * 300}}, "bad_report.backend"),
     ({"type": "report", "state": {"drops": {"pretender": -1}}}, "bad_report.drops"),
     ({"type": "report", "state": {"drops": {"<script>": 1}}}, "bad_report.drops"),
+    ({"type": "report", "state": {"held_ms": {"<b>x</b>": 1.0}}}, "bad_report.held_ms"),
+    ({"type": "report", "state": {"held_ms": {"0000000a": "slow"}}}, "bad_report.held_ms"),
     ({"type": "report", "state": {"counters": {f"k{i}": 1 for i in range(100)}}}, "bad_report.counters"),
     ({"type": "report", "state": {"leaders": [[1, 2.0, 3]] * 100}}, "bad_report.leaders"),
     ({"type": "report", "state": {"leaders": [["x"]]}}, "bad_report.leaders"),
@@ -86,6 +88,7 @@ RAW_ATTACKS = [
     ('{"type": "report", "state": {"loss": ' + "9" * 400 + "}}", "bad_report.loss"),  # no double holds it
     ('{"type": "report", "state": {"step": ' + "9" * 400 + "}}", "bad_report.step"),
     ('{"type": "report", "state": {"speeds": {"0000000a": 1e999}}}', "bad_report.speeds"),
+    ('{"type": "report", "state": {"held_ms": {"0000000a": 1e999}}}', "bad_report.held_ms"),
     ('{"type": "report", "state": {"policy": {"lr": 1e999}}}', "bad_report.policy"),
     ('{"type": "report", "state": {"step": ' + "9" * 5000 + "}}", "bad_json"),
     ("[" * 30000 + "]" * 30000, "too_deep"),

@@ -14,6 +14,7 @@ local caller raises :class:`~tabcohort.errors.LocalProtocolError`.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -326,7 +327,7 @@ class RankMachine:
         self._broadcast_term = -1
         self._probe_ms = -math.inf          # when this rank last probed ranks with no share
         # the last plan of shares: (what it was planned for, when, shares, probing) ("Shares")
-        self._plan: tuple[tuple, float, dict[int, int], set[int]] | None = None
+        self._plan: tuple[tuple, float, dict[int, int], bool] | None = None
         # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
         self._sent_rounds: dict[tuple[int, int], tuple[float, dict[int, int]]] = {}
         # each rank's last probe shares, oldest first: rank -> [(term, step, sent at, samples)],
@@ -1168,7 +1169,7 @@ class RankMachine:
                 shares, probing = dict(plan[2]), set()      # "Shares": the plan of 2 ms ago
             else:
                 shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe)
-                self._plan = (key, now_ms, dict(shares), set(probing))
+                self._plan = (key, now_ms, dict(shares), bool(probing))
             if probing:
                 self._probe_ms = now_ms
             if self.id not in shares:
@@ -1447,9 +1448,9 @@ class RankMachine:
     def _charge_hold(self, col: _Collection) -> None:
         """"Shares": the awaited rank whose bucket arrived last is charged the time the round
         waited for it after every other awaited bucket was in (``held_ms``, reported)."""
-        times = sorted((t, k) for k, t in col.arrived_ms.items() if k in col.awaited)
-        if len(times) >= 2:
-            (t2, _), (t1, last) = times[-2], times[-1]
+        times = heapq.nlargest(2, ((t, k) for k, t in col.arrived_ms.items() if k in col.awaited))
+        if len(times) == 2:
+            (t1, last), (t2, _) = times
             self.held_ms[last] = self.held_ms.get(last, 0.0) + (t1 - t2)
 
     def _finish_round(self, now_ms: float) -> None:
