@@ -414,10 +414,12 @@ def _evaluate(a: argparse.Namespace) -> int:
     else:
         from .model import load_dataset, make_worker
         from .protocol import job_hash
+        from .protocol.optim import TrainConfig
         ds = load_dataset(job["dataset"], seed=int(job["seed"]))
         worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=batch, seed=int(job["seed"]),
                              backend=a.backend, activation=job["activation"])
-        if job_hash(worker.spec(), ds.content_hash(), worker.bucket_len) != job["job_hash"]:
+        jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len, TrainConfig.from_job(job).spec())
+        if jh != job["job_hash"]:
             raise ConfigError("--model", a.model, "its job hash is not the built-in job's over its dataset here")
     worker.set_params(params.data)
     res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),

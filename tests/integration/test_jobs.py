@@ -204,9 +204,11 @@ def test_the_readme_job_trains(cluster, tmp_path):
     print(f"README job: {len(code.splitlines())} lines, step 150, held-out accuracy {ck['accuracy']:.4f}")
 
 
-def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path):
-    """The built-in MLP job is exported the same way and evaluates without --job."""
-    cluster.serve("--steps", "60", "--checkpoint-interval", "1")
+@pytest.mark.parametrize("train", [[], ["--local-steps", "2"]], ids=["sgd", "local-steps"])
+def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
+    """The built-in MLP job is exported the same way and evaluates without --job, whatever its
+    training settings (they are part of its job hash)."""
+    cluster.serve("--steps", "60", "--checkpoint-interval", "1", *train)
     p = cluster.rank()
     assert p.p.wait(120) == 0, p.text()
     ck = wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 20, "the final checkpoint")
