@@ -97,6 +97,10 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"bucket_len 11 disagrees with params\(\), which has 10 values"),
     ("import_raises", GOOD.replace("N = 4 * 2 + 2", "N = 4 * 2 + 2\nimport no_such_module_here"),
      r"importing the job raised ModuleNotFoundError.*badjob\.py:\d+"),
+    ("evaluate_range", GOOD.replace("        return 0.5", "        return 7.0"),
+     r"evaluate\(\) must return held-out accuracy in \[0, 1\], got 7\.0"),
+    ("missing_method", GOOD.replace("    def grads(self, offset, samples):", "    def grads_renamed(self, offset, samples):"),
+     r"the worker make_worker\(\) returned has no 'grads'"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)

@@ -189,3 +189,23 @@ def test_a_job_workers_local_steps_sync_and_async_agree_and_leave_its_parameters
     calls = []
     assert drive(w.local_grads(10, 2, 3, "sgd", 0.5, should_stop=lambda: calls.append(1) or True))[0] is None
     assert calls == [1]                                          # abandoned after the first inner step
+
+
+def test_a_rank_refuses_served_data_or_code_that_is_not_the_rooms_job(tmp_path):
+    """A rank builds a served job's worker only from data whose sha256 is the job's and code
+    whose job hash is the server's (a proxy or cache that altered either is refused, never trained)."""
+    from tabcohort.errors import TabcohortError
+    from tabcohort.runtime.session import make_module_worker
+    data = write_npz({"x": NdArray("<f4", (2,), array("f", [1.0, 2.0]))})
+    src = find_source(_job(tmp_path))
+    loaded = LoadedJob(src, src.import_module(), JobData.from_npz(data))
+    w = loaded.make_worker(batch=4, seed=0, backend="python")
+    from tabcohort.protocol.optim import TrainConfig
+    job = {"job_info": {"data_sha256": hashlib.sha256(data).hexdigest()}, "batch": 4, "seed": 0, "bucket_len": 3}
+    job["job_hash"] = loaded.job_hash(w, TrainConfig.from_job(job).spec())
+    assert make_module_worker(job, loaded.source, data, batch=None, backend="python")[1] == job["job_hash"]
+    other = write_npz({"x": NdArray("<f4", (2,), array("f", [1.0, 2.5]))})
+    with pytest.raises(TabcohortError, match="the job's data sha256 [0-9a-f]{64} != the job's"):
+        make_module_worker(job, loaded.source, other, batch=None, backend="python")
+    with pytest.raises(TabcohortError, match="!= the server's .*different job code or data"):
+        make_module_worker({**job, "job_hash": "0" * 32}, loaded.source, data, batch=None, backend="python")
