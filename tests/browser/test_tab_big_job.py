@@ -1,7 +1,7 @@
 """A module job with about 100 MB of data in a tab (README "Write your own job", Data): the tab
 streams the data with progress, keeps it, imports the job and computes buckets on its pure-Python
-path. Slow (out of CI): it moves 100 MB through Pyodide; run with ``-m slow``. The timings it
-prints are README's figures for 100 MB in a tab."""
+path. In CI's browser tier (about 15-20 s and 2 GB of memory at its peak). The timings it prints
+are README's figures for 100 MB in a tab."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import wait_for, wait_tab
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 ROWS, COLS = 200_000, 128          # float32: 102.4 MB
 
