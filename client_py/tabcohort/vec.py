@@ -45,6 +45,10 @@ def all_finite(v: Any) -> bool:
             if not np.isfinite(flat[a:b], out=buf[:b - a]).all():
                 return False
         return True
+    if isinstance(v, array) and v.typecode == "f":
+        # float32 values summed in float64 cannot overflow (n * 3.4e38 < 1.8e308 for any n that
+        # fits in memory), so the sum is finite exactly when every element is: one C loop
+        return math.isfinite(sum(v))
     isfinite = math.isfinite
     for x in v:
         if not isfinite(x):
@@ -64,12 +68,15 @@ def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
     """
     if np is not None:
         return _weighted_mean_np(vectors, weights)
-    n = len(vectors[0])
-    acc = [0.0] * n
-    for w, v in zip(weights, vectors):
+    # the same float64 operations in the same order as the numpy path (``0.0 + w * x`` first,
+    # so a -0.0 element gives +0.0 there too), as list comprehensions: no index arithmetic
+    pairs = iter(zip(weights, vectors))
+    w, v = next(pairs)
+    w = float(w)
+    acc = [0.0 + w * x for x in v]
+    for w, v in pairs:
         w = float(w)
-        for i in range(n):
-            acc[i] += w * v[i]
+        acc = [a + w * x for a, x in zip(acc, v)]
     return array("f", acc)
 
 

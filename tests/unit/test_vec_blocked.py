@@ -72,3 +72,33 @@ def test_numpy_worker_apply_is_bit_identical_to_the_float64_update(seed):
     want = (p0.astype(np.float64) - lr * g.astype(np.float64)).astype(np.float32)
     assert w.bucket_len > vec.BLOCK
     assert w.params().tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pure_python_reduce_and_finiteness_check_agree_with_numpy_bit_for_bit(seed, monkeypatch):
+    """A tab without numpy reduces with list comprehensions and checks finiteness with one
+    float64 sum (exact for float32 input: it cannot overflow); a numpy leader must get the same
+    bits, signed zeros, overflow to infinity and NaN included."""
+    from array import array
+    rng = np.random.default_rng(seed)
+    n = 2410
+    k = 1 + seed % 3
+    vectors = [hostile_values(rng, n) for _ in range(k)]
+    if seed == 3:
+        vectors = [np.full(n, 3e38, dtype=np.float32)] * 2
+        vectors[0][7] = -0.0
+    samples = rng.integers(1, 1000, len(vectors))
+    weights = [s / samples.sum() for s in samples]
+    want = vec.weighted_mean(vectors, weights)
+    monkeypatch.setattr(vec, "np", None)
+    got = vec.weighted_mean([array("f", v.tobytes()) for v in vectors], weights)
+    assert got.tobytes() == want.tobytes()
+    for v in vectors:
+        a = array("f", v.tobytes())
+        assert vec.all_finite(a) == bool(np.isfinite(v).all())
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            b = array("f", a)
+            b[int(rng.integers(0, n))] = bad
+            assert not vec.all_finite(b)
+    assert vec.all_finite(array("f", [3e38] * 100_000))      # a sum past float32's range is still finite
+    assert not vec.all_finite([1e308, 1e308, float("nan")]) and vec.all_finite([1e308, 1e308])
