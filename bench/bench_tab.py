@@ -190,11 +190,18 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium, b
             pages[0].eval("__tcLong.max = 0; __tcLong.n = 0; __tcLong.lagMax = 0; true")
         out.update(rounds_per_s(c, window_s))
         if kind == "tab-only" and backend == "js":  # where a tab-only round's time goes
-            s0, t0 = c.state()["step"], time.monotonic()
-            worker = pages[0].worker_session()
-            out["profile"] = {"worker": cpu_profile(pages[0], worker, 4.0) if worker else None,
-                              "page": cpu_profile(pages[0], pages[0].session, 3.0)}
-            out["profile"]["rounds_per_s"] = (c.state()["step"] - s0) / (time.monotonic() - t0)
+            # the leader's tab and a follower's: at this global batch the leader may compute whole
+            # rounds alone, and a follower's profile is then only idle
+            roles = {"leader": next((p for p in pages if (tc(p) or {}).get("is_leader")), pages[0])}
+            roles["follower"] = next(p for p in pages if p is not roles["leader"])
+            out["profile"] = {}
+            for role, pg in roles.items():
+                s0, t0 = c.state()["step"], time.monotonic()
+                worker = pg.worker_session()
+                out["profile"][role] = {"worker": cpu_profile(pg, worker, 4.0) if worker else None,
+                                        "page": cpu_profile(pg, pg.session, 3.0),
+                                        "shares": (tc(pg) or {}).get("shares")}
+                out["profile"][role]["rounds_per_s"] = (c.state()["step"] - s0) / (time.monotonic() - t0)
         if pages:
             out["main_thread"] = pages[0].eval("__tcLong")
             out["visibility"] = [p.eval("document.visibilityState") for p in pages]
@@ -565,14 +572,20 @@ def main() -> int:
               f"{'met' if tj['vs_native'] >= 0.5 else 'not met'}); on python "
               f"{by['tab-only (python)']['vs_native']:.2f}, on webgpu {by['tab-only (webgpu)']['vs_native']:.2f}")
     prof = (tj or {}).get("profile")
-    if prof and prof.get("worker"):
-        print(f"\n*where a tab-only (js) round goes: sampled CPU profile (200 µs) of one tab's worker (4 s) and page "
-              f"(3 s) while training, {prof['rounds_per_s']:.0f} rounds/s during the profiles (the profiler slows it)*\n")
-        cats = list(prof["worker"]) + [k for k in prof["page"] if k not in prof["worker"]]
-        print("| thread | " + " | ".join(cats) + " |")
-        print("|---|" + "---:|" * len(cats))
-        for th in ("worker", "page"):
-            print(f"| {th} | " + " | ".join(f"{prof[th].get(k, 0) * 100:.1f} %" for k in cats) + " |")
+    if prof and all(prof.get(r, {}).get("worker") for r in ("leader", "follower")):
+        print("\n*where a tab-only (js) round goes: sampled CPU profile (200 µs) of each tab's worker (4 s) and page "
+              f"(3 s) while training, {prof['leader']['rounds_per_s']:.0f} / {prof['follower']['rounds_per_s']:.0f} "
+              "rounds/s during the leader's / the follower's profiles (the profiler slows it); shares per round "
+              f"{prof['leader']['shares']}*\n")
+        cats: list = []
+        for r in ("leader", "follower"):
+            for th in ("worker", "page"):
+                cats += [k for k in prof[r][th] if k not in cats]
+        print("| tab | thread | " + " | ".join(cats) + " |")
+        print("|---|---|" + "---:|" * len(cats))
+        for r in ("leader", "follower"):
+            for th in ("worker", "page"):
+                print(f"| {r} | {th} | " + " | ".join(f"{prof[r][th].get(k, 0) * 100:.1f} %" for k in cats) + " |")
     print_kernels(kernels)
     print_shares(shares)
     print(f"\nJSON: {a.json}")

@@ -64,8 +64,13 @@ def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
         weights: one weight per vector (callers pass ``samples_i / sum(samples)``).
 
     Returns:
-        A float32 vector of shape (bucket_len,).
+        A float32 vector of shape (bucket_len,): a copy of the one vector, bit for bit, when
+        there is one with weight 1.0 (a round the leader computed alone, PROTOCOL.md "Leader:
+        driving one round", step 7), so ``0.0 + 1.0 * -0.0`` does not turn its signed zeros
+        into ``+0.0`` and the copy costs no arithmetic.
     """
+    if len(vectors) == 1 and float(weights[0]) == 1.0:
+        return to_vector(vectors[0])
     if np is not None:
         return _weighted_mean_np(vectors, weights)
     # the same float64 operations in the same order as the numpy path (``0.0 + w * x`` first,

@@ -1530,7 +1530,7 @@ class RankMachine:
             avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
         else:
             avg = weighted_mean([g for _, _, g in buckets], weights)
-        if not all_finite(avg):
+        if len(buckets) > 1 and not all_finite(avg):     # (one bucket: checked when it arrived)
             self.drops["reduce_non_finite"] += 1
             self.counters["empty_round"] += 1
             return
