@@ -147,3 +147,53 @@ async def test_local_steps_of_a_superseded_round_are_abandoned_between_inner_ste
     assert not any(d.errors for d in drivers)
     for d in drivers:
         await d.close()
+
+
+async def test_a_bucket_that_needs_no_await_costs_its_round_one_loop_turn():
+    """A worker whose bucket is ready without an await computes inside the turn that drove the
+    round: no task, no done callback (on Pyodide each loop turn is a MessageChannel hop), so a
+    busy leader's round costs one ``call_soon``, the yield between rounds."""
+    loop = asyncio.get_running_loop()
+    net, (d,) = cohort(1, ready=True, compute_ms=0.0)
+    soon = 0
+    real_call_soon = loop.call_soon
+
+    def call_soon(cb, *args, **kw):
+        nonlocal soon
+        soon += 1
+        return real_call_soon(cb, *args, **kw)
+
+    d.start()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    loop.call_soon = call_soon
+    try:
+        s0, soon = d.machine.step, 0
+        for _ in range(400):
+            await asyncio.sleep(0)               # (each of these is one call_soon too)
+        rounds = d.machine.step - s0
+        assert rounds >= 100
+        assert (soon - 400) / rounds <= 1.1, (soon, rounds)
+    finally:
+        loop.call_soon = real_call_soon
+        await d.close()
+    assert not d.errors
+
+
+async def test_a_compute_step_that_raises_outside_the_worker_is_a_fault_not_a_crash():
+    net, (d,) = cohort(1, ready=True, compute_ms=0.0)
+    real = d.machine.bucket_ready
+    calls = 0
+
+    def bucket_ready(*a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("machine bug")
+        return real(*a, **kw)
+
+    d.machine.bucket_ready = bucket_ready
+    d.start()
+    await wait_for(lambda: d.errors, timeout_s=5)
+    assert "RuntimeError: machine bug" in d.errors[0]
+    await d.close()

@@ -158,6 +158,22 @@ class RankDriver:
         if self._wakers:
             self._wake(now)
 
+    def _start_compute(self, action: Compute) -> None:
+        """Run the compute coroutine's first step here, in the turn that asked for it: a bucket
+        that needs no await (one slice of a fast worker) finishes without a task, so a round
+        costs one turn of the event loop instead of three (the task's step and its done
+        callback each take one; on Pyodide each turn is a MessageChannel hop). A compute that
+        awaits goes on as a supervised task from where it stopped."""
+        coro = self._compute(action)
+        try:
+            first = coro.send(None)
+        except StopIteration:
+            return
+        except Exception as exc:            # as a task's exception would be: a fault, not a crash
+            self._fault("".join(traceback.format_exception_only(type(exc), exc)).strip())
+            return
+        self._spawn(_Resume(coro, first).run())
+
     async def _compute(self, action: Compute) -> None:
         try:
             if action.local_steps > 1:
@@ -191,6 +207,7 @@ class RankDriver:
     def _flush(self) -> None:
         if self._closed:
             return
+        computes = []
         for action in self.machine.drain():
             if isinstance(action, Post):
                 try:
@@ -198,7 +215,7 @@ class RankDriver:
                 except Exception as exc:  # a failing send must not kill the rank
                     self._fault(f"post {action.msg.get('t')}: {type(exc).__name__}: {exc}")
             elif isinstance(action, Compute):
-                self._spawn(self._compute(action))
+                computes.append(action)      # after every post of this drain (the round first)
             elif isinstance(action, Report):
                 self.last_report = action.state
                 if self.on_report is not None:
@@ -207,6 +224,9 @@ class RankDriver:
                     except Exception:
                         log.exception("on_report callback failed")
         self._rearm()
+        for action in computes:
+            if not self._closed:
+                self._start_compute(action)
 
     def _rearm(self) -> None:
         deadline = self.machine.next_deadline_ms()
@@ -283,3 +303,32 @@ def apply_roles(driver: Any, obj: dict) -> None:
         for k in obj.get("peers") or ():
             if isinstance(k, int) and not isinstance(k, bool):
                 machine.peer_role(k, k in leads)
+
+
+class _Resume:
+    """Continue a coroutine that has already been stepped once (and yielded ``first``) inside
+    a task: every value it yields goes to the task as if the task had stepped it from the
+    start (a future to wait on, or None: a bare yield to the loop), and every exception the
+    task throws in (cancellation) goes into it."""
+
+    def __init__(self, coro: Any, first: Any) -> None:
+        self.coro, self.first = coro, first
+
+    async def run(self) -> Any:
+        return await self
+
+    def __await__(self) -> Any:
+        pending = self.first
+        while True:
+            try:
+                sent = yield pending
+            except BaseException as exc:     # thrown in by the task: pass it on
+                try:
+                    pending = self.coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+                continue
+            try:
+                pending = self.coro.send(sent)
+            except StopIteration as done:
+                return done.value
