@@ -296,6 +296,10 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "times = heapq.nlargest(2, ((t, k) for k, t in col.arrived_ms.items() if k in col.awaited))",
      "times = heapq.nlargest(1, ((t, k) for k, t in col.arrived_ms.items() if k in col.awaited))",
      [f"{SH}::test_the_report_charges_the_rank_whose_bucket_held_the_round"]),
+    ("shares: a held-back rank is probed at most once per probe interval", M,
+     "            if 0 <= now_ms - self._held_probe_ms.get(k, -PROBE_INTERVAL_MS) < PROBE_INTERVAL_MS:\n"
+     "                continue                             # at most one probe per PROBE_INTERVAL_MS\n", "",
+     [f"{SH}::test_a_held_back_rank_that_answers_at_once_is_probed_at_most_once_per_probe_interval"]),
     ("shares: under a fixed global batch a rank on probation gets only probes", M,
      "k in self.quarantined or k in self._silent or (\n            self.global_batch is not None and k in self._probation))",
      "k in self.quarantined or k in self._silent or (\n            False))",

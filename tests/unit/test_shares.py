@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tabcohort.protocol import Compute, Timing
 from tabcohort.protocol.assign import windows
-from tabcohort.protocol.shares import SpeedTable, plan_shares
+from tabcohort.protocol.shares import PROBE_INTERVAL_MS, SpeedTable, plan_shares
 
 from .machine_helpers import beat, grad, rig, round_msg
 
@@ -543,3 +543,29 @@ def test_under_a_fixed_global_batch_a_rank_on_probation_gets_probes_until_it_is_
     assert all(sum(v for k, v in sh.items() if k != 3) == 600 for sh in probation), probation
     assert 3 not in r.m._probation and r.m.counters["readmitted"] >= 1
     assert seen[-1][2].get(3, 0) > 100, seen[-1]
+
+
+def test_a_held_back_rank_that_answers_at_once_is_probed_at_most_once_per_probe_interval():
+    # "Flapping ranks" / "Untrusted ranks": a rank on probation (or silent) gets one-sample
+    # probes; a fast leader that gave one every round its last probe was answered sent its
+    # parameters to that rank every round (a WebRTC tab: 30 % of a native leader's rounds/s)
+    r = leader_with([2, 3], global_batch=600, batches={2: 600, 3: 600})
+    r.m.start(now_ms=0)
+    r.m._probation[3] = 24
+    t, probed = 0.0, []
+    for i in range(400):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t + 0.5)
+        for k in sorted(col.shares if col is not None else ()):
+            if k != 1:
+                r.m.handle(grad(k, col.term, col.step, samples=col.shares[k]), now_ms=t + 0.5)
+        if col is not None and 3 in col.shares:
+            probed.append(t)
+        t += 1.0
+        tick(r, t, peers=(2, 3), batch=600)
+    assert 3 in r.m._probation                          # still held back: probes only
+    probed = probed[1:]                                 # (the round start() drove came before)
+    assert 2 <= len(probed) <= 400 / PROBE_INTERVAL_MS + 1, probed
+    assert all(b - a >= PROBE_INTERVAL_MS for a, b in zip(probed, probed[1:])), probed

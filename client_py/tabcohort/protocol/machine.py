@@ -335,6 +335,7 @@ class RankMachine:
         # after its round left _sent_rounds ("Shares")
         self._probe_sent: dict[int, list[tuple[int, int, float, int]]] = {}
         self._probes_outstanding: dict[int, int] = {}   # probes sent since the rank's last answer
+        self._held_probe_ms: dict[int, float] = {}      # last probe to a held-back rank
         self.diverged = 0                   # rounds whose update made the parameters non-finite
         self._round_params: Any = None      # the parameters of the round being driven
         self.last_open_ms = now_ms
@@ -1181,8 +1182,14 @@ class RankMachine:
         for k in sorted(held_back - self.quarantined.keys()):
             if self._probe_backing_off(k, now_ms):
                 continue                             # its last probes are unanswered: back off
+            if 0 <= now_ms - self._held_probe_ms.get(k, -PROBE_INTERVAL_MS) < PROBE_INTERVAL_MS:
+                continue                             # at most one probe per PROBE_INTERVAL_MS
+            self._held_probe_ms[k] = now_ms
             shares[k] = 1
             probing.add(k)
+        if len(self._held_probe_ms) > len(held_back):   # readmitted or gone: forget
+            for k in [k for k in self._held_probe_ms if k not in held_back]:
+                del self._held_probe_ms[k]
         # "Local steps": a rank's window covers H consecutive inner batches of its share
         h = self.train.local_steps
         assign = windows({k: h * s for k, s in shares.items()}, self.cursor)
