@@ -197,3 +197,27 @@ async def test_a_compute_step_that_raises_outside_the_worker_is_a_fault_not_a_cr
     await wait_for(lambda: d.errors, timeout_s=5)
     assert "RuntimeError: machine bug" in d.errors[0]
     await d.close()
+
+
+async def test_a_compute_that_awaits_is_closed_with_the_driver_even_before_its_task_ran():
+    """A compute whose first step awaited goes on as a task; closing the driver before that
+    task's first step still ends the compute (its finally runs) and cancels what it waited on."""
+    loop = asyncio.get_running_loop()
+    net, (d,) = cohort(1, ready=True, compute_ms=0.0)
+    started, ended, waits = [], [], []
+
+    async def grads(offset, samples=None):
+        started.append(offset)
+        try:
+            fut = loop.create_future()
+            waits.append(fut)
+            await fut                                # never resolved: only closing ends it
+        finally:
+            ended.append(offset)
+
+    d.worker.grads = grads
+    d.start()                                         # drives a round: the compute's first step runs here
+    assert started and not ended and d.tasks
+    await d.close()                                   # cancels the task before its first step
+    assert ended == started and all(f.cancelled() for f in waits)
+    assert not d.tasks

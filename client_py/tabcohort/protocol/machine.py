@@ -1187,9 +1187,8 @@ class RankMachine:
             self._held_probe_ms[k] = now_ms
             shares[k] = 1
             probing.add(k)
-        if len(self._held_probe_ms) > len(held_back):   # readmitted or gone: forget
-            for k in [k for k in self._held_probe_ms if k not in held_back]:
-                del self._held_probe_ms[k]
+        for k in self._held_probe_ms.keys() - held_back:  # readmitted or gone: forget
+            del self._held_probe_ms[k]
         # "Local steps": a rank's window covers H consecutive inner batches of its share
         h = self.train.local_steps
         assign = windows({k: h * s for k, s in shares.items()}, self.cursor)
@@ -1537,7 +1536,7 @@ class RankMachine:
             avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
         else:
             avg = weighted_mean([g for _, _, g in buckets], weights)
-        if len(buckets) > 1 and not all_finite(avg):     # (one bucket: checked when it arrived)
+        if not all_finite(avg):
             self.drops["reduce_non_finite"] += 1
             self.counters["empty_round"] += 1
             return

@@ -163,16 +163,22 @@ class RankDriver:
         that needs no await (one slice of a fast worker) finishes without a task, so a round
         costs one turn of the event loop instead of three (the task's step and its done
         callback each take one; on Pyodide each turn is a MessageChannel hop). A compute that
-        awaits goes on as a supervised task from where it stopped."""
+        awaits goes on as a supervised task from where it stopped. (Its first step runs in the
+        caller's turn, outside a task of its own: a worker's ``grads`` must not need
+        ``current_task()`` before its first await.)"""
         coro = self._compute(action)
         try:
             first = coro.send(None)
         except StopIteration:
             return
-        except Exception as exc:            # as a task's exception would be: a fault, not a crash
+        except (Exception, asyncio.CancelledError) as exc:   # as in a task: a fault, not a crash
             self._fault("".join(traceback.format_exception_only(type(exc), exc)).strip())
             return
-        self._spawn(_Resume(coro, first).run())
+        rest = _Resume(coro, first)
+        task = self.loop.create_task(rest.run())
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        task.add_done_callback(rest.finish)
 
     async def _compute(self, action: Compute) -> None:
         try:
@@ -316,6 +322,14 @@ class _Resume:
 
     async def run(self) -> Any:
         return await self
+
+    def finish(self, task: asyncio.Task) -> None:
+        """Done callback: a task cancelled before its first step never resumed the coroutine;
+        close it (its ``finally`` blocks run now) and cancel what it was waiting on."""
+        if task.cancelled():
+            self.coro.close()
+            if isinstance(self.first, asyncio.Future):
+                self.first.cancel()
 
     def __await__(self) -> Any:
         pending = self.first
