@@ -14,9 +14,11 @@ server's default digits room), each cohort on a fresh server:
 
 - shares of a fixed global batch (docs/PROTOCOL.md, "Shares"), on one server per global batch:
   2 native ranks alone, then with a tab (pure Python), with the tab stopped (connected, not in
-  the cohort), with it again, then alone again (means of the two native and the two mixed
-  windows, so a shared machine's drift cancels in part): rounds/s of the
-  mixed cohort / native-only at the room's default global batch (64), and at a global batch
+  the cohort), with it again, then alone again; at the room's default global batch (64) then
+  twice more a window with a tab joined and one with it closed (``--pairs``, 3 in all): rounds/s
+  of the mixed cohort / native-only at 64 is the median over the pairs of each mixed window
+  against the mean of the native windows around it (a shared machine drifts by more than the
+  effect measured, and the drift cancels to first order in a bracketed pair), and at a global batch
   whose native round takes >= 50 ms (``--big-global-batch``, 200000) the mixed cohort's applied
   samples/s against native-only + 0.8 x the tab's solo applied samples/s (the tab alone in a
   room of the same global batch, over whole rounds), with the tab's share and its part of the
@@ -46,6 +48,7 @@ import argparse
 import json
 import pathlib
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -371,55 +374,68 @@ def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None) -> di
     return out
 
 
-def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split: "CoreSplit") -> dict:
-    """One server, global batch fixed: 2 native ranks alone, then with a tab (pure Python), then
-    alone again (their mean is the native-only rate: the drift of a shared machine cancels)."""
+def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split: "CoreSplit",
+                  pairs: int = 1) -> dict:
+    """One server, global batch fixed: the 2 native ranks alone, then ``pairs`` times: with a
+    tab (pure Python) joined, then alone again after it closed. Each mixed window is compared
+    with the mean of the two native windows around it (a shared machine drifts by more than the
+    effect measured here, and that drift cancels to first order in a bracketed pair); the first
+    pair also measures the cohort with the tab stopped (connected, following, no share) and
+    with it started again."""
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-shares-{global_batch}-")))
     page = None
     out: dict = {"global_batch": global_batch}
+
+    def natives_alone() -> None:
+        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
+                 "two native ranks in a cohort of 2")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
+
     try:
         url = split.serve(c, "--global-batch", str(global_batch))
         c.rank()
         c.rank()
-        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
-                 "two native ranks in a cohort of 2")
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "warm-up rounds", interval_s=0.2)
-        native1 = shares_window(c, window_s)
-        page = open_tab(chromium, url, query="&backend=python")
-        split.repin()
-        wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
-        tab_hex = f"{tc(page)['id']:08x}"
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 20, 60, "rounds with the tab", interval_s=0.2)
-        mixed1 = shares_window(c, window_s, tab_hex)
-        lead = next(r for r in c.reports() if r.get("is_leader"))
-        out["tab_share"] = lead["shares"].get(tab_hex, 0)
-        out["tab_speed"] = lead["speeds"].get(tab_hex)
-        out["shares"] = lead["shares"]
-        # the tab out of the cohort (stopped: still connected, following) and back in
-        tc(page, "tc.sendControl('stop'), true")
-        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 2 for r in c.reports()), 30,
-                 "the cohort of 2 with the tab stopped")
-        out["tab_stopped"] = shares_window(c, window_s)
-        tc(page, "tc.sendControl('start'), true")
-        wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 3 for r in c.reports()), 60,
-                 "the tab back in the cohort")
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab again", interval_s=0.2)
-        mixed2 = shares_window(c, window_s, tab_hex)
-        mixed = {k: (mixed1[k] + mixed2[k]) / 2 for k in mixed1}
-        out["mixed_windows"] = [mixed1, mixed2]
-        chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
-        page = None
-        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
-                 "the native ranks alone again")
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
-        native2 = shares_window(c, window_s)
-        out["native"] = {k: (native1[k] + native2[k]) / 2 for k in native1}
-        out["native_windows"] = [native1, native2]
-        out["mixed"] = mixed
+        natives_alone()
+        natives = [shares_window(c, window_s)]
+        mixeds = []
+        for i in range(pairs):
+            page = open_tab(chromium, url, query="&backend=python")
+            split.repin()
+            wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
+            tab_hex = f"{tc(page)['id']:08x}"
+            s0 = c.state()["step"]
+            wait_for(lambda: c.state()["step"] >= s0 + 20, 60, "rounds with the tab", interval_s=0.2)
+            mixed = shares_window(c, window_s, tab_hex)
+            if i == 0:
+                lead = next(r for r in c.reports() if r.get("is_leader"))
+                out["tab_share"] = lead["shares"].get(tab_hex, 0)
+                out["tab_speed"] = lead["speeds"].get(tab_hex)
+                out["shares"] = lead["shares"]
+                # the tab out of the cohort (stopped: still connected, following) and back in
+                tc(page, "tc.sendControl('stop'), true")
+                wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 2 for r in c.reports()), 30,
+                         "the cohort of 2 with the tab stopped")
+                out["tab_stopped"] = shares_window(c, window_s)
+                tc(page, "tc.sendControl('start'), true")
+                wait_for(lambda: any(r.get("is_leader") and r.get("cohort") == 3 for r in c.reports()), 60,
+                         "the tab back in the cohort")
+                s0 = c.state()["step"]
+                wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab again", interval_s=0.2)
+                again = shares_window(c, window_s, tab_hex)
+                mixed = {k: (mixed[k] + again[k]) / 2 for k in mixed}
+            mixeds.append(mixed)
+            chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+            page = None
+            natives_alone()
+            natives.append(shares_window(c, window_s))
+        out["native_windows"], out["mixed_windows"] = natives, mixeds
+        out["native"] = {k: sum(w[k] for w in natives) / len(natives) for k in natives[0]}
+        out["mixed"] = {k: sum(w[k] for w in mixeds) / len(mixeds) for k in mixeds[0]}
+        # each mixed window against the native windows just before and after it
+        out["mixed_over_native_rounds_paired"] = [
+            m["rounds_per_s"] / ((natives[i]["rounds_per_s"] + natives[i + 1]["rounds_per_s"]) / 2)
+            for i, m in enumerate(mixeds)]
     finally:
         if page is not None:
             try:
@@ -458,10 +474,10 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSp
 
 def shares_main(chromium: Chromium, a) -> dict:
     with CoreSplit([chromium.proc.pid], a.split_cores) as split:
-        small = shares_cohort(chromium, a.small_global_batch, a.window, split)
+        small = shares_cohort(chromium, a.small_global_batch, a.window, split, a.pairs)
         big = shares_cohort(chromium, a.big_global_batch, a.big_window, split)
         solo = tab_solo(chromium, a.big_global_batch, a.big_window, split)
-    small["mixed_over_native_rounds"] = small["mixed"]["rounds_per_s"] / small["native"]["rounds_per_s"]
+    small["mixed_over_native_rounds"] = statistics.median(small["mixed_over_native_rounds_paired"])
     for x in (small, big):
         x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
     big["tab_solo"] = solo
@@ -487,6 +503,10 @@ def print_shares(r: dict) -> None:
     print(f"| applied samples/s | {bg['global_batch']} | {bg['native']['applied_per_s']:.0f} | "
           f"{bg['mixed']['applied_per_s']:.0f} | {bg['mixed']['applied_per_s'] / bg['native']['applied_per_s']:.2f} | "
           f"{bg['tab_share']} |")
+    paired = sm["mixed_over_native_rounds_paired"]
+    print(f"\nglobal batch {sm['global_batch']}: each window with the tab joined / the mean of the native-only windows "
+          f"before and after it: {', '.join(f'{x:.3f}' for x in paired)} (median "
+          f"**{sm['mixed_over_native_rounds']:.2f}**, the ratio in the table)")
     print(f"\nrounds/s, mixed / the same cohort with the tab stopped (connected, following, no share): "
           f"{sm['mixed_over_tab_stopped_rounds']:.2f} at {sm['global_batch']}, "
           f"{bg['mixed_over_tab_stopped_rounds']:.2f} at {bg['global_batch']}")
@@ -508,6 +528,8 @@ def main() -> int:
                     help="shares rows: a global batch whose native round takes >= 50 ms")
     ap.add_argument("--big-window", type=float, default=30.0,
                     help="shares rows: measuring window at the big global batch (s; its rounds are slow)")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="shares rows at the default global batch: (tab joined, tab closed) window pairs")
     ap.add_argument("--shares-only", action="store_true", help="only the shares rows")
     ap.add_argument("--no-split-cores", dest="split_cores", action="store_false",
                     help="shares rows: do not pin Chromium to a core of its own (see CoreSplit)")

@@ -427,11 +427,19 @@ class RankMachine:
         """True when this rank, with the live ready running members, makes more than half of
         :meth:`members`, or exactly half including the lowest member id (the tie-break that
         lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority")."""
-        members = self.members(now_ms) | {self.id}
-        live = {m.id for m in self.roster.live(now_ms, self.policy.drop_ms) if m.ready and m.running}
-        visible = (live & members) | {self.id}
-        return 2 * len(visible) > len(members) or (2 * len(visible) == len(members)
-                                                  and min(members) in visible)
+        # counted without building sets: the leader asks this once or twice per round
+        drop_ms, roster = self.policy.drop_ms, self.roster.members
+        n_members, n_visible, lowest, lowest_visible = 1, 1, self.id, True
+        for k in self.membership:
+            if k == self.id:
+                continue
+            n_members += 1
+            m = roster.get(k)
+            seen = m is not None and m.ready and m.running and now_ms - m.seen_ms <= drop_ms
+            n_visible += seen
+            if k < lowest:
+                lowest, lowest_visible = k, seen
+        return 2 * n_visible > n_members or (2 * n_visible == n_members and lowest_visible)
 
     @property
     def at_step_limit(self) -> bool:
@@ -1187,8 +1195,9 @@ class RankMachine:
             self._held_probe_ms[k] = now_ms
             shares[k] = 1
             probing.add(k)
-        for k in self._held_probe_ms.keys() - held_back:  # readmitted or gone: forget
-            del self._held_probe_ms[k]
+        if self._held_probe_ms:
+            for k in self._held_probe_ms.keys() - held_back:  # readmitted or gone: forget
+                del self._held_probe_ms[k]
         # "Local steps": a rank's window covers H consecutive inner batches of its share
         h = self.train.local_steps
         assign = windows({k: h * s for k, s in shares.items()}, self.cursor)
