@@ -412,15 +412,13 @@ def _evaluate(a: argparse.Namespace) -> int:
             raise ConfigError("--job", a.job, f"its job hash {jh} is not the model's "
                               f"{job['job_hash']} (other code, data or spec)")
     else:
-        from .model import load_dataset, make_worker
-        from .protocol import job_hash
-        from .protocol.optim import TrainConfig
+        from .model import load_dataset
+        from .runtime.session import make_checked_worker
         ds = load_dataset(job["dataset"], seed=int(job["seed"]))
-        worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=batch, seed=int(job["seed"]),
-                             backend=a.backend, activation=job["activation"])
-        jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len, TrainConfig.from_job(job).spec())
-        if jh != job["job_hash"]:
-            raise ConfigError("--model", a.model, "its job hash is not the built-in job's over its dataset here")
+        try:
+            worker, _ = make_checked_worker(job, ds, batch=batch, backend=a.backend)
+        except TabcohortError as e:
+            raise ConfigError("--model", a.model, f"not the built-in job over its dataset here ({e})") from None
     worker.set_params(params.data)
     res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),
            "accuracy": float(worker.evaluate()), "loss": float(worker.evaluate_loss())}

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+import zipfile
 
 import pytest
 
@@ -227,6 +228,19 @@ def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
     bad = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(tmp_path / "none.npz")],
                          capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
     assert bad.returncode == 2 and "--model=" in bad.stderr and "cannot read it" in bad.stderr, bad.stderr
+    # an export whose job hash is not the built-in job's here is refused, naming the file
+    forged = tmp_path / "forged.npz"
+    with zipfile.ZipFile(model) as zin, zipfile.ZipFile(forged, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename == "job.json":
+                job = json.loads(data)
+                job["job_hash"] = "0" * 64
+                data = json.dumps(job).encode()
+            zout.writestr(info, data)
+    bad = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(forged)],
+                         capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
+    assert bad.returncode == 2 and "--model=" in bad.stderr and "not the built-in job" in bad.stderr, bad.stderr
 
 
 def test_simulate_trains_a_job_in_process(tmp_path):
