@@ -1225,8 +1225,11 @@ class RankMachine:
                 self._silent.add(k)
                 self._silences[k] += 1
                 self.drops["probe_unanswered"] += 1
-        if len(self._probe_sent) > len(shares) + len(held_back):
-            live = set(ids) | held_back              # ranks that left: forget their probes
+        if len(self._probe_sent) > len(ids) + len(held_back):
+            # more ranks with probes kept than the cohort has: some left, forget their probes
+            # (against the cohort, not the round's shares: a member without a share whose probe
+            # is outstanding would otherwise cost this scan in every round)
+            live = set(ids) | held_back
             for k in [k for k in self._probe_sent if k not in live]:
                 del self._probe_sent[k]
                 self._probes_outstanding.pop(k, None)
