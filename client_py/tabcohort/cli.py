@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from typing import Any, Sequence
 
@@ -346,6 +347,8 @@ def _simulate(a: argparse.Namespace) -> int:
                 for k in sorted(set(res.shares) | set(res.speeds))))
         print(f"bit-identical parameters on all {len(res.digests)} ranks: "
               f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})")
+        if res.note:
+            print(f"  ({res.note})")
     return 0 if res.bit_identical else 1
 
 
@@ -420,13 +423,19 @@ def _evaluate(a: argparse.Namespace) -> int:
         except TabcohortError as e:
             raise ConfigError("--model", a.model, f"not the built-in job over its dataset here ({e})") from None
     worker.set_params(params.data)
+    loss, acc = float(worker.evaluate_loss()), float(worker.evaluate())
+    if not 0.0 <= acc <= 1.0:
+        raise ConfigError("--job" if job.get("job_info") else "--model", a.job or a.model,
+                          f"the job's evaluate() returned {acc!r}, not a held-out accuracy in [0, 1]")
+    # a job without evaluate_loss() has no held-out loss: null in JSON (NaN is not JSON, RFC 8259)
     res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),
-           "accuracy": float(worker.evaluate()), "loss": float(worker.evaluate_loss())}
+           "accuracy": acc, "loss": loss if math.isfinite(loss) else None}
     if a.json:
-        print(json.dumps(res))
+        print(json.dumps(res, allow_nan=False))
     else:
+        loss_s = f"{res['loss']:.4f}" if res["loss"] is not None else "n/a (the job has no evaluate_loss())"
         print(f"model {a.model}: step {res['step']}, job hash {res['job_hash'][:16]}: held-out accuracy "
-              f"{res['accuracy'] * 100:.2f} %, held-out loss {res['loss']:.4f}")
+              f"{res['accuracy'] * 100:.2f} %, held-out loss {loss_s}")
     return 0
 
 

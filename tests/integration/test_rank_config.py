@@ -34,6 +34,9 @@ def cfg(env: dict, **args) -> RankConfig:
      "TABCOHORT_DIRECT_ANNOUNCE", "10.0.0.1"),
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_DIRECT": "maybe"},
      "TABCOHORT_DIRECT", "maybe"),
+    # a local copy of the job that does not exist is named by where it came from, before connecting
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_JOB": "/nonexistent.py"},
+     "TABCOHORT_JOB", "/nonexistent.py"),
 ])
 def test_bad_environment_is_a_config_error_naming_the_variable(env, var, value):
     with pytest.raises(ConfigError) as e:
@@ -182,3 +185,9 @@ def test_a_bad_trainer_token_is_named_and_never_shown():
               "TABCOHORT_TRAINER_TOKEN": "a-long-enough-trainer-token"})
     ok.validate()
     assert ok.trainer_token == "a-long-enough-trainer-token"
+
+
+def test_an_unknown_backend_is_named_before_connecting():
+    with pytest.raises(ConfigError) as e:
+        cfg({}, server="http://127.0.0.1:1", room="d", backend="foo").validate()
+    assert e.value.variable == "--backend" and e.value.value == "foo" and "numpy" in e.value.reason

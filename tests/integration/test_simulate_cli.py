@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -92,3 +93,16 @@ def test_the_output_says_each_rank_s_share_of_the_global_batch_and_its_measured_
     r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "200", "--global-batch", "96", "--json")
     res = json.loads(r.stdout)
     assert sum(res["shares"].values()) == 96 and len(res["speeds"]) == 3, res
+
+
+def test_a_run_that_ends_inside_its_partition_says_why_the_ranks_differ():
+    # a new user's run of README's partition example ended "NO" with no word on why: the run
+    # was over before the heal, and the side that paused never saw the last rounds
+    r = simulate("--ranks", "4", "--dataset", "synthetic", "--partition-at", "20", "--heal-after-ms", "600000",
+                 "--steps", "300")
+    assert r.returncode == 1, (r.stdout[-1500:], r.stderr[-1500:])
+    assert "bit-identical parameters on all 4 ranks: NO" in r.stdout, r.stdout[-1500:]
+    assert "the run ended inside the partition" in r.stdout and "--steps" in r.stdout, r.stdout[-1500:]
+    # the fault fires within a few steps of the one asked for (checked every 5 ms, not 50)
+    step = int(re.search(r"\* step (\d+): partitioned", r.stdout).group(1))
+    assert 20 <= step < 20 + 150, r.stdout[-1500:]

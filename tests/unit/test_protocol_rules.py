@@ -693,6 +693,20 @@ def test_leader_evaluates_every_k_steps():
     assert r.m.accuracy is not None
 
 
+@pytest.mark.parametrize("bad", [1.7, -0.1, float("nan"), float("inf")])
+def test_an_accuracy_outside_0_1_is_reported_unknown_and_counted(bad):
+    # "Worker contract": evaluate() is a held-out accuracy in [0, 1]; a report carrying 1.7 was
+    # dropped whole at the server (the room's step and leader with it)
+    r = leader_rig(eval_every=1)
+    r.w.evaluate = lambda: bad
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    r.m.on_timer(now_ms=1)
+    assert r.m.step == 1 and r.m.accuracy is None
+    assert r.m.counters["evaluate_out_of_range"] == 1 and r.m.state(2)["accuracy"] is None
+
+
 def test_state_report_fields():
     r = leader_rig([2])
     r.m.start(now_ms=0)

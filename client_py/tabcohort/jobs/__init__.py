@@ -185,6 +185,8 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
     def call(what: str, f: Callable[[], Any]) -> Any:
         try:
             return f()
+        except JobError as e:        # the worker contract broken (a bad return): said as is
+            raise JobError(e.reason, ref) from None
         except Exception as e:
             raise JobError(f"the worker's {what} raised {type(e).__name__}: {e} ({_where(e, files)})", ref) from None
 

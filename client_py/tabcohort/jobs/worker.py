@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 from array import array
 from typing import Any
 
 from .._compat import np
 from ..errors import ConfigError
+from .source import JobError
+
+_log = logging.getLogger("tabcohort.jobs")
 
 def _vector(backend: str, v: Any) -> Any:
     if backend == "numpy" and np is not None:
         return np.asarray(v, dtype=np.float32)
     return v if isinstance(v, array) and v.typecode == "f" else array("f", v)
+
+
+def _describe(x: Any) -> str:
+    """A short description of a value a job returned, for an error message."""
+    r = repr(x)
+    return f"{type(x).__name__} {r[:60] + '...' if len(r) > 60 else r}"
 
 
 class JobWorker:
@@ -37,6 +47,7 @@ class JobWorker:
         self._spec = spec
         self.backend_note = None
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
+        self._warned_accuracy = False
 
     def spec(self) -> dict:
         return dict(self._spec)
@@ -101,18 +112,25 @@ class JobWorker:
     async def grads(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)
         if self._async:
-            loss, g = await self.inner.grads(offset, n)
+            r = await self.inner.grads(offset, n)
         else:
             await asyncio.sleep(0)
-            loss, g = self.inner.grads(offset, n)
-        return float(loss), _vector(self.backend, g)
+            r = self.inner.grads(offset, n)
+        return self._loss_and_gradient(r)
 
     def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)
-        if self._async:
-            loss, g = asyncio.run(self.inner.grads(offset, n))
-        else:
-            loss, g = self.inner.grads(offset, n)
+        r = asyncio.run(self.inner.grads(offset, n)) if self._async else self.inner.grads(offset, n)
+        return self._loss_and_gradient(r)
+
+    def _loss_and_gradient(self, r: Any) -> tuple[float, Any]:
+        """``(loss, gradient)`` of what the job's ``grads`` returned, or a JobError saying what
+        the worker contract wants (docs/PROTOCOL.md, "Worker contract")."""
+        if not isinstance(r, tuple) or len(r) != 2:
+            raise JobError(f"grads() must return a tuple (loss, gradient), got {_describe(r)}", self.model)
+        loss, g = r
+        if isinstance(loss, (str, bytes)) or not isinstance(loss, (int, float)) and not hasattr(loss, "__float__"):
+            raise JobError(f"grads() must return a number as its loss, got {_describe(loss)}", self.model)
         return float(loss), _vector(self.backend, g)
 
     def params(self) -> Any:
@@ -133,7 +151,14 @@ class JobWorker:
         self.inner.set_params(new)
 
     def evaluate(self) -> float:
-        return float(self.inner.evaluate())
+        acc = float(self.inner.evaluate())
+        if not 0.0 <= acc <= 1.0 and not self._warned_accuracy:
+            # the machine reports such a value as unknown; say why, once, where the rank's
+            # operator reads (a console, the tab's developer tools)
+            self._warned_accuracy = True
+            _log.error("job %s: evaluate() returned %r, not a held-out accuracy in [0, 1]: the rank "
+                       "reports its accuracy as unknown (fix the job's evaluate())", self.model, acc)
+        return acc
 
     def evaluate_loss(self) -> float:
         f = getattr(self.inner, "evaluate_loss", None)

@@ -1587,7 +1587,15 @@ class RankMachine:
         self._applied_samples += int(total)
         self.counters["buckets_reduced"] += len(buckets)
         if self.eval_every > 0 and self.step % self.eval_every == 0:
-            self.accuracy = float(self.worker.evaluate())
+            acc = float(self.worker.evaluate())
+            if 0.0 <= acc <= 1.0:
+                self.accuracy = acc
+            else:
+                # "Worker contract": evaluate() is a held-out accuracy in [0, 1]. A report
+                # carrying anything else is dropped whole at the server (its step and lead
+                # with it), so the accuracy is reported as unknown and the fault counted
+                self.accuracy = None
+                self.counters["evaluate_out_of_range"] += 1
 
     def _round_fault(self, error: str, now_ms: float) -> None:
         self.fault = error

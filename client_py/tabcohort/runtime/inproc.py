@@ -36,6 +36,10 @@ DIVERGED_AFTER_S = 5.0
 #: A classifier whose final training loss is this many times a uniform guess's (ln classes) has
 #: diverged too, although every gradient stayed finite.
 LOSS_BLOWUP = 10.0
+#: how often the run checks its fault triggers and stop conditions (seconds)
+FAULT_POLL_S = 0.005
+#: a partition healed less than this before the end (seconds) may explain ranks on two models
+CATCH_UP_S = 1.0
 
 
 @dataclass
@@ -138,6 +142,9 @@ class InprocResult:
     #: measured throughput of each rank (samples/s) (PROTOCOL.md "Shares"); empty without a leader
     shares: dict[str, int] = field(default_factory=dict)
     speeds: dict[str, float] = field(default_factory=dict)
+    #: why the ranks may not have ended on one model (a partition still open, or healed only
+    #: just before the end), or None
+    note: str | None = None
 
 
 class InprocCohort:
@@ -161,6 +168,8 @@ class InprocCohort:
         self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision)
         self.drivers: dict[int, RankDriver] = {}
         self.events: list[str] = []
+        self._note: str | None = None
+        self._healed_at: float | None = None
         self.job: str | None = None
 
     def _new_id(self) -> int:
@@ -228,9 +237,11 @@ class InprocCohort:
         pending = {"kill": cfg.kill_leader_at_step, "add": cfg.add_rank_at_step,
                    "partition": cfg.partition_at_step}
         heal_at: float | None = None
+        self._healed_at: float | None = None
         last_step, last_advance = -1, 0.0
         while True:
-            await asyncio.sleep(0.05)
+            # faults are checked every FAULT_POLL_S (a fast cohort runs thousands of steps a second)
+            await asyncio.sleep(FAULT_POLL_S)
             now = time.monotonic() - t0
             step = self.step()
             ld = self.leader()
@@ -253,6 +264,7 @@ class InprocCohort:
                 self._event(f"step {step}: partitioned into {len(ids[:half])}+{len(ids) - half}")
             if heal_at is not None and now >= heal_at:
                 heal_at = None
+                self._healed_at = now
                 self.network.heal()
                 self._event(f"step {step}: healed the partition")
             if step != last_step:
@@ -274,6 +286,13 @@ class InprocCohort:
                 self._event(f"stopping: max_seconds={cfg.max_seconds} reached at step {step}")
                 break
         seconds = time.monotonic() - t0
+        if heal_at is not None:
+            self._note = (f"the run ended inside the partition (it was to heal {cfg.heal_after_ms:g} ms after it "
+                          f"began): the side that paused never saw the last rounds; let the run last past the "
+                          f"heal (more --steps, or a shorter --heal-after-ms)")
+        elif self._healed_at is not None and seconds - self._healed_at < CATCH_UP_S:
+            self._note = (f"the partition healed only {(seconds - self._healed_at) * 1000:.0f} ms before the end: the "
+                          f"side that paused may not have caught up; let the run last past the heal (more --steps)")
         samples = self._applied_samples()
         # (at the step limit no rank leads any more; every rank holds the last round's loss)
         ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
@@ -348,7 +367,8 @@ class InprocCohort:
                             samples_per_s=samples / seconds if seconds > 0 else 0.0, seconds=seconds,
                             bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
                             events=self.events, shares=dict(st.get("shares") or {}),
-                            speeds=dict(st.get("speeds") or {}))
+                            speeds=dict(st.get("speeds") or {}),
+                            note=None if len(set(ds.values())) == 1 else self._note)
 
 
 async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:

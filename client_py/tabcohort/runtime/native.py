@@ -130,6 +130,15 @@ class RankConfig:
             self.trust_job = v in _TRUE
         if self.job is not None and not str(self.job).strip():
             raise ConfigError(self._name("job"), self.job, "expected the path of your local copy of the room's job")
+        if self.job is not None:
+            from ..jobs import find_source
+            try:   # a local copy that cannot be found is named before any connection
+                find_source(str(self.job))
+            except ConfigError as e:
+                raise ConfigError(self._name("job"), self.job, e.reason) from None
+        from ..model import BACKENDS
+        if self.backend not in BACKENDS:
+            raise ConfigError(self._name("backend"), self.backend, f"expected one of {', '.join(BACKENDS)}")
         if self._validate_discovery(resolve=resolve):
             return  # the server is found later (discover_server), then validated again
         if not self.server:
