@@ -79,6 +79,13 @@ def test_good_tiny_job_is_accepted(tmp_path):
     job.write_text(GOOD)
     w = probe(load_job(str(job)), batch=8, seed=0)
     assert w.bucket_len == 10
+    # the state report's epoch: the worker's train_len, else the rows of y_train / x_train
+    assert w.train_len is None                    # (data "x", "y" and no train_len: no epoch)
+    job.write_text(GOOD.replace('        self.p = array("f", [0.0] * N)',
+                                '        self.p = array("f", [0.0] * N)\n        self.train_len = 16'))
+    assert load_job(str(job)).make_worker(batch=8, seed=0, backend="python").train_len == 16
+    cnn = load_job(CNN)
+    assert cnn.make_worker(batch=8, seed=0, backend="python").train_len == len(cnn.data["y_train"]) > 0
 
 
 @pytest.mark.parametrize("case,src,expect", [

@@ -107,8 +107,16 @@ class LoadedJob:
         if isinstance(bl, bool) or not isinstance(bl, int) or bl < 1:
             raise JobError(f"the worker's bucket_len must be an integer >= 1, got {bl!r}", self.source.ref)
         full = {"job": self.name, "code_sha256": self.source.code_sha256, "spec": self.spec}
-        return JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
-                         make_scratch=lambda: self.make_worker(batch=batch, seed=seed, backend=b))
+        w = JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
+                      make_scratch=lambda: self.make_worker(batch=batch, seed=seed, backend=b))
+        # the state report's epoch: the worker's own train_len, else the rows of the data's
+        # training array by README's naming (y_train, x_train)
+        n = getattr(inner, "train_len", None)
+        if n is None:
+            arr = next((self.data[k] for k in ("y_train", "x_train") if k in self.data), None)
+            n = len(arr) if arr is not None else None
+        w.train_len = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return w
 
     def job_hash(self, worker: JobWorker, train: Any = None) -> str:
         """The job hash (:func:`~tabcohort.protocol.job.module_job_hash`); ``train``: the room's

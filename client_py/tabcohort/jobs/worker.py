@@ -48,6 +48,8 @@ class JobWorker:
         self.backend_note = None
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
         self._warned_accuracy = False
+        #: training samples (the state report's epoch = samples assigned / this), or None
+        self.train_len: int | None = None
 
     def spec(self) -> dict:
         return dict(self._spec)
