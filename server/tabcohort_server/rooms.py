@@ -214,6 +214,9 @@ class Room:
         #: the trusted leader's last step (``step()``); never the highest claim. ``_trusted_at``:
         #: when it was trusted (None: no baseline yet; the first leader report sets it)
         self._trusted_step = 0
+        #: the last trusted leader report: the room's loss, accuracy and term while none leads
+        #: (a finished room keeps its last figures)
+        self._last_lead: dict | None = None
         self._trusted_at: float | None = None
         #: the id of the last rank that was the room's current leader (``leader_peer``)
         self.last_leader_id: int | None = None
@@ -646,6 +649,7 @@ class Room:
         if not self.plausible_step(s, now):
             return False
         self._trusted_step, self._trusted_at = s, now
+        self._last_lead = rep                    # its loss and accuracy outlive its lead
         return True
 
     def plausible_step(self, step: int, now: float) -> bool:
@@ -836,6 +840,7 @@ class Room:
         """The room as JSON-ready data (``GET /api/rooms/{room}``); ``operator`` adds the
         fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids)."""
         lead = self.leader_report()
+        last = lead if lead is not None else self._last_lead
         ranks = []
         for p in sorted(self.peers.values(), key=lambda p: p.id):
             rep = p.report
@@ -851,9 +856,9 @@ class Room:
                 "link": "rtc" if self.job.topology == "mesh" else "ws",
                 "n_connected": len(self.connected), "n_reserved": len(self.peers) - len(self.connected),
                 "step": self.step(), "leader": None if lead is None else lead.get("leader"),
-                "loss": None if lead is None else _json_num(lead.get("loss")),
-                "accuracy": None if lead is None else _json_num(lead.get("accuracy")),
-                "term": None if lead is None else _json_int(lead.get("term")),
+                "loss": None if last is None else _json_num(last.get("loss")),
+                "accuracy": None if last is None else _json_num(last.get("accuracy")),
+                "term": None if last is None else _json_int(last.get("term")),
                 "diverged": None if lead is None else _json_int(lead.get("diverged")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
                 "resumed_from_step": self.resumed_from_step,

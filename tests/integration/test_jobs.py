@@ -229,6 +229,9 @@ def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
     p = cluster.rank()
     assert p.p.wait(120) == 0, p.text()
     ck = wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 20, "the final checkpoint")
+    # a finished room keeps its last leader's figures (a new user saw accuracy, loss: null)
+    st = cluster.state()
+    assert st["leader"] is None and st["accuracy"] is not None and st["loss"] is not None, st
     model = tmp_path / "mlp.npz"
     model.write_bytes(_fetch(cluster, "/model"))
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(model), "--json"],

@@ -590,7 +590,8 @@ class RankRun(RankSession):
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else "")
                       + ("  (waiting for a rank that may lead: start one with --trainer-token, which "
-                         "`tabcohort serve` prints and keeps in CHECKPOINT_DIR/.trainer-token; README \"Roles\")"
+                         "`tabcohort serve` prints at start, and keeps in CHECKPOINT_DIR/.trainer-token when "
+                         "it has a --checkpoint-dir; README \"Roles\")"
                          if lead is None and st.get("may_lead") is False else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
