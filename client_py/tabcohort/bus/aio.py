@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES
 from . import direct
-from .path import PathKind
+from .path import CLOSED_BY_PEER, PathKind
 
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .mesh import MeshBus
@@ -520,7 +520,7 @@ class _TcpStream(asyncio.BufferedProtocol):
             self.up.exception()   # (retrieved: the dialler reads it, an inbound one has no reader)
         ch = self.channel
         if ch is not None and ch.stream is self:
-            ch.down(f"direct connection lost ({exc!r})" if exc else "direct connection closed by the peer")
+            ch.down(f"direct connection lost ({exc!r})" if exc else CLOSED_BY_PEER)
 
 
 class TcpChannel:

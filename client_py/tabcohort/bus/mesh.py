@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes, delegated, merge_counts
-from .path import Path, PathKind, PathState
+from .path import CLOSED_BY_PEER, Path, PathKind, PathState
 from .room import DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES
 from .star import Channel, Connector, StarBus
 
@@ -394,8 +394,10 @@ class MeshBus:
                  if self.id < p.peer else "")
         # a warning when a path went down or a connection failed; a path whose peer never answered
         # within the connect bound (a tab takes no TCP path: README "Direct paths") is the normal
-        # case of a mixed room, logged without alarm
-        quiet = was is PathState.CONNECTING and why.startswith("channel not open within")
+        # case of a mixed room, and a connection the peer closed cleanly is a peer leaving (every
+        # rank at a room's stop): both logged without alarm (the closing side warns if it failed)
+        quiet = (was is PathState.CONNECTING and why.startswith("channel not open within")) or \
+            why == CLOSED_BY_PEER
         (log.info if quiet else log.warning)("rank %08x: link to %08x uses the relay: %s%s",
                                              self.id, p.peer, why, again)
         self.relay.send_control({"type": "signal", "to": p.peer, "kind": "bye"})

@@ -49,6 +49,11 @@ class PathState(enum.Enum):
     RELAY = "relay"             #: through the server (the channel is tried again after a backoff)
 
 
+#: why a path went down when its peer closed the connection cleanly (a peer leaving: every rank
+#: at a room's stop), logged without alarm
+CLOSED_BY_PEER = "direct connection closed by the peer"
+
+
 class PathKind(enum.Enum):
     """What a direct path's own channel is (the connector that makes it says)."""
 
