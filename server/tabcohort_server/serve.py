@@ -149,7 +149,10 @@ def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
         line = (f"tabcohort serve: room {room.name} reached its step limit (--steps {room.job.steps}) at "
                 f"step {step}; its ranks are told to stop")
     else:
-        line = f"tabcohort serve: room {room.name} stopped at step {step}: {room.stop_reason}"
+        # (the step the stop was decided at: the ranks finish the rounds in flight, so the final
+        # checkpoint, said on its own line, can be a few rounds later)
+        line = (f"tabcohort serve: room {room.name} stopping at step {step}: {room.stop_reason}; its ranks are "
+                f"told to stop (the final checkpoint follows)")
     try:
         progress(line)
     except Exception:    # (an output gone away must not fail the report that stopped the room)
