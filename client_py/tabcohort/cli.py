@@ -339,7 +339,8 @@ def _simulate(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(res.__dict__, default=str, indent=2))
     else:
-        print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {res.accuracy * 100:.2f} %, "
+        acc_s = f"{res.accuracy * 100:.2f} %" if res.accuracy is not None else "n/a (evaluate() outside [0, 1])"
+        print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {acc_s}, "
               f"{res.samples_per_s:.0f} samples/s, leaders {[f'{k:08x}' for k in res.leaders]}")
         if res.shares or res.speeds:
             print("last shares of the global batch (samples, the rank's measured samples/s): " + ", ".join(
@@ -433,7 +434,9 @@ def _evaluate(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(res, allow_nan=False))
     else:
-        loss_s = f"{res['loss']:.4f}" if res["loss"] is not None else "n/a (the job has no evaluate_loss())"
+        has_loss = getattr(getattr(worker, "inner", worker), "evaluate_loss", None) is not None
+        loss_s = (f"{res['loss']:.4f}" if res["loss"] is not None
+                  else "not finite" if has_loss else "n/a (the job has no evaluate_loss())")
         print(f"model {a.model}: step {res['step']}, job hash {res['job_hash'][:16]}: held-out accuracy "
               f"{res['accuracy'] * 100:.2f} %, held-out loss {loss_s}")
     return 0

@@ -152,7 +152,7 @@ def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
         # (the step the stop was decided at: the ranks finish the rounds in flight, so the final
         # checkpoint, said on its own line, can be a few rounds later)
         line = (f"tabcohort serve: room {room.name} stopping at step {step}: {room.stop_reason}; its ranks are "
-                f"told to stop (the final checkpoint follows)")
+                f"told to stop (a final checkpoint follows if a rank that may lead uploads one)")
     try:
         progress(line)
     except Exception:    # (an output gone away must not fail the report that stopped the room)

@@ -109,7 +109,7 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"evaluate\(\) must return held-out accuracy in \[0, 1\], got 7\.0"),
     ("grads_not_a_pair", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
                                       "        return LOSS, array('f', [0.0] * GRAD_LEN), 3"),
-     r"grads\(\) must return a tuple \(loss, gradient\), got tuple \(0\.7, array"),
+     r"grads\(\) must return a pair \(loss, gradient\), got tuple \(0\.7, array"),
     ("grads_loss_a_string", GOOD.replace("LOSS = N, N, 0.7", "LOSS = N, N, '0.7'"),
      r"grads\(\) must return a number as its loss, got str '0\.7'"),
     ("missing_method", GOOD.replace("    def grads(self, offset, samples):", "    def grads_renamed(self, offset, samples):"),

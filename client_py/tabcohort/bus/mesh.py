@@ -395,7 +395,8 @@ class MeshBus:
         # a warning when a path went down or a connection failed; a path whose peer never answered
         # within the connect bound (a tab takes no TCP path: README "Direct paths") is the normal
         # case of a mixed room, and a connection the peer closed cleanly is a peer leaving (every
-        # rank at a room's stop): both logged without alarm (the closing side warns if it failed)
+        # rank at a room's stop) or gone (its kernel closes a killed process's sockets too, and the
+        # room then reports it left): both logged without alarm; a reset or an error still warns
         quiet = (was is PathState.CONNECTING and why.startswith("channel not open within")) or \
             why == CLOSED_BY_PEER
         (log.info if quiet else log.warning)("rank %08x: link to %08x uses the relay: %s%s",

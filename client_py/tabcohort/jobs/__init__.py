@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import os
 from typing import Any, Callable
 
@@ -115,7 +116,11 @@ class LoadedJob:
         if n is None:
             arr = next((self.data[k] for k in ("y_train", "x_train") if k in self.data), None)
             n = len(arr) if arr is not None else None
-        w.train_len = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        try:
+            n = None if isinstance(n, bool) else operator.index(n)
+        except TypeError:
+            n = None
+        w.train_len = n if n is not None and n > 0 else None
         return w
 
     def job_hash(self, worker: JobWorker, train: Any = None) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
 from array import array
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 from .._compat import np
 from ..errors import ConfigError
 from .source import JobError
-
-_log = logging.getLogger("tabcohort.jobs")
 
 def _vector(backend: str, v: Any) -> Any:
     if backend == "numpy" and np is not None:
@@ -47,7 +44,6 @@ class JobWorker:
         self._spec = spec
         self.backend_note = None
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
-        self._warned_accuracy = False
         #: training samples (the state report's epoch = samples assigned / this), or None
         self.train_len: int | None = None
 
@@ -128,9 +124,10 @@ class JobWorker:
     def _loss_and_gradient(self, r: Any) -> tuple[float, Any]:
         """``(loss, gradient)`` of what the job's ``grads`` returned, or a JobError saying what
         the worker contract wants (docs/PROTOCOL.md, "Worker contract")."""
-        if not isinstance(r, tuple) or len(r) != 2:
-            raise JobError(f"grads() must return a tuple (loss, gradient), got {_describe(r)}", self.model)
-        loss, g = r
+        try:
+            loss, g = r        # (a tuple, a list, a page's JS array of two)
+        except (TypeError, ValueError):
+            raise JobError(f"grads() must return a pair (loss, gradient), got {_describe(r)}", self.model) from None
         if isinstance(loss, (str, bytes)) or not isinstance(loss, (int, float)) and not hasattr(loss, "__float__"):
             raise JobError(f"grads() must return a number as its loss, got {_describe(loss)}", self.model)
         return float(loss), _vector(self.backend, g)
@@ -153,14 +150,7 @@ class JobWorker:
         self.inner.set_params(new)
 
     def evaluate(self) -> float:
-        acc = float(self.inner.evaluate())
-        if not 0.0 <= acc <= 1.0 and not self._warned_accuracy:
-            # the machine reports such a value as unknown; say why, once, where the rank's
-            # operator reads (a console, the tab's developer tools)
-            self._warned_accuracy = True
-            _log.error("job %s: evaluate() returned %r, not a held-out accuracy in [0, 1]: the rank "
-                       "reports its accuracy as unknown (fix the job's evaluate())", self.model, acc)
-        return acc
+        return float(self.inner.evaluate())
 
     def evaluate_loss(self) -> float:
         f = getattr(self.inner, "evaluate_loss", None)

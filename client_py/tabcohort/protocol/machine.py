@@ -435,7 +435,7 @@ class RankMachine:
                 continue
             n_members += 1
             m = roster.get(k)
-            seen = m is not None and m.ready and m.running and now_ms - m.seen_ms <= drop_ms
+            seen = bool(m is not None and m.ready and m.running and now_ms - m.seen_ms <= drop_ms)
             n_visible += seen
             if k < lowest:
                 lowest, lowest_visible = k, seen

@@ -130,7 +130,8 @@ class InprocResult:
     """What a run ended with."""
 
     steps: int
-    accuracy: float
+    #: held-out accuracy in [0, 1]; None when the job's evaluate() gave anything else
+    accuracy: float | None
     loss: float
     samples_per_s: float
     seconds: float
@@ -169,7 +170,8 @@ class InprocCohort:
         self.drivers: dict[int, RankDriver] = {}
         self.events: list[str] = []
         self._note: str | None = None
-        self._healed_at: float | None = None
+        #: seconds since the run began when its partition healed, or None
+        self._healed_at_s: float | None = None
         self.job: str | None = None
 
     def _new_id(self) -> int:
@@ -237,7 +239,6 @@ class InprocCohort:
         pending = {"kill": cfg.kill_leader_at_step, "add": cfg.add_rank_at_step,
                    "partition": cfg.partition_at_step}
         heal_at: float | None = None
-        self._healed_at: float | None = None
         last_step, last_advance = -1, 0.0
         while True:
             # faults are checked every FAULT_POLL_S (a fast cohort runs thousands of steps a second)
@@ -264,7 +265,7 @@ class InprocCohort:
                 self._event(f"step {step}: partitioned into {len(ids[:half])}+{len(ids) - half}")
             if heal_at is not None and now >= heal_at:
                 heal_at = None
-                self._healed_at = now
+                self._healed_at_s = now
                 self.network.heal()
                 self._event(f"step {step}: healed the partition")
             if step != last_step:
@@ -290,8 +291,8 @@ class InprocCohort:
             self._note = (f"the run ended inside the partition (it was to heal {cfg.heal_after_ms:g} ms after it "
                           f"began): the side that paused never saw the last rounds; let the run last past the "
                           f"heal (more --steps, or a shorter --heal-after-ms)")
-        elif self._healed_at is not None and seconds - self._healed_at < CATCH_UP_S:
-            self._note = (f"the partition healed only {(seconds - self._healed_at) * 1000:.0f} ms before the end: the "
+        elif self._healed_at_s is not None and seconds - self._healed_at_s < CATCH_UP_S:
+            self._note = (f"the partition healed only {(seconds - self._healed_at_s) * 1000:.0f} ms before the end: the "
                           f"side that paused may not have caught up; let the run last past the heal (more --steps)")
         samples = self._applied_samples()
         # (at the step limit no rank leads any more; every rank holds the last round's loss)
@@ -358,7 +359,9 @@ class InprocCohort:
             await asyncio.sleep(0.05)
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
         any_d = next(iter(self.drivers.values()))
-        acc = float(any_d.worker.evaluate())
+        acc: float | None = float(any_d.worker.evaluate())
+        if not 0.0 <= acc <= 1.0:
+            acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
         steps = max(d.machine.step for d in self.drivers.values())
         loss = any_d.machine.loss
         for d in list(self.drivers.values()):

@@ -131,11 +131,12 @@ class RankConfig:
         if self.job is not None and not str(self.job).strip():
             raise ConfigError(self._name("job"), self.job, "expected the path of your local copy of the room's job")
         if self.job is not None:
-            from ..jobs import find_source
-            try:   # a local copy that cannot be found is named before any connection
-                find_source(str(self.job))
-            except ConfigError as e:
-                raise ConfigError(self._name("job"), self.job, e.reason) from None
+            # a local copy given as a path that is not there is named before any connection (a
+            # module name is resolved later: finding it imports its parent packages)
+            ref = str(self.job)
+            path = ref if os.path.exists(ref) else ref.rsplit(":", 1)[0]
+            if (path.endswith(".py") or os.sep in path) and not os.path.exists(path):
+                raise ConfigError(self._name("job"), self.job, "no such file or package directory")
         from ..model import BACKENDS
         if self.backend not in BACKENDS:
             raise ConfigError(self._name("backend"), self.backend, f"expected one of {', '.join(BACKENDS)}")
@@ -614,6 +615,9 @@ def _acc_text(acc: float | None, st: dict) -> str:
     evaluates held-out accuracy: PROTOCOL.md, "State report")."""
     if acc is not None:
         return f"{acc * 100:5.1f}%"
+    if (st.get("counters") or {}).get("evaluate_out_of_range"):
+        # "Worker contract": the job's evaluate() gave a value that is no accuracy
+        return "n/a (the job's evaluate() returned a value outside [0, 1]: fix the job)"
     return "n/a (evaluated by the leader)" if st.get("ready") and not st.get("is_leader") else "n/a"
 
 
