@@ -219,6 +219,14 @@ def test_the_readme_job_trains(cluster, tmp_path):
     assert len(set(digests)) == 1 and ck["digest"].startswith(digests[0]), (digests, ck)
     assert ck["step"] == 150 and ck["accuracy"] >= 0.85, ck
     print(f"README job: {len(code.splitlines())} lines, step 150, held-out accuracy {ck['accuracy']:.4f}")
+    # its export evaluates; it has no evaluate_loss(): the loss is null in JSON (NaN is not JSON)
+    model = tmp_path / "my_job.npz"
+    model.write_bytes(_fetch(cluster, "/model"))
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--job", str(job), "--model", str(model),
+                        "--json"], capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c} in {r.stdout}"))
+    assert res["loss"] is None and abs(res["accuracy"] - ck["accuracy"]) < 1e-9, res
 
 
 @pytest.mark.parametrize("train", [[], ["--local-steps", "2"]], ids=["sgd", "local-steps"])
