@@ -235,11 +235,13 @@ KERNEL_MODELS = [("digits MLP 64x32x10", (32,), {"numpy": 32, "webgpu": 32, "js"
 KERNELS_PY = """
 import json, time
 import js
-from tabcohort.model import Dataset, PythonMLPWorker
+from tabcohort.jobs import JobData
+from tabcohort.jobs.builtin_mlp import OPTIONS, dataset_of
+from tabcohort.model import PythonMLPWorker
 from tabcohort.model.backend_js import JsMLPWorker, GpuMLPWorker
 req = json.loads(_tc_req)
 r = await js.fetch(req["url"])
-ds = Dataset.from_portable(json.loads(await r.text()))
+ds = dataset_of(JobData.from_npz((await r.arrayBuffer()).to_bytes()), OPTIONS)
 out = []
 for m in req["models"]:
     hidden = tuple(m["hidden"])
@@ -274,7 +276,8 @@ json.dumps(out)
 
 def kernels_main(chromium: Chromium, seconds: float) -> dict:
     """Grads time per bucket: the tab's backends in one tab's worker, numpy natively, same batches."""
-    from tabcohort.model import Dataset
+    from tabcohort.jobs import JobData
+    from tabcohort.jobs.builtin_mlp import OPTIONS, dataset_of
     from tabcohort.model.backend_np import NumpyMLPWorker
 
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix="bench-tab-kernels-")))
@@ -285,10 +288,10 @@ def kernels_main(chromium: Chromium, seconds: float) -> dict:
         wait_for(lambda: tc(page, "tc.joinedAt"), 180, "the tab to boot and join")
         worker = wait_for(page.worker_session, 30, "the page's worker session")
         import urllib.request
-        with urllib.request.urlopen(f"{url}/api/rooms/digits/dataset", timeout=30) as r:
-            ds = Dataset.from_portable(json.load(r))
+        with urllib.request.urlopen(f"{url}/api/rooms/digits/job/data", timeout=30) as r:
+            ds = dataset_of(JobData.from_npz(r.read()), OPTIONS)
         models = [{"label": lab, "hidden": list(h), "samples": n, "seconds": seconds} for lab, h, n in KERNEL_MODELS]
-        req = json.dumps({"url": f"{url}/api/rooms/digits/dataset", "models": models})
+        req = json.dumps({"url": f"{url}/api/rooms/digits/job/data", "models": models})
         expr = (f"(async () => {{ const py = self.tcPyodide; py.globals.set('_tc_req', {json.dumps(req)});"
                 f" return await py.runPythonAsync({json.dumps(KERNELS_PY)}); }})()")
         tab_rows = json.loads(page.eval(expr, timeout_s=900, session=worker))

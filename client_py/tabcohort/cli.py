@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -203,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate", formatter_class=_Help, help="print a model export's held-out metrics",
                        description="Load a model export (GET /api/rooms/ROOM/model: an .npz with params.npy and "
-                                   "job.json) into its job's worker and print held-out accuracy and loss. A module "
-                                   "job needs --job (your copy of it: its data comes from its load_data()); the "
-                                   "built-in MLP job is rebuilt from job.json.")
+                                   "job.json) into its job's worker and print held-out accuracy and loss. A job needs "
+                                   "--job (your copy of it: its data comes from its load_data()); the built-in MLP "
+                                   "job is this install's own copy (its code hash must be the model's).")
     e.add_argument("--model", required=True, metavar="FILE", help="the .npz export")
     e.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]", help="the module job it was trained as")
     e.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
@@ -403,30 +404,32 @@ def _evaluate(a: argparse.Namespace) -> int:
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
                           f"got {params.descr} {params.shape}")
     batch = int(job.get("batch") or 1)
-    if job.get("job_info"):
-        from .jobs import load_job
-        if not a.job:
-            raise ConfigError("--job", None, f"the model was trained as the module job {job['job_info']['name']!r}: "
+    info = job.get("job_info")
+    if not isinstance(info, dict):
+        raise ConfigError("--model", a.model, "its job.json names no job (job_info): exported by an older "
+                          "tabcohort; evaluate it with that version")
+    from .jobs import find_source, load_job, shipped_source
+    ref = a.job
+    if not ref:   # the built-in job (or another that ships with tabcohort): this install's own copy
+        own = shipped_source(info.get("code_sha256"))
+        if own is None:
+            raise ConfigError("--job", None, f"the model was trained as the job {info.get('name')!r}: "
                               "give --job PATH naming it")
-        loaded = load_job(a.job)
-        worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
-        from .protocol.optim import TrainConfig
-        jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
-        if jh != job["job_hash"]:
-            raise ConfigError("--job", a.job, f"its job hash {jh} is not the model's "
-                              f"{job['job_hash']} (other code, data or spec)")
-    else:
-        from .model import load_dataset
-        from .runtime.session import make_checked_worker
-        ds = load_dataset(job["dataset"], seed=int(job["seed"]))
-        try:
-            worker, _ = make_checked_worker(job, ds, batch=batch, backend=a.backend)
-        except TabcohortError as e:
-            raise ConfigError("--model", a.model, f"not the built-in job over its dataset here ({e})") from None
+        ref = os.path.join(own.root, own.module + ".py")
+    elif find_source(ref).code_sha256 != info.get("code_sha256"):
+        raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
+                          f"{str(info.get('code_sha256'))[:16]}): another version of the job")
+    loaded = load_job(ref, options=info.get("options"))
+    worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
+    from .protocol.optim import TrainConfig
+    jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
+    if jh != job["job_hash"]:
+        raise ConfigError("--job", a.job or ref, f"its job hash {jh} is not the model's "
+                          f"{job['job_hash']} (other code, data or spec)")
     worker.set_params(params.data)
     loss, acc = float(worker.evaluate_loss()), float(worker.evaluate())
     if not 0.0 <= acc <= 1.0:
-        raise ConfigError("--job" if job.get("job_info") else "--model", a.job or a.model,
+        raise ConfigError("--job", a.job or ref,
                           f"the job's evaluate() returned {acc!r}, not a held-out accuracy in [0, 1]")
     # a job without evaluate_loss() has no held-out loss: null in JSON (NaN is not JSON, RFC 8259)
     res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),

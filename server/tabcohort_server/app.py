@@ -8,11 +8,9 @@ as ``?token=`` or ``Authorization: Bearer``):
 - ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
   only with the operator token)
 - ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len``, ``state_len`` and ``job_hash``
-- ``GET /api/rooms/{room}/job/code``, ``.../job/data``: a module job's code bundle (zip) and
-  data (``.npz``), with ``X-Tabcohort-Sha256``; 404 in a room of the built-in job
+- ``GET /api/rooms/{room}/job/code``, ``.../job/data``: the job's code bundle (zip) and
+  data (``.npz``), with ``X-Tabcohort-Sha256`` (the built-in job's too: it is a job like any other)
 - ``GET /api/rooms/{room}/history``: the room's curves since it started (``history.RoomHistory``)
-- ``GET /api/rooms/{room}/dataset``: ``Dataset.to_portable()`` as JSON (stdlib-readable),
-  gzip-compressed once at start (served compressed to clients that accept gzip)
 - ``GET /api/rooms/{room}/ws``: the star relay (see ``tabcohort.bus.star`` for the wire)
 - ``GET /api/rooms/{room}/checkpoint``: the newest checkpoint's float32 LE
   parameters, then the leader's optimizer state (``state_len`` values; none for a stateless
@@ -119,7 +117,6 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     app.router.add_get("/api/rooms/{room}/job/code", room_job_code)
     app.router.add_get("/api/rooms/{room}/job/data", room_job_data)
     app.router.add_get("/api/rooms/{room}/history", room_history)
-    app.router.add_get("/api/rooms/{room}/dataset", room_dataset)
     app.router.add_get("/api/rooms/{room}/ws", room_ws)
     app.router.add_get("/api/rooms/{room}/checkpoint", get_checkpoint)
     app.router.add_get("/api/rooms/{room}/model", get_model)
@@ -422,22 +419,19 @@ async def room_job(request: web.Request) -> web.Response:
 
 
 async def room_job_code(request: web.Request) -> web.Response:
-    """A module job's code bundle (``tabcohort.jobs.source_bundle``: a zip); 404 for the built-in job."""
+    """The job's code bundle (``tabcohort.jobs.source_bundle``: a zip)."""
     return _job_blob(request, "job_code", "application/zip", "job.zip")
 
 
 async def room_job_data(request: web.Request) -> web.Response:
-    """A module job's data (``.npz``, ``tabcohort.jobs.arrays``); 404 for the built-in job."""
+    """The job's data (``.npz``, ``tabcohort.jobs.arrays``)."""
     return _job_blob(request, "job_data", "application/octet-stream", "data.npz")
 
 
 def _job_blob(request: web.Request, attr: str, ctype: str, filename: str) -> web.Response:
     room = _authorized_room(request)
     a = request.app[ASSETS][room.name]
-    body = getattr(a, attr)
-    if body is None:
-        return _json({"error": "this room runs the built-in job (no job code or data)"}, status=404)
-    return web.Response(body=body, content_type=ctype, headers={
+    return web.Response(body=getattr(a, attr), content_type=ctype, headers={
         "X-Tabcohort-Sha256": a.job_sha256[attr], "Cache-Control": "no-cache",
         "Content-Disposition": f'attachment; filename="{room.name}-{filename}"'})
 
@@ -445,18 +439,6 @@ def _job_blob(request: web.Request, attr: str, ctype: str, filename: str) -> web
 async def room_history(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     return _json(request.app[ASSETS][room.name].history.to_json())
-
-
-async def room_dataset(request: web.Request) -> web.Response:
-    room = _authorized_room(request)
-    a: RoomAssets = request.app[ASSETS][room.name]
-    if a.dataset is None:
-        return _json({"error": "this room runs a module job: its data is GET .../job/data"}, status=404)
-    headers = {"Vary": "Accept-Encoding", "Cache-Control": "no-cache"}
-    if "gzip" in request.headers.get("Accept-Encoding", "").lower():
-        headers["Content-Encoding"] = "gzip"
-        return web.Response(body=a.dataset_gzip, content_type="application/json", headers=headers)
-    return web.Response(body=a.dataset_json, content_type="application/json", headers=headers)
 
 
 async def stop_room(request: web.Request) -> web.Response:

@@ -84,7 +84,8 @@ class JobConfig:
             steps and optimizer state"); ``lr`` is then the outer learning rate. In the job
             hash unless they are the default (one synchronous SGD step per round).
         job: a module job, ``PATH_OR_MODULE[:FACTORY]`` (README "Write your own job"); ``None``
-            = the built-in MLP job over ``dataset`` with ``hidden`` and ``activation``.
+            = the built-in MLP job (``tabcohort.jobs.BUILTIN``) over ``dataset`` with
+            ``hidden`` and ``activation`` (:meth:`job_ref`).
     """
 
     dataset: str = "digits"
@@ -113,6 +114,15 @@ class JobConfig:
     outer_optimizer: str = "sgd"
     outer_momentum: float = 0.9
     job: str | None = None
+
+    def job_ref(self) -> tuple[str, dict | None]:
+        """The room's job and its options: ``(job, None)`` for a module job, else the built-in
+        MLP job with ``dataset``, ``hidden``, ``activation`` and ``seed`` (the data's shuffle)
+        as its options."""
+        if self.job:
+            return self.job, None
+        return "tabcohort.jobs.builtin_mlp", {"dataset": self.dataset, "hidden": list(self.hidden),
+                                              "activation": self.activation, "data_seed": self.seed}
 
     def validate(self, room: str = "room") -> None:
         """Raises:

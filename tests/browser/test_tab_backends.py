@@ -15,7 +15,8 @@ from array import array
 
 import pytest
 
-from tabcohort.model import Dataset
+from tabcohort.jobs import JobData
+from tabcohort.jobs.builtin_mlp import OPTIONS, dataset_of
 from tabcohort.model.backend_np import NumpyMLPWorker
 
 from .conftest import wait_for, wait_tab
@@ -33,11 +34,12 @@ _IN_TAB = """
 import base64, json
 from array import array
 import js
-from tabcohort.model import Dataset
+from tabcohort.jobs import JobData
+from tabcohort.jobs.builtin_mlp import OPTIONS, dataset_of
 from tabcohort.model.backend_js import JsMLPWorker, GpuMLPWorker
 req = json.loads(_tc_req)
 r = await js.fetch(req["url"])
-ds = Dataset.from_portable(json.loads(await r.text()))
+ds = dataset_of(JobData.from_npz((await r.arrayBuffer()).to_bytes()), OPTIONS)
 out = []
 for case in req["cases"]:
     p = array("f", base64.b64decode(case["params"]))
@@ -80,8 +82,8 @@ def test_js_and_webgpu_buckets_equal_native_numpy_on_the_same_batch(cluster, tab
     url = cluster.serve()
     tab = tabs(url, "?room=digits&autostart=0&backend=js")
     wait_for(lambda: tab.tc("tc.joinedAt"), 90, "the tab to boot Pyodide and join")
-    with urllib.request.urlopen(f"{url}/api/rooms/digits/dataset", timeout=10) as r:
-        ds = Dataset.from_portable(json.load(r))
+    with urllib.request.urlopen(f"{url}/api/rooms/digits/job/data", timeout=10) as r:
+        ds = dataset_of(JobData.from_npz(r.read()), OPTIONS)
     rng = np.random.default_rng(7)
     cases, natives = [], []
     for hidden, act in MODELS:
@@ -93,7 +95,7 @@ def test_js_and_webgpu_buckets_equal_native_numpy_on_the_same_batch(cluster, tab
             cases.append({"hidden": list(hidden), "activation": act, "offset": offset, "samples": n,
                           "params": base64.b64encode(p.tobytes()).decode()})
             natives.append(nw.grads_sync(offset % ds.train_len, n))
-    got = json.loads(run_py(tab, _IN_TAB, {"url": f"{url}/api/rooms/digits/dataset", "cases": cases}))
+    got = json.loads(run_py(tab, _IN_TAB, {"url": f"{url}/api/rooms/digits/job/data", "cases": cases}))
     worst = {"js": 0.0, "webgpu": 0.0}
     for case, (loss_np, g_np), res in zip(cases, natives, got):
         for name in ("js", "webgpu"):

@@ -4,6 +4,7 @@ tokens."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 
@@ -11,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tabcohort.model import Dataset
+from tabcohort.jobs import shipped_source
 from tabcohort.wire import FrameWriter
 from tabcohort_server import JobConfig, ServerConfig, ServerLimits, create_app
 from tabcohort_server.app import ROOMS
@@ -56,8 +57,14 @@ async def test_job_dataset_health_metrics(client):
     assert (await (await client.get("/healthz")).json())["ok"]
     job = await (await client.get("/api/rooms/r/job")).json()
     assert job["topology"] == "star" and job["link"] == "ws" and job["bucket_len"] > 0 and "token" not in job
-    ds = Dataset.from_portable(await (await client.get("/api/rooms/r/dataset")).json())
-    assert ds.content_hash() == job["dataset_info"]["sha256"]
+    # the built-in MLP is a job like any other: its code bundle and data are served with their hashes
+    info = job["job_info"]
+    code = await (await client.get("/api/rooms/r/job/code")).read()
+    data = await (await client.get("/api/rooms/r/job/data")).read()
+    assert hashlib.sha256(code).hexdigest() == info["code_sha256"] == shipped_source(info["code_sha256"]).code_sha256
+    assert hashlib.sha256(data).hexdigest() == info["data_sha256"] == job["dataset_info"]["sha256"]
+    assert info["builtin"] and info["options"]["dataset"] == "synthetic" and "webgpu" in info["accepts"], info
+    assert (await client.get("/api/rooms/r/dataset")).status == 404   # (it was the built-in job's own route)
     assert (await client.get("/api/rooms/nope/job")).status == 404
     assert (await client.get("/api/rooms/r/checkpoint")).status == 404
     text = await (await client.get("/metrics")).text()

@@ -6,7 +6,6 @@ once, seats and connections per address, slowloris."""
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import logging
 import time
@@ -166,17 +165,6 @@ async def test_seats_per_address_are_bounded(client):
     assert w is None and ws.close_code == 4011
     for s, _ in socks:
         await s.close()
-
-
-async def test_dataset_is_compressed_once_and_served_with_its_length(client):
-    a = client.app[ASSETS]["r"]
-    for _ in range(3):
-        r = await client.get("/api/rooms/r/dataset", headers={"Accept-Encoding": "gzip"}, auto_decompress=False)
-        raw = await r.read()
-        assert r.headers["Content-Encoding"] == "gzip" and int(r.headers["Content-Length"]) == len(raw)
-        assert raw == a.dataset_gzip and gzip.decompress(raw) == a.dataset_json
-    plain = await client.get("/api/rooms/r/dataset", headers={"Accept-Encoding": "identity"})
-    assert "Content-Encoding" not in plain.headers and await plain.read() == a.dataset_json
 
 
 async def lead(client, ws, w, room="r") -> None:

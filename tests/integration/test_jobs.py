@@ -231,8 +231,9 @@ def test_the_readme_job_trains(cluster, tmp_path):
 
 @pytest.mark.parametrize("train", [[], ["--local-steps", "2"]], ids=["sgd", "local-steps"])
 def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
-    """The built-in MLP job is exported the same way and evaluates without --job, whatever its
-    training settings (they are part of its job hash)."""
+    """The built-in MLP job is exported the same way and evaluates without --job (the install's
+    own copy of it, its code hash the model's), whatever its training settings (they are part
+    of its job hash)."""
     cluster.serve("--steps", "60", "--checkpoint-interval", "1", *train)
     p = cluster.rank()
     assert p.p.wait(120) == 0, p.text()
@@ -263,7 +264,7 @@ def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
             zout.writestr(info, data)
     bad = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(forged)],
                          capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
-    assert bad.returncode == 2 and "--model=" in bad.stderr and "not the built-in job" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--job=" in bad.stderr and "is not the model's" in bad.stderr, bad.stderr
 
 
 def test_simulate_trains_a_job_in_process(tmp_path):
@@ -285,7 +286,7 @@ def test_a_local_job_for_a_room_of_the_builtin_job_is_refused(cluster):
     cluster.serve()
     p = cluster.rank("--job", CNN)
     assert p.p.wait(60) == 2, p.text()
-    assert "runs the built-in MLP job" in p.text() and "joined" not in p.text(), p.text()
+    assert "is not the room's job 'mlp'" in p.text() and "joined" not in p.text(), p.text()
 
 
 def test_a_module_job_trains_with_local_steps_bit_identical(cluster):

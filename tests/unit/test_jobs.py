@@ -4,6 +4,7 @@ hash, the worker wrapper, and what a native rank may run."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import math
@@ -203,9 +204,67 @@ def test_a_rank_refuses_served_data_or_code_that_is_not_the_rooms_job(tmp_path):
     from tabcohort.protocol.optim import TrainConfig
     job = {"job_info": {"data_sha256": hashlib.sha256(data).hexdigest()}, "batch": 4, "seed": 0, "bucket_len": 3}
     job["job_hash"] = loaded.job_hash(w, TrainConfig.from_job(job).spec())
-    assert make_module_worker(job, loaded.source, data, batch=None, backend="python")[1] == job["job_hash"]
+    assert asyncio.run(make_module_worker(job, loaded.source, data, batch=None, backend="python"))[1] == job["job_hash"]
     other = write_npz({"x": NdArray("<f4", (2,), array("f", [1.0, 2.5]))})
     with pytest.raises(TabcohortError, match="the job's data sha256 [0-9a-f]{64} != the job's"):
-        make_module_worker(job, loaded.source, other, batch=None, backend="python")
+        asyncio.run(make_module_worker(job, loaded.source, other, batch=None, backend="python"))
     with pytest.raises(TabcohortError, match="!= the server's .*different job code or data"):
-        make_module_worker({**job, "job_hash": "0" * 32}, loaded.source, data, batch=None, backend="python")
+        asyncio.run(make_module_worker({**job, "job_hash": "0" * 32}, loaded.source, data, batch=None,
+                                       backend="python"))
+
+
+OPTIONS_JOB = JOB.replace('SPEC = {"name": "const"}', 'SPEC = {"name": "const"}\nOPTIONS = {"scale": 1.0}\n'
+                          'BACKENDS = ("auto", "python", "gpu")\n').replace(
+    "def make_worker(data, *, batch, seed, backend):\n    return W(batch)",
+    "def load_data(options):\n    from array import array\n    from tabcohort.jobs.arrays import NdArray\n"
+    "    return {'s': NdArray('<f4', (1,), array('f', [options['scale']]))}\n\n\n"
+    "def make_worker(data, *, batch, seed, backend, options):\n    w = W(batch)\n    w.backend = backend\n"
+    "    w.p = array('f', [v * data['s'].data[0] for v in w.p])\n"
+    "    if backend == 'gpu':\n        async def later():\n            return w\n        return later()\n    return w")
+
+
+def test_job_options_reach_load_data_and_the_factory_and_the_job_hash(tmp_path):
+    """``OPTIONS``: defaults overridden by the server's values, passed to ``load_data(options)``
+    and the factory, part of the spec (so of the job hash); an unknown name is refused."""
+    path = _job(tmp_path, OPTIONS_JOB, name="optjob.py")
+    a, b = load_job(path), load_job(path, options={"scale": 2.0})
+    wa, wb = a.make_worker(batch=4, seed=0, backend="python"), b.make_worker(batch=4, seed=0, backend="python")
+    assert list(wa.params()) == [1.0, 2.0, 3.0] and list(wb.params()) == [2.0, 4.0, 6.0]
+    assert b.spec == {"name": "const", "options": {"scale": 2.0}} and a.job_hash(wa) != b.job_hash(wb)
+    with pytest.raises(JobError, match="no such option size .*the job's options: scale"):
+        load_job(path, options={"size": 3})
+    with pytest.raises(JobError, match="takes no options"):
+        load_job(_job(tmp_path), options={"scale": 2.0})
+
+
+def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchronously(tmp_path):
+    job = load_job(_job(tmp_path, OPTIONS_JOB, name="optjob.py"))
+    assert job.make_worker(batch=4, seed=0, backend="auto").backend == "auto"      # the job chooses
+    with pytest.raises(JobError, match="asynchronous here"):
+        job.make_worker(batch=4, seed=0, backend="gpu")
+    w = asyncio.run(job.make_worker_async(batch=4, seed=0, backend="gpu"))
+    assert w.backend == "gpu" and w.grads_sync(3, 1)[0] == 0.5
+    with pytest.raises(ConfigError, match="runs on auto, python, gpu"):
+        job.make_worker(batch=4, seed=0, backend="numpy")
+    with pytest.raises(ConfigError, match="expected one of auto, numpy, python"):   # a job without BACKENDS
+        load_job(_job(tmp_path)).make_worker(batch=4, seed=0, backend="gpu")
+
+
+def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():
+    """The built-in MLP is a module job like any other (tabcohort.jobs.BUILTIN): its options
+    build the same MLP as tabcohort.model over the same data, and a rank runs it from its own
+    copy, with no --trust-job, exactly when the room's code hash is that copy's."""
+    from tabcohort.jobs import BUILTIN, shipped_source
+    from tabcohort.model import load_dataset, make_worker
+    job = load_job(BUILTIN, options={"dataset": "synthetic", "hidden": [16], "data_seed": 3})
+    w = probe(job, batch=8, seed=5, backend="python")
+    ref = make_worker(load_dataset("synthetic", seed=3), hidden=(16,), batch=8, seed=5, backend="python")
+    assert w.model == ref.model and list(w.params()) == list(ref.params())
+    assert list(w.grads_sync(11, 8)[1]) == list(ref.grads_sync(11, 8)[1]) and w.train_len == ref.dataset.train_len
+    own = shipped_source(job.source.code_sha256)
+    assert own is not None and own.code_sha256 == job.source.code_sha256
+    info = {"name": "mlp", "code_sha256": job.source.code_sha256, "code_bytes": 1, "builtin": True}
+    assert trusted_job_source(info, trust=False, local=None).code_sha256 == job.source.code_sha256
+    with pytest.raises(ConfigError, match="another version of tabcohort"):   # another version's built-in job
+        trusted_job_source({**info, "code_sha256": "0" * 64}, trust=False, local=None)
+    assert trusted_job_source({**info, "code_sha256": "0" * 64}, trust=True, local=None) is None

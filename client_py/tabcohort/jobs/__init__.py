@@ -14,6 +14,16 @@ A job is a Python module (one ``.py`` file, or a package directory) that defines
   array or ``NdArray``; it is served to every rank as one ``.npz``, whose sha256 is the data hash.
 - optionally ``DATA_SHA256`` (the data hash ``load_data()`` must give) and ``SPEC`` (a
   JSON-ready dict: model name and hyperparameters; into the job hash).
+- optionally ``OPTIONS``: a dict option name -> JSON-ready default. A job with options gets the
+  room's values (defaults overridden by the server's) as ``load_data(options)`` and the
+  factory's ``options=`` keyword; they go into the spec (``spec["options"]``), so the job hash.
+- optionally ``BACKENDS``: the backend names the factory accepts as given (``"auto"`` among
+  them: the factory chooses); without it ``backend`` is resolved to ``numpy`` or ``python``
+  first. A factory may return an awaitable of the worker (:meth:`LoadedJob.make_worker_async`).
+
+The built-in job (:data:`BUILTIN`, the MLP of :mod:`tabcohort.jobs.builtin_mlp`) is such a module
+and ships with tabcohort; a rank runs a served job whose code is byte-identical to a job it
+ships from its own copy (:func:`shipped_source`).
 
 The job hash (:func:`tabcohort.protocol.job.module_job_hash`) covers the code bundle's sha256,
 the data hash, the spec, the factory name and the bucket length, so ranks running different code
@@ -25,6 +35,7 @@ joins) raise :class:`JobError` naming what is wrong.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import operator
@@ -39,7 +50,12 @@ from .worker import JobWorker, resolve_backend
 
 __all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_job", "load_bundle",
            "find_source", "source_bundle", "probe", "resolve_backend", "NdArray", "DEFAULT_FACTORY",
-           "BUNDLE_MANIFEST"]
+           "BUNDLE_MANIFEST", "BUILTIN", "shipped_source"]
+
+#: The built-in job (``tabcohort serve`` without ``--job``): the MLP over a classification dataset.
+BUILTIN = "tabcohort.jobs.builtin_mlp"
+#: The jobs that ship with tabcohort (README "Trust model": code a rank already has).
+SHIPPED = (BUILTIN,)
 
 
 class JobData(dict):
@@ -69,37 +85,83 @@ class JobData(dict):
 class LoadedJob:
     """An imported job: its source, module, data and spec; :meth:`make_worker` builds workers."""
 
-    def __init__(self, source: JobSource, module: Any, data: JobData) -> None:
+    def __init__(self, source: JobSource, module: Any, data: JobData, options: dict | None = None) -> None:
         self.source, self.module, self.data = source, module, data
         spec = getattr(module, "SPEC", None)
         if spec is None:
             spec = {}
+        if not isinstance(spec, dict):
+            raise JobError(f"SPEC must be a dict, got {type(spec).__name__}", source.ref)
+        self.options = job_options(source, module, options)
+        if self.options is not None:
+            spec = dict(spec, options=self.options)
         try:
             json.dumps(spec, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise JobError(f"SPEC must be JSON-ready data ({e})", source.ref) from None
-        if not isinstance(spec, dict):
-            raise JobError(f"SPEC must be a dict, got {type(spec).__name__}", source.ref)
+            raise JobError(f"SPEC and OPTIONS must be JSON-ready data ({e})", source.ref) from None
         self.spec = spec
         self.name = str(spec.get("name") or source.module)
+        backends = getattr(module, "BACKENDS", None)
+        self.backends = tuple(str(b) for b in backends) if isinstance(backends, (tuple, list)) else None
 
     @property
     def factory(self) -> Callable[..., Any]:
         return getattr(self.module, self.source.factory)
 
+    def _backend(self, backend: str) -> str:
+        if self.backends is None:
+            return resolve_backend(backend)
+        if backend not in self.backends:
+            from ..errors import ConfigError
+            raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)}")
+        return backend
+
+    def _call_factory(self, batch: int, seed: int, backend: str) -> Any:
+        files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
+        kw: dict[str, Any] = dict(batch=int(batch), seed=int(seed), backend=backend)
+        if self.options is not None:
+            kw["options"] = dict(self.options)
+        try:
+            return self.factory(self.data, **kw)
+        except JobError:
+            raise
+        except Exception as e:
+            raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
+                           f"({_where(e, files)})", self.source.ref) from None
+
     def make_worker(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
         """The job's worker, wrapped in :class:`JobWorker`.
 
         Raises:
-            JobError: the factory raised (with its file and line) or returned no worker.
+            JobError: the factory raised (with its file and line), returned no worker, or
+                returned an awaitable (use :meth:`make_worker_async`).
+            ConfigError: ``backend`` is not one the job runs on.
         """
-        b = resolve_backend(backend)
-        files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
-        try:
-            inner = self.factory(self.data, batch=int(batch), seed=int(seed), backend=b)
-        except Exception as e:
-            raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
-                           f"({_where(e, files)})", self.source.ref) from None
+        b = self._backend(backend)
+        inner = self._call_factory(batch, seed, b)
+        if inspect.isawaitable(inner):
+            getattr(inner, "close", lambda: None)()
+            raise JobError(f"the factory {self.source.factory}() is asynchronous here: build it with "
+                           "make_worker_async", self.source.ref)
+        return self._wrap(inner, batch, seed, b)
+
+    async def make_worker_async(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
+        """:meth:`make_worker` for a factory that may return an awaitable of its worker (a tab's
+        WebGPU probe). Raises as :meth:`make_worker`."""
+        b = self._backend(backend)
+        inner = self._call_factory(batch, seed, b)
+        if inspect.isawaitable(inner):
+            files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
+            try:
+                inner = await inner
+            except JobError:
+                raise
+            except Exception as e:
+                raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
+                               f"({_where(e, files)})", self.source.ref) from None
+        return self._wrap(inner, batch, seed, b)
+
+    def _wrap(self, inner: Any, batch: int, seed: int, b: str) -> JobWorker:
         for attr in ("bucket_len", "params", "set_params", "grads", "evaluate"):
             if not hasattr(inner, attr):
                 raise JobError(f"the worker {self.source.factory}() returned has no {attr!r} "
@@ -131,25 +193,61 @@ class LoadedJob:
                                worker.bucket_len, train)
 
 
-def load_job(ref: str, *, with_data: bool = True) -> LoadedJob:
-    """Find, compile and import the job ``PATH_OR_MODULE[:FACTORY]`` and run its ``load_data()``
-    (when ``with_data``; a rank gets the data from the server instead).
+def job_options(source: JobSource, module: Any, given: dict | None) -> dict | None:
+    """The job's options: its ``OPTIONS`` defaults overridden by ``given``; None for a job
+    without ``OPTIONS`` (which then takes none).
 
     Raises:
-        JobError: see :func:`find_source`, :meth:`JobSource.import_module`; ``load_data``
-            raising or returning something that is not a dict of arrays; the data's sha256
-            differing from the job's ``DATA_SHA256``.
+        JobError: ``OPTIONS`` is not a dict, ``given`` names an option the job does not have,
+            or options are given to a job without ``OPTIONS``.
+    """
+    defaults = getattr(module, "OPTIONS", None)
+    given = dict(given or {})
+    if defaults is None:
+        if given:
+            raise JobError(f"the job takes no options (no OPTIONS), got {', '.join(sorted(given))}", source.ref)
+        return None
+    if not isinstance(defaults, dict):
+        raise JobError(f"OPTIONS must be a dict, got {type(defaults).__name__}", source.ref)
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise JobError(f"no such option {', '.join(unknown)} (the job's options: {', '.join(sorted(defaults))})",
+                       source.ref)
+    return {**defaults, **given}
+
+
+def load_job(ref: str, *, with_data: bool = True, options: dict | None = None) -> LoadedJob:
+    """Find, compile and import the job ``PATH_OR_MODULE[:FACTORY]`` and run its ``load_data()``
+    (when ``with_data``; a rank gets the data from the server instead). ``options`` override the
+    job's ``OPTIONS`` defaults.
+
+    Raises:
+        JobError: see :func:`find_source`, :meth:`JobSource.import_module`, :func:`job_options`;
+            ``load_data`` raising or returning something that is not a dict of arrays; the
+            data's sha256 differing from the job's ``DATA_SHA256``.
     """
     src = find_source(ref)
     mod = src.import_module()
     data = JobData()
     if with_data:
-        data = job_data(src, mod)
-    return LoadedJob(src, mod, data)
+        data = job_data(src, mod, job_options(src, mod, options))
+    return LoadedJob(src, mod, data, options)
 
 
-def job_data(src: JobSource, mod: Any) -> JobData:
-    """Run the job's ``load_data()`` and pack it (the server's side).
+def shipped_source(code_sha256: str | None) -> JobSource | None:
+    """The job that ships with tabcohort (:data:`SHIPPED`) whose code bundle has sha256
+    ``code_sha256``, or None: a rank runs such a served job from its own copy, with no trust
+    asked (README "Trust model"), because the hash proves the code is the rank's own."""
+    for ref in SHIPPED:
+        src = find_source(ref)
+        if src.code_sha256 == code_sha256:
+            return src
+    return None
+
+
+def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
+    """Run the job's ``load_data()`` (``load_data(options)`` for a job with ``OPTIONS``) and
+    pack it (the server's side).
 
     Raises:
         JobError: it raised, returned no dict of arrays, or its hash is not ``DATA_SHA256``.
@@ -159,7 +257,7 @@ def job_data(src: JobSource, mod: Any) -> JobData:
         return JobData()
     files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
     try:
-        arrays = fn()
+        arrays = fn() if options is None else fn(dict(options))
     except Exception as e:
         raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files)})", src.ref) from None
     if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):

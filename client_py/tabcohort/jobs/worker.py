@@ -37,13 +37,31 @@ class JobWorker:
         self.inner = inner
         self._make_scratch = make_scratch     # another worker of the same job (local steps)
         self._scratch: Any = None
-        self.backend = str(getattr(inner, "backend", None) or backend)
+        self._backend = backend
         self.model = str(getattr(inner, "model", None) or model)
         self.batch = int(getattr(inner, "batch", batch))
         self.bucket_len = int(inner.bucket_len)
         self._spec = spec
-        self.backend_note = None
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
+        # a worker that has its own (tabcohort's MLP workers) is used as is
+        self._own_sync = getattr(inner, "grads_sync", None) if self._async else None
+        self._own_local = getattr(inner, "local_grads", None)
+        self._own_local_sync = getattr(inner, "local_grads_sync", None)
+
+    @property
+    def backend(self) -> str:
+        """The backend the worker computes on (the job's worker may fall back at run time)."""
+        return str(getattr(self.inner, "backend", None) or self._backend)
+
+    @property
+    def backend_note(self) -> str | None:
+        """Why the worker is not on the backend asked for, or None."""
+        return getattr(self.inner, "backend_note", None)
+
+    @property
+    def adapter(self) -> str | None:
+        """The GPU adapter's name of a worker on WebGPU, or None."""
+        return getattr(self.inner, "adapter", None)
         #: training samples (the state report's epoch = samples assigned / this), or None
         self.train_len: int | None = None
 
@@ -61,6 +79,9 @@ class JobWorker:
         Raises:
             LocalProtocolError: the job cannot build a second worker (no factory known).
         """
+        if self._own_local is not None:
+            got = await self._own_local(offset, samples, steps, optimizer, lr, should_stop=should_stop)
+            return None if got is None else self._loss_and_gradient(got)
         steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
         try:
             req = next(steps_)
@@ -78,6 +99,8 @@ class JobWorker:
                          lr: float = 0.1) -> tuple[float, Any]:
         """:meth:`local_grads` without yielding to the event loop (the same result; the
         simulator's virtual-time ranks use it)."""
+        if self._own_local_sync is not None:
+            return self._loss_and_gradient(self._own_local_sync(offset, samples, steps, optimizer, lr))
         steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
         try:
             g = next(steps_)
@@ -118,7 +141,10 @@ class JobWorker:
 
     def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)
-        r = asyncio.run(self.inner.grads(offset, n)) if self._async else self.inner.grads(offset, n)
+        if self._own_sync is not None:
+            r = self._own_sync(offset, n)
+        else:
+            r = asyncio.run(self.inner.grads(offset, n)) if self._async else self.inner.grads(offset, n)
         return self._loss_and_gradient(r)
 
     def _loss_and_gradient(self, r: Any) -> tuple[float, Any]:

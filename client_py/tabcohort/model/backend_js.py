@@ -266,8 +266,13 @@ class GpuMLPWorker(JsMLPWorker):
         return await super().grads(off, n)
 
 
+#: appended to the WGSL source when ``make_tab_worker`` is given no ``wgsl_suffix`` (test hook,
+#: set by the tab runtime from the page's ``?gpuTest=bad-wgsl``)
+WGSL_TEST_SUFFIX = ""
+
+
 async def make_tab_worker(dataset, *, backend: str = "auto", hidden: Any = (32,), batch: int = 32,
-                          seed: int = 0, activation: str = "relu", wgsl_suffix: str = "") -> MLPWorker:
+                          seed: int = 0, activation: str = "relu", wgsl_suffix: str | None = None) -> MLPWorker:
     """Pick and build a tab's worker: ``auto`` tries webgpu > numpy > js > python, each with a probe.
 
     The webgpu probe compiles the kernels and checks one bucket against the js kernels; under
@@ -290,6 +295,8 @@ async def make_tab_worker(dataset, *, backend: str = "auto", hidden: Any = (32,)
     """
     from .. import model
 
+    if wgsl_suffix is None:
+        wgsl_suffix = WGSL_TEST_SUFFIX
     if backend not in TAB_BACKENDS:
         raise ConfigError("backend", backend, f"expected one of {TAB_BACKENDS}")
     MLPSpec.build(dataset.n_features, hidden, dataset.n_classes, activation)   # bad model arguments raise here

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..bus.memory import MemoryNetwork
 from ..errors import ConfigError, TabcohortError
-from ..protocol import RankMachine, Timing, job_hash
+from ..protocol import RankMachine, Timing
 from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
 from ..vec import digest
@@ -77,7 +77,7 @@ class InprocConfig:
     #: capacity of every link, bytes/s (0: unlimited; ``MemoryNetwork`` knob)
     bandwidth_bytes_per_s: float = 0.0
     #: a module job, ``PATH_OR_MODULE[:FACTORY]`` (README "Write your own job"), instead of the
-    #: built-in MLP over ``dataset``; loaded once, each rank builds its worker from it
+    #: built-in MLP job over ``dataset``; loaded once, each rank builds its worker from it
     job: str | None = None
 
     @property
@@ -153,17 +153,13 @@ class InprocCohort:
 
     def __init__(self, cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> None:
         cfg.validate()
-        from ..model import load_dataset
+        from ..jobs import BUILTIN, load_job, probe
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
-        self.loaded_job = None
-        if cfg.job:
-            from ..jobs import load_job, probe
-            self.loaded_job = load_job(cfg.job)   # JobError (a ConfigError) before any rank starts
-            probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
-            self.dataset = None
-        else:
-            self.dataset = load_dataset(cfg.dataset, seed=cfg.seed)
+        # the built-in MLP is a job like any other, with the dataset and hidden sizes as options
+        options = None if cfg.job else {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "data_seed": cfg.seed}
+        self.loaded_job = load_job(cfg.job or BUILTIN, options=options)   # JobError before any rank starts
+        probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
         self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision)
@@ -181,19 +177,12 @@ class InprocCohort:
                 return k
 
     def add_rank(self) -> RankDriver:
-        from ..model import make_worker
         cfg = self.cfg
         k = self._new_id()
         # a rank's batch is the most it computes per bucket: here any rank may take the whole round
-        if self.loaded_job is not None:
-            w = self.loaded_job.make_worker(batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
-            if self.job is None:
-                self.job = self.loaded_job.job_hash(w, cfg.train.spec())
-        else:
-            w = make_worker(self.dataset, hidden=cfg.hidden, batch=cfg.resolved_global_batch, seed=cfg.seed,
-                            backend=cfg.backend)
+        w = self.loaded_job.make_worker(batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
         if self.job is None:
-            self.job = job_hash(w.spec(), self.dataset.content_hash(), w.bucket_len, cfg.train.spec())
+            self.job = self.loaded_job.job_hash(w, cfg.train.spec())
         for other in self.drivers:
             if cfg.loss or cfg.delay_ms or cfg.bandwidth_bytes_per_s:
                 self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss,
@@ -298,7 +287,8 @@ class InprocCohort:
         # (at the step limit no rank leads any more; every rank holds the last round's loss)
         ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
         last_loss = ld.machine.loss if ld is not None else None
-        spec = ld.worker.spec() if ld is not None else {}
+        inner = getattr(ld.worker, "inner", None) if ld is not None else None   # the job's own worker
+        spec = inner.spec() if callable(getattr(inner, "spec", None)) else {}
         if spec.get("loss") == "softmax_xent" and spec.get("layers") and last_loss is not None \
                 and math.isfinite(last_loss) and last_loss > LOSS_BLOWUP * math.log(max(2, spec["layers"][-1])):
             for d in list(self.drivers.values()):

@@ -3,8 +3,8 @@
 Bring-up (PROTOCOL.md, "Native bring-up"): configuration from arguments or the environment
 (``TABCOHORT_SERVER``, ``TABCOHORT_ROOM``, ``TABCOHORT_TOKEN``, ``TABCOHORT_BATCH``,
 ``TABCOHORT_LINK``) is validated, and the server's host resolved, before any connection; then the
-rank fetches the job and the dataset (verifying the dataset's content hash and the job hash
-itself), loads the room's latest checkpoint if there is one (every rank does, so whichever rank
+rank fetches the job and its data (verifying the data's sha256 and the job hash itself; the
+job's code is the rank's own or a trusted one: README "Trust model"), loads the room's latest checkpoint if there is one (every rank does, so whichever rank
 bootstraps drives from it), joins over the star relay, reports its state every
 ``report_interval_s``, uploads checkpoints while it leads, and stops when the server says so.
 """
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_upload, load_checkpoint, make_checked_worker,
-                      make_module_worker, trusted_job_source,
-                      path_report)
+from .session import (RankSession, check_topology, checkpoint_upload, load_checkpoint, make_module_worker,
+                      path_report, trusted_job_source)
 
 LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
@@ -415,7 +414,6 @@ class RankRun(RankSession):
         import aiohttp
 
         from ..bus.aio import ws_url
-        from ..model import Dataset
         from ..vec import digest
 
         cfg = self.cfg
@@ -424,14 +422,8 @@ class RankRun(RankSession):
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
             check_topology(job, "this rank")
-            if job.get("job_info"):   # a module job: never the server's code without the user's say
-                worker, jh = await self._module_worker(http, job)
-            else:
-                if cfg.job:
-                    raise ConfigError(cfg._name("job"), cfg.job, f"room {cfg.room} runs the built-in MLP job, not a "
-                                      "module job: drop --job")
-                ds = Dataset.from_portable(await self._get(http, "/dataset"))  # verifies its embedded sha256
-                worker, jh = make_checked_worker(job, ds, batch=cfg.batch, backend=cfg.backend)
+            # never the server's code without the user's say (README "Trust model")
+            worker, jh = await self._module_worker(http, job)
             got = await self._get(http, "/checkpoint")
             if got is not None:
                 headers, data = got
@@ -518,8 +510,9 @@ class RankRun(RankSession):
         return 1 if self.failed else 0
 
     async def _module_worker(self, http: Any, job: dict) -> tuple[Any, str]:
-        """A module job's worker: the local copy (``--job``, its hash checked first) or, with
-        ``--trust-job``, the server's code; then the data (sha256 checked) and the job hash.
+        """The job's worker: the local copy (``--job``, its hash checked first), the rank's own
+        copy of the built-in job, or, with ``--trust-job``, the server's code; then the data
+        (sha256 checked) and the job hash.
 
         Raises:
             ConfigError: neither option given, or the local copy's hash differs (before any
@@ -536,7 +529,7 @@ class RankRun(RankSession):
             src = load_bundle(await self._get_bytes(http, "/job/code"), expect_sha256=info["code_sha256"])
         self.progress(f"fetching the job's data ({info['data_bytes']} bytes, sha256 {info['data_sha256'][:16]})")
         raw = await self._get_bytes(http, "/job/data")
-        return make_module_worker(job, src, raw, batch=cfg.batch, backend=cfg.backend)
+        return await make_module_worker(job, src, raw, batch=cfg.batch, backend=cfg.backend)
 
     async def _get_bytes(self, http: Any, path: str) -> bytes:
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"

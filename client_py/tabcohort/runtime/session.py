@@ -31,53 +31,28 @@ def check_topology(job: dict, who: str) -> None:
         raise ConfigError("topology", job.get("topology"), f"{who} supports the star and mesh topologies")
 
 
-def check_dataset(job: dict, ds: Any) -> None:
-    """Raises TabcohortError unless ``ds`` is the job's dataset (its content hash)."""
-    if ds.content_hash() != job["dataset_info"]["sha256"]:
-        raise TabcohortError(f"dataset content hash {ds.content_hash()} != the job's {job['dataset_info']['sha256']}")
-
-
-def checked_job_hash(job: dict, ds: Any, worker: Any) -> str:
-    """The job hash of ``worker`` over ``ds``, checked against the server's.
-
-    Raises:
-        TabcohortError: it differs (different model code).
-    """
-    from ..protocol import job_hash
-    from ..protocol.optim import TrainConfig
-
-    jh = job_hash(worker.spec(), ds.content_hash(), worker.bucket_len, TrainConfig.from_job(job).spec())
-    if jh != job["job_hash"] or job["model"].get("bucket_len", worker.bucket_len) != worker.bucket_len:
-        raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different model code?")
-    return jh
-
-
-def make_checked_worker(job: dict, ds: Any, *, batch: int | None, backend: str) -> tuple[Any, str]:
-    """The job's worker over ``ds``, and the job hash, checked against the server's.
-
-    Raises:
-        TabcohortError: the dataset's content hash or the job hash differs from the job's
-            (different data or model code).
-    """
-    from ..model import make_worker
-
-    check_dataset(job, ds)
-    worker = make_worker(ds, hidden=tuple(job["hidden"]), batch=batch or job["batch"], seed=job["seed"],
-                         backend=backend, activation=job["activation"])
-    return worker, checked_job_hash(job, ds, worker)
-
-
 def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var: str = "--trust-job",
                        job_var: str = "--job") -> Any:
-    """What a native rank may run for the room's module job (README "Trust model"): the local
-    copy ``local`` (its code hash must be the room's), ``None`` = the server's code (``trust``),
-    or a ConfigError naming both options.
+    """What a native rank may run for the room's job (README "Trust model"): the local copy
+    ``local`` (its code hash must be the room's), the rank's own copy of a job that ships with
+    tabcohort when the room's code hash is that copy's (the built-in job:
+    :func:`tabcohort.jobs.shipped_source`), ``None`` = the server's code (``trust``), or a
+    ConfigError naming both options.
 
     Raises:
         ConfigError: neither option, or the local copy's code hash differs.
     """
-    from ..jobs import find_source
+    from ..jobs import find_source, shipped_source
     name, want = info.get("name"), info.get("code_sha256")
+    if not local:
+        own = shipped_source(want)
+        if own is not None:
+            return own
+        if info.get("builtin") and not trust:
+            raise ConfigError("tabcohort", _version(), f"the room's built-in job {name!r} has code sha256 "
+                              f"{str(want)[:16]} and this tabcohort's differs: the server runs another "
+                              f"version of tabcohort; install the server's version (or pass {trust_var} "
+                              f"to run the server's copy)")
     if local:
         src = find_source(local)
         if src.code_sha256 != want:
@@ -93,28 +68,39 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
                       f"--job PATH naming your local copy of the job (its hash must match)")
 
 
-def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int | None,
-                       backend: str) -> tuple[Any, str]:
-    """A module job's worker from its code (a :class:`tabcohort.jobs.JobSource`) and its data
-    (``.npz`` bytes), and the job hash, checked against the server's.
+async def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int | None,
+                             backend: str) -> tuple[Any, str]:
+    """The job's worker from its code (a :class:`tabcohort.jobs.JobSource`) and its data
+    (``.npz`` bytes) with the room's options (``job_info["options"]``), and the job hash,
+    checked against the server's.
 
     Raises:
-        TabcohortError: the data's sha256 or the job hash differs from the job's.
+        TabcohortError: the data's sha256 or the job hash differs from the job's
+            (different job code or data).
         JobError: the job's code fails to import or its factory raises.
+        ConfigError: ``backend`` is not one the job runs on.
     """
     from ..jobs import JobData, LoadedJob
+    from ..protocol.optim import TrainConfig
 
     info = job["job_info"]
     data = JobData.from_npz(data_raw)
     if data.sha256 != info["data_sha256"]:
         raise TabcohortError(f"the job's data sha256 {data.sha256} != the job's {info['data_sha256']}")
-    loaded = LoadedJob(src, src.import_module(), data)
-    worker = loaded.make_worker(batch=batch or job["batch"], seed=job["seed"], backend=backend)
-    from ..protocol.optim import TrainConfig
+    loaded = LoadedJob(src, src.import_module(), data, info.get("options"))
+    worker = await loaded.make_worker_async(batch=batch or job["batch"], seed=job["seed"], backend=backend)
     jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
     if jh != job["job_hash"] or worker.bucket_len != job["bucket_len"]:
         raise TabcohortError(f"job hash {jh} != the server's {job['job_hash']}: different job code or data?")
     return worker, jh
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tabcohort")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def load_checkpoint(worker: Any, data: bytes, headers: dict, *, state_len: int = 0) -> tuple[int, Any]:

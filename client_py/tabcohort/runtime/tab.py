@@ -2,16 +2,15 @@
 
 ``web/rank-worker.js`` boots Pyodide, installs this package from the server's wheel, and runs
 ``await run_tab(config)``. The life of a tab rank mirrors the native one
-(:mod:`tabcohort.runtime.native`): fetch the job and the dataset (``Dataset.from_portable``:
-scikit-learn is not in Pyodide) and verify both hashes, load the room's checkpoint if any,
+(:mod:`tabcohort.runtime.native`): fetch the job, its code (the tab's own copy for the built-in job) and its
+data (``.npz``, cached by sha256) and verify the hashes, load the room's checkpoint if any,
 join over the star relay (:func:`~tabcohort.bus.page.page_star_bus`, the page owns the
 socket) or, in a mesh room, over the page's data channels
 (:func:`~tabcohort.bus.page.page_mesh_bus`), report the state to the server and to the page every ``report_interval_s``, upload
 checkpoints while leading, and on the server's ``stop`` leave the cohort with the final model.
 
 Page messages (JSON, ``{k: ...}``): ``progress`` (text), ``state`` (the state report plus
-``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``; in a room of a
-module job also ``job`` (``status`` loading / ready / failed, ``name``, ``code_bytes``,
+``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``; also ``job`` (``status`` loading / ready / failed, ``name``, ``code_bytes``,
 ``code_sha256``, ``data_bytes``, ``data_sha256``, ``backend`` when ready, ``error`` when failed)
 and ``download`` (``what`` code / data, ``got``, ``total`` bytes, ``cached``). UI controls arrive
 as ``{k: "control", action: "start"|"stop"|"lr"|"precision", value}``; ``lr`` and ``precision``
@@ -30,8 +29,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, LocalProtocolError, TabcohortError
-from .session import (RankSession, check_dataset, check_topology, checked_job_hash, checkpoint_upload, load_checkpoint,
-                      path_report)
+from .session import RankSession, check_topology, checkpoint_upload, load_checkpoint, path_report
 
 
 class JobLoadError(TabcohortError):
@@ -102,8 +100,6 @@ class TabRun(RankSession):
 
     async def _run(self) -> int:
         from ..bus.page import PortHub, page_mesh_bus, page_star_bus
-        from ..model import Dataset
-        from ..model.backend_js import make_tab_worker
         from ..vec import digest
 
         cfg = self.cfg
@@ -112,26 +108,11 @@ class TabRun(RankSession):
         self.progress("fetching the job")
         job = await self._fetch("/job")
         check_topology(job, "this tab")
-        if job.get("job_info"):
-            try:
-                worker, jh = await self._module_worker(job)
-            except JobLoadError as e:
-                await self._report_fault(job, str(e))
-                raise
-        else:
-            self.progress(f"fetching the dataset ({job['dataset_info']['name']})")
-            t_ds = time.monotonic()
-            portable = await self._fetch("/dataset")
-            ds = Dataset.from_portable(portable)
-            del portable
-            check_dataset(job, ds)
-            self.progress("choosing the compute backend")
-            worker = await make_tab_worker(ds, hidden=tuple(job["hidden"]), batch=cfg.get("batch") or job["batch"],
-                                           seed=job["seed"], backend=cfg.get("backend") or "auto",
-                                           activation=job["activation"], wgsl_suffix=cfg.get("wgsl_suffix") or "")
-            jh = checked_job_hash(job, ds, worker)
-            self.progress(f"dataset ready: {ds.train_len} training samples in {time.monotonic() - t_ds:.2f} s; "
-                          f"backend {worker.backend}" + (f" ({worker.backend_note})" if worker.backend_note else ""))
+        try:
+            worker, jh = await self._module_worker(job)
+        except JobLoadError as e:
+            await self._report_fault(job, str(e))
+            raise
         got = await self._fetch("/checkpoint", kind="bytes")
         if got is not None:
             headers, data = got
@@ -268,7 +249,7 @@ class TabRun(RankSession):
         Raises:
             TabcohortError: the job failed to download, import or build (the page was told).
         """
-        from ..jobs import load_bundle, resolve_backend
+        from ..jobs import load_bundle, resolve_backend, shipped_source
         from .session import make_module_worker
 
         info = job["job_info"]
@@ -277,23 +258,31 @@ class TabRun(RankSession):
         self.ui("job", status="loading", **shown)
         try:
             want = self.cfg.get("backend") or "auto"
-            backend = resolve_backend(want if want in ("numpy", "python") else "auto")
-            if backend not in (info.get("backends") or [backend]):
+            # a job that lists its backends (the built-in MLP: webgpu, js...) chooses itself
+            backend = want if info.get("accepts") else resolve_backend(want if want in ("numpy", "python") else "auto")
+            if not info.get("accepts") and backend not in (info.get("backends") or [backend]):
                 raise TabcohortError(f"the job {info['name']!r} runs on {', '.join(info['backends'])}; "
                                      f"this tab has {backend} only")
-            self.progress(f"fetching job {info['name']} ({info['code_bytes']} bytes of code)")
-            code = await self._download("/job/code", "code", int(info["code_bytes"]), info["code_sha256"])
-            src = load_bundle(code, expect_sha256=info["code_sha256"])
+            src = shipped_source(info["code_sha256"])   # the built-in job: this tab's own copy
+            if src is None:
+                self.progress(f"fetching job {info['name']} ({info['code_bytes']} bytes of code)")
+                code = await self._download("/job/code", "code", int(info["code_bytes"]), info["code_sha256"])
+                src = load_bundle(code, expect_sha256=info["code_sha256"])
             self.progress(f"fetching the job's data ({info['data_bytes']} bytes)")
             raw = await self._download("/job/data", "data", int(info["data_bytes"]), info["data_sha256"],
                                        cache=True)
             self.progress(f"importing job {info['name']} and building its worker ({backend})")
-            worker, jh = make_module_worker(job, src, raw, batch=self.cfg.get("batch"), backend=backend)
+            if self.cfg.get("wgsl_suffix"):   # test hook: a kernel that does not compile
+                from ..model import backend_js
+                backend_js.WGSL_TEST_SUFFIX = str(self.cfg["wgsl_suffix"])
+            worker, jh = await make_module_worker(job, src, raw, batch=self.cfg.get("batch"), backend=backend)
         except Exception as e:   # the job's own code may raise anything: say so, do not hang
             text = f"the job {info.get('name')!r} failed to load in this tab: {e}"
             self.ui("job", status="failed", error=text[:1000], **shown)
             raise JobLoadError(text) from None
         self.ui("job", status="ready", backend=worker.backend, **shown)
+        self.progress(f"job {info['name']} ready: backend {worker.backend}"
+                      + (f" ({worker.backend_note})" if worker.backend_note else ""))
         return worker, jh
 
     async def _report_fault(self, job: dict, text: str) -> None:

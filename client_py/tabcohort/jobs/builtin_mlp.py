@@ -1,0 +1,80 @@
+"""The built-in job: a multilayer perceptron over a classification dataset (README "Write your
+own job"; the worker contract is docs/PROTOCOL.md, "Worker contract").
+
+It is a job like any other: ``tabcohort serve`` without ``--job`` serves this module, its code
+bundle and data, and every rank builds its worker from them through :mod:`tabcohort.jobs`. Its
+options (:data:`OPTIONS`) come from serve's ``--dataset``, ``--hidden``, ``--activation`` and
+``--seed``; they are part of its spec, so of the job hash.
+
+Data: ``x_train`` float32 ``(train_len, n_features)``, ``y_train`` int32 ``(train_len,)``,
+``x_test``, ``y_test`` likewise, ``n_classes`` int32 ``(1,)``: the seeded split of
+:func:`tabcohort.model.load_dataset`. Backends: ``numpy`` and ``python`` everywhere; in a tab
+(Pyodide) also ``js`` and ``webgpu``, and ``auto`` there tries webgpu > numpy > js > python
+(:func:`tabcohort.model.backend_js.make_tab_worker`).
+"""
+
+import sys
+
+#: option name -> default (serve's --dataset, --hidden, --activation, --seed)
+OPTIONS = {"dataset": "digits", "hidden": [32], "activation": "relu", "data_seed": 0}
+SPEC = {"name": "mlp"}
+#: the backends the factory accepts; ``auto`` is resolved by the factory itself
+BACKENDS = ("auto", "numpy", "python", "js", "webgpu")
+
+
+def load_data(options):
+    """Server side only: the dataset named by ``options["dataset"]`` (``digits``,
+    ``synthetic``, or an ``.npz`` path), shuffled and split with ``options["data_seed"]``."""
+    from tabcohort.model import load_dataset
+
+    ds = load_dataset(options["dataset"], seed=int(options["data_seed"]))
+    return to_arrays(ds)
+
+
+def to_arrays(ds):
+    """A :class:`tabcohort.model.Dataset` as the job's data (see the module docstring)."""
+    from array import array
+
+    from tabcohort.jobs.arrays import NdArray
+    i4 = "i" if array("i").itemsize == 4 else "l"
+    f = ds.n_features
+    return {"x_train": NdArray("<f4", (ds.train_len, f), ds.x_train),
+            "y_train": NdArray("<i4", (ds.train_len,), ds.y_train),
+            "x_test": NdArray("<f4", (ds.test_len, f), ds.x_test),
+            "y_test": NdArray("<i4", (ds.test_len,), ds.y_test),
+            "n_classes": NdArray("<i4", (1,), array(i4, [ds.n_classes]))}
+
+
+def dataset_of(data, options):
+    """The :class:`tabcohort.model.Dataset` of the job's data."""
+    from array import array
+
+    from tabcohort.model import Dataset
+    x_tr, x_te = data["x_train"], data["x_test"]
+    i4 = "i" if array("i").itemsize == 4 else "l"
+
+    def flat(a, code):
+        v = a.data
+        return v if isinstance(v, array) and v.typecode == code else array(code, v)
+
+    name = str(options["dataset"])
+    return Dataset(name if name in ("digits", "synthetic") else "npz:" + name.replace("\\", "/").rsplit("/", 1)[-1],
+                   x_tr.shape[1],
+                   int(data["n_classes"].data[0]), int(options["data_seed"]),
+                   flat(x_tr, "f"), flat(data["y_train"], i4), flat(x_te, "f"), flat(data["y_test"], i4))
+
+
+def make_worker(data, *, batch, seed, backend, options):
+    """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; in a tab (Pyodide)
+    an awaitable of it (the webgpu probe is asynchronous)."""
+    from tabcohort import model
+
+    ds = dataset_of(data, options)
+    kw = dict(hidden=tuple(options["hidden"]), activation=options["activation"], batch=batch, seed=seed)
+    if sys.platform == "emscripten":
+        from tabcohort.model.backend_js import make_tab_worker
+        return make_tab_worker(ds, backend=backend, **kw)
+    if backend in ("js", "webgpu"):
+        from tabcohort.errors import ConfigError
+        raise ConfigError("backend", backend, "the js and webgpu backends run in a tab only")
+    return model.make_worker(ds, backend=backend, **kw)
