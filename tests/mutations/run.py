@@ -506,6 +506,9 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
     ("bus: a pair on the relay tries its own channel again after a doubling backoff", "tabcohort/bus/path.py",
      'return self.state is PathState.RELAY and now_ms >= self.retry_at_ms', 'return False',
      ["tests/unit/test_path.py::test_a_path_on_the_relay_retries_after_a_doubling_backoff_and_relays_while_it_comes_up"]),
+    ("trust: a rank runs a served job from its own copy only when the code hash is its shipped job's",
+     "tabcohort/jobs/__init__.py", 'if src.code_sha256 == code_sha256:', 'if True:',
+     ["tests/unit/test_jobs.py::test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust"]),
 ]
 
 

@@ -65,16 +65,25 @@ def dataset_of(data, options):
 
 
 def make_worker(data, *, batch, seed, backend, options):
-    """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; in a tab (Pyodide)
-    an awaitable of it (the webgpu probe is asynchronous)."""
+    """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; for ``js``,
+    ``webgpu``, and ``auto`` in a tab, an awaitable of it (the webgpu probe is asynchronous).
+
+    Raises:
+        ConfigError: a bad backend or model arguments (``hidden``, ``activation``).
+    """
     from tabcohort import model
 
     ds = dataset_of(data, options)
     kw = dict(hidden=tuple(options["hidden"]), activation=options["activation"], batch=batch, seed=seed)
-    if sys.platform == "emscripten":
+    if backend in ("js", "webgpu") or backend == "auto" and _in_tab():
         from tabcohort.model.backend_js import make_tab_worker
         return make_tab_worker(ds, backend=backend, **kw)
-    if backend in ("js", "webgpu"):
-        from tabcohort.errors import ConfigError
-        raise ConfigError("backend", backend, "the js and webgpu backends run in a tab only")
     return model.make_worker(ds, backend=backend, **kw)
+
+
+def _in_tab():
+    """In a tab's worker: Pyodide with the page's JS kernels (web/mlp-kernels.js) loaded."""
+    if sys.platform != "emscripten":
+        return False
+    import js
+    return getattr(js, "tcKernels", None) is not None
