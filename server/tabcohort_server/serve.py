@@ -63,9 +63,10 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                  f"{node.timing.lease_ms:g} ms, failover within {node.timing.failover_bound_ms() / 1000:g} s")
     for name, job in config.rooms.items():
         assets = app[ASSETS].get(name)
-        if job.job and assets is not None:
+        if assets is not None:
             info = json.loads(assets.job_json)["job_info"]
-            progress(f"tabcohort serve: {url}  room {name} (job {info['name']}: code {info['code_bytes']} bytes "
+            what = f"job {info['name']}" if job.job else f"built-in job {info['name']} over {job.dataset}"
+            progress(f"tabcohort serve: {url}  room {name} ({what}: code {info['code_bytes']} bytes "
                      f"sha256 {info['code_sha256'][:16]}, data {info['data_bytes']} bytes sha256 "
                      f"{info['data_sha256'][:16]}; backends {', '.join(info['backends'])}; {job.topology})")
         else:

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import json
+from array import array
 import sys
 
 import pytest
 
 from tabcohort._compat import np
 from tabcohort.errors import ConfigError
-from tabcohort.model.data import PORTABLE_FORMAT, Dataset, load_dataset
+from tabcohort.model.data import Dataset, load_dataset
 
 
 # Golden hash of load_dataset("synthetic", seed=0): generated with the stdlib only, so every
@@ -99,31 +99,30 @@ def test_unknown_name_and_bad_options():
         load_dataset("synthetic", seed="0")
 
 
-def test_portable_round_trip_through_json(synth):
-    d = json.loads(json.dumps(synth.to_portable()))
-    assert d["format"] == PORTABLE_FORMAT and d["sha256"] == synth.content_hash()
-    back = Dataset.from_portable(d)
-    assert back.content_hash() == synth.content_hash()
-    assert (back.name, back.seed, back.train_len, back.test_len) == \
-        (synth.name, synth.seed, synth.train_len, synth.test_len)
-    assert back.x_train == synth.x_train and back.y_test == synth.y_test
+def test_the_built_in_jobs_data_round_trips_and_bad_data_is_refused(synth):
+    """The built-in job's data (an .npz every rank downloads) rebuilds the same dataset, and data
+    that is not a dataset (labels out of range, NaN, shapes that disagree) is refused, named."""
+    from tabcohort.jobs import JobData
+    from tabcohort.jobs.arrays import NdArray, write_npz
+    from tabcohort.jobs.builtin_mlp import dataset_of, to_arrays
+    opts = {"dataset": "synthetic", "data_seed": synth.seed}
+    arrays = to_arrays(synth)
+    back = dataset_of(JobData.from_npz(write_npz(arrays)), opts)
+    assert back.content_hash() == synth.content_hash() and back.name == synth.name
+    assert (back.train_len, back.test_len, back.n_classes) == (synth.train_len, synth.test_len, synth.n_classes)
 
-
-def test_portable_rejects_tampering(synth):
-    d = synth.to_portable()
-    with pytest.raises(ConfigError, match="sha256"):
-        Dataset.from_portable({**d, "sha256": "0" * 64})
-    with pytest.raises(ConfigError, match="x_train"):
-        Dataset.from_portable({**d, "x_train": d["x_train"][:-8]})
-    with pytest.raises(ConfigError, match="not base64"):
-        Dataset.from_portable({**d, "y_test": "!!!"})
-    with pytest.raises(ConfigError, match="format"):
-        Dataset.from_portable({**d, "format": "other/1"})
-    with pytest.raises(ConfigError, match="n_classes"):
-        Dataset.from_portable({**d, "n_classes": 0})
-    # Labels out of range for the declared class count (hash check disabled).
-    with pytest.raises(ConfigError, match="label"):
-        Dataset.from_portable({**d, "n_classes": 2, "sha256": None})
+    def with_(key, a):
+        return JobData.from_npz(write_npz({**arrays, key: a}))
+    y = arrays["y_test"]
+    with pytest.raises(ConfigError, match="label 7 outside"):
+        dataset_of(with_("y_test", NdArray(y.descr, y.shape, array(y.data.typecode, [7] * len(y.data)))), opts)
+    x = arrays["x_train"]
+    with pytest.raises(ConfigError, match="NaN or infinity"):
+        dataset_of(with_("x_train", NdArray(x.descr, x.shape, array("f", [float("nan")] * len(x.data)))), opts)
+    with pytest.raises(ConfigError, match="rows or features do not match"):
+        dataset_of(with_("y_train", NdArray(y.descr, (2,), array(y.data.typecode, [0, 1]))), opts)
+    with pytest.raises(ConfigError, match="data.x_test"):
+        dataset_of(with_("x_test", NdArray("<f8", x.shape, array("d", x.data))), opts)
 
 
 @pytest.mark.needs_numpy
@@ -143,7 +142,8 @@ def test_numpy_views_share_the_canonical_bytes(synth):
 def test_numpy_accessor_without_numpy(synth, monkeypatch):
     import tabcohort.model.data as data
     monkeypatch.setattr(data, "np", None)
-    fresh = Dataset.from_portable(synth.to_portable())
+    fresh = Dataset(synth.name, synth.n_features, synth.n_classes, synth.seed, synth.x_train, synth.y_train,
+                    synth.x_test, synth.y_test)
     with pytest.raises(ConfigError, match="numpy"):
         fresh.numpy()
 

@@ -46,7 +46,23 @@ def to_arrays(ds):
 
 
 def dataset_of(data, options):
-    """The :class:`tabcohort.model.Dataset` of the job's data."""
+    """The :class:`tabcohort.model.Dataset` of the job's data, checked (its shapes, finite
+    features, labels in range: it crossed the network).
+
+    Raises:
+        ConfigError: a missing array or one of the wrong shape, dtype or values.
+    """
+    from tabcohort.errors import ConfigError
+
+    for key, dims, descr in (("x_train", 2, "<f4"), ("y_train", 1, "<i4"), ("x_test", 2, "<f4"),
+                             ("y_test", 1, "<i4"), ("n_classes", 1, "<i4")):
+        a = data.get(key)
+        if a is None or len(a.shape) != dims or a.descr != descr:
+            raise ConfigError(f"data.{key}", None if a is None else f"{a.descr} {a.shape}",
+                              f"the built-in job needs {descr} of {dims} dimension(s)")
+    if data["x_train"].shape[0] != data["y_train"].shape[0] or data["x_test"].shape[0] != data["y_test"].shape[0] \
+            or data["x_train"].shape[1] != data["x_test"].shape[1] or data["n_classes"].shape != (1,):
+        raise ConfigError("data", "shapes", "the arrays' rows or features do not match")
     from array import array
 
     from tabcohort.model import Dataset
@@ -58,7 +74,7 @@ def dataset_of(data, options):
         return v if isinstance(v, array) and v.typecode == code else array(code, v)
 
     name = str(options["dataset"])
-    return Dataset(name if name in ("digits", "synthetic") else "npz:" + name.replace("\\", "/").rsplit("/", 1)[-1],
+    return Dataset.checked(name if name in ("digits", "synthetic") else "npz:" + name.replace("\\", "/").rsplit("/", 1)[-1],
                    x_tr.shape[1],
                    int(data["n_classes"].data[0]), int(options["data_seed"]),
                    flat(x_tr, "f"), flat(data["y_train"], i4), flat(x_te, "f"), flat(data["y_test"], i4))

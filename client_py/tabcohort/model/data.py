@@ -13,7 +13,6 @@ Sources (:func:`load_dataset`): ``"digits"`` (scikit-learn's handwritten digits)
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import math
 import os
@@ -26,10 +25,7 @@ from typing import Any
 from .._compat import np
 from ..errors import ConfigError
 
-__all__ = ["Dataset", "load_dataset", "PORTABLE_FORMAT"]
-
-#: Value of the ``format`` key of :meth:`Dataset.to_portable`.
-PORTABLE_FORMAT = "tabcohort-dataset/1"
+__all__ = ["Dataset", "load_dataset"]
 
 _HASH_MAGIC = b"tabcohort-dataset-v1\x00"
 _INT32 = "i" if array("i").itemsize == 4 else "l"  # array typecode of a 4-byte signed int
@@ -43,14 +39,6 @@ def _le_bytes(a: array) -> bytes:
     b = array(a.typecode, a)  # pragma: no cover - big-endian hosts only
     b.byteswap()  # pragma: no cover
     return b.tobytes()  # pragma: no cover
-
-
-def _from_le(typecode: str, data: bytes) -> array:
-    a = array(typecode)
-    a.frombytes(data)
-    if not _LITTLE:  # pragma: no cover - big-endian hosts only
-        a.byteswap()
-    return a
 
 
 def _permutation(n: int, rng: random.Random) -> list[int]:
@@ -225,71 +213,25 @@ class Dataset:
             self._hash = h.hexdigest()
         return self._hash
 
-    def to_portable(self) -> dict[str, Any]:
-        """A JSON-serializable, stdlib-readable copy of the dataset (for a tab without numpy).
-
-        Returns:
-            A dict: ``format`` (:data:`PORTABLE_FORMAT`), ``name``, ``seed``, ``n_features``,
-            ``n_classes``, ``train_len``, ``test_len``, ``sha256`` (:meth:`content_hash`), and
-            ``x_train``, ``y_train``, ``x_test``, ``y_test`` as base64 (ASCII str) of the float32
-            / int32 little-endian bytes.
-        """
-        d: dict[str, Any] = {
-            "format": PORTABLE_FORMAT, "name": self.name, "seed": self.seed,
-            "n_features": self.n_features, "n_classes": self.n_classes,
-            "train_len": self.train_len, "test_len": self.test_len,
-            "sha256": self.content_hash(),
-        }
-        for key in ("x_train", "y_train", "x_test", "y_test"):
-            d[key] = base64.b64encode(_le_bytes(getattr(self, key))).decode("ascii")
-        return d
-
     @classmethod
-    def from_portable(cls, d: dict[str, Any]) -> "Dataset":
-        """Rebuild a dataset from :meth:`to_portable` output and verify its hash.
-
-        Args:
-            d: the dict (e.g. after ``json.loads``). The four arrays may be base64 strings or
-                raw ``bytes``.
+    def checked(cls, name: str, n_features: int, n_classes: int, seed: int, x_train: array, y_train: array,
+                x_test: array, y_test: array) -> "Dataset":
+        """A dataset from arrays that crossed a network (a job's data, README "Write your own
+        job"), checked: sizes, finite features, labels in ``[0, n_classes)``.
 
         Raises:
-            ConfigError: wrong format, missing or ill-typed keys, array lengths that do not
-                match the sizes, labels out of range, non-finite features, or a ``sha256``
-                that does not match the content.
+            ConfigError: a size that is not a positive integer (``n_classes`` >= 2), array
+                lengths that do not match the sizes, NaN or infinity in the features, a label
+                out of range.
         """
-        if not isinstance(d, dict) or d.get("format") != PORTABLE_FORMAT:
-            raise ConfigError("dataset.format", d.get("format") if isinstance(d, dict) else d,
-                              f"expected a dict with format {PORTABLE_FORMAT!r}")
-        sizes = {}
-        for key in ("n_features", "n_classes", "train_len", "test_len", "seed"):
-            v = d.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or (key != "seed" and v < 1):
-                raise ConfigError(f"dataset.{key}", v, "expected a positive integer")
-            sizes[key] = v
-        name = d.get("name")
-        if not isinstance(name, str):
-            raise ConfigError("dataset.name", name, "expected a string")
-        arrays = {}
-        for key, code, count in (("x_train", "f", sizes["train_len"] * sizes["n_features"]),
-                                 ("y_train", _INT32, sizes["train_len"]),
-                                 ("x_test", "f", sizes["test_len"] * sizes["n_features"]),
-                                 ("y_test", _INT32, sizes["test_len"])):
-            raw = d.get(key)
-            try:
-                data = raw if isinstance(raw, (bytes, bytearray)) else \
-                    base64.b64decode(raw, validate=True)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"dataset.{key}", "<data>", f"not base64: {e}") from None
-            if len(data) != 4 * count:
-                raise ConfigError(f"dataset.{key}", f"<{len(data)} bytes>",
-                                  f"expected {count} 4-byte values ({4 * count} bytes)")
-            arrays[key] = _from_le(code, bytes(data))
-        _check_values(name, arrays["x_train"], arrays["y_train"], sizes["n_classes"])
-        _check_values(name, arrays["x_test"], arrays["y_test"], sizes["n_classes"])
-        ds = cls(name, sizes["n_features"], sizes["n_classes"], sizes["seed"], **arrays)
-        if d.get("sha256") is not None and d["sha256"] != ds.content_hash():
-            raise ConfigError("dataset.sha256", d["sha256"],
-                              f"content hash is {ds.content_hash()}: the data was altered")
+        for key, v, lo in (("n_features", n_features, 1), ("n_classes", n_classes, 2)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ConfigError(f"dataset.{key}", v, f"expected an integer >= {lo}")
+        ds = cls(name, n_features, n_classes, seed, x_train, y_train, x_test, y_test)
+        if ds.train_len < 1 or ds.test_len < 1:
+            raise ConfigError("dataset", name, "both splits need at least one sample")
+        _check_values(name, ds.x_train, ds.y_train, n_classes)
+        _check_values(name, ds.x_test, ds.y_test, n_classes)
         return ds
 
     def __repr__(self) -> str:

@@ -130,8 +130,7 @@ def npz(path: str, *, n_classes: int | None = None) -> Source:
 
     if np is None:
         raise bad("loading an .npz dataset needs numpy, which is not importable here "
-                  "(pip install numpy, or convert the data with Dataset.to_portable on a "
-                  "machine that has it)")
+                  "(pip install numpy; ranks get the data from the server, which loads it)")
     if not os.path.isfile(path):
         raise bad("no such file")
     try:
