@@ -4,7 +4,6 @@ hash, the worker wrapper, and what a native rank may run."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import math
@@ -47,6 +46,12 @@ class W:
 def make_worker(data, *, batch, seed, backend):
     return W(batch)
 '''
+
+
+def _run(coro):
+    """A coroutine's result without an event loop (the Pyodide tier has none)."""
+    from ._drive import drive
+    return drive(coro)[0]
 
 
 def _job(tmp_path, src=JOB, name="constjob.py"):
@@ -204,12 +209,12 @@ def test_a_rank_refuses_served_data_or_code_that_is_not_the_rooms_job(tmp_path):
     from tabcohort.protocol.optim import TrainConfig
     job = {"job_info": {"data_sha256": hashlib.sha256(data).hexdigest()}, "batch": 4, "seed": 0, "bucket_len": 3}
     job["job_hash"] = loaded.job_hash(w, TrainConfig.from_job(job).spec())
-    assert asyncio.run(make_module_worker(job, loaded.source, data, batch=None, backend="python"))[1] == job["job_hash"]
+    assert _run(make_module_worker(job, loaded.source, data, batch=None, backend="python"))[1] == job["job_hash"]
     other = write_npz({"x": NdArray("<f4", (2,), array("f", [1.0, 2.5]))})
     with pytest.raises(TabcohortError, match="the job's data sha256 [0-9a-f]{64} != the job's"):
-        asyncio.run(make_module_worker(job, loaded.source, other, batch=None, backend="python"))
+        _run(make_module_worker(job, loaded.source, other, batch=None, backend="python"))
     with pytest.raises(TabcohortError, match="!= the server's .*different job code or data"):
-        asyncio.run(make_module_worker({**job, "job_hash": "0" * 32}, loaded.source, data, batch=None,
+        _run(make_module_worker({**job, "job_hash": "0" * 32}, loaded.source, data, batch=None,
                                        backend="python"))
 
 
@@ -242,7 +247,7 @@ def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchro
     assert job.make_worker(batch=4, seed=0, backend="auto").backend == "auto"      # the job chooses
     with pytest.raises(JobError, match="asynchronous here"):
         job.make_worker(batch=4, seed=0, backend="gpu")
-    w = asyncio.run(job.make_worker_async(batch=4, seed=0, backend="gpu"))
+    w = _run(job.make_worker_async(batch=4, seed=0, backend="gpu"))
     assert w.backend == "gpu" and w.grads_sync(3, 1)[0] == 0.5
     with pytest.raises(ConfigError, match="runs on auto, python, gpu"):
         job.make_worker(batch=4, seed=0, backend="numpy")
