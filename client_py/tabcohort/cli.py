@@ -103,6 +103,52 @@ def _train_from(a: argparse.Namespace, default_lr: float) -> tuple[Any, float]:
                         outer_momentum=a.outer_momentum, lr=a.lr, default_lr=default_lr)
 
 
+def _job_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--job-option``: VALUE as JSON (``3``, ``0.5``, ``[64, 32]``, ``true``),
+    else as a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--job-option={text!r}: expected NAME=VALUE, e.g. hidden=[64,32] or "
+                                         "text=shakespeare")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return name, value
+
+
+def _job_args(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """The options that choose a room's model: ``--job`` and its ``--job-option``, or the
+    built-in MLP job's ``--dataset``, ``--hidden``, ``--activation``."""
+    parser.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
+                        help="a module job: your model and data (README \"Write your own job\"), loaded and "
+                             "checked once at start; " + default_help)
+    parser.add_argument("--job-option", type=_job_option, action="append", default=[], metavar="NAME=VALUE",
+                        help="set one of the --job's OPTIONS (VALUE as JSON, else a string); repeatable")
+    parser.add_argument("--dataset", default="digits",
+                        help="the built-in MLP job's data: digits (needs scikit-learn), synthetic, or a path "
+                             "to an .npz with X and y")
+    parser.add_argument("--hidden", type=_hidden, default=(32,),
+                        help="the built-in MLP job's hidden widths, e.g. 32 or 64,32 (default: 32)")
+    parser.add_argument("--activation", default="relu", choices=("relu", "tanh"),
+                        help="the built-in MLP job's hidden activation")
+
+
+def _check_job_args(a: argparse.Namespace) -> dict:
+    """The job options of ``a``; a ConfigError for the built-in job's options given with
+    ``--job``, or ``--job-option`` without it."""
+    if a.job is not None:
+        for flag, val, default in (("--dataset", a.dataset, "digits"), ("--hidden", a.hidden, (32,)),
+                                   ("--activation", a.activation, "relu")):
+            if val != default:
+                raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset, "
+                                  "--hidden and --activation are the built-in MLP job's (use --job-option)")
+    elif a.job_option:
+        raise ConfigError("--job-option", a.job_option[0][0], "sets an option of a module job (--job); the built-in "
+                          "MLP job takes --dataset, --hidden and --activation")
+    return dict(a.job_option)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tabcohort", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Help)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -114,17 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(encoded frames only) and report accuracy, throughput and "
                                    "whether all ranks end bit-identical.")
     s.add_argument("--ranks", type=int, default=4, help="number of ranks")
-    s.add_argument("--dataset", default="digits",
-                   help="digits (needs scikit-learn), synthetic, or a path to an .npz with X and y")
-    s.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
-                   help="train a module job (README \"Write your own job\") instead of the built-in MLP over --dataset")
+    _job_args(s, "default: the built-in MLP job")
     s.add_argument("--batch", type=int, default=32,
                    help="samples per rank per round when --global-batch is not given (the global batch is "
                         "then ranks x batch); with --global-batch it is unused: any rank here may take a whole round")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
-    s.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
     s.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5; see --outer-lr)")
     s.add_argument("--steps", type=int, default=400, help="stop at exactly this step")
     s.add_argument("--target-accuracy", type=float, default=0.0,
@@ -218,11 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8080, help="listen port (0 = any free port)")
     v.add_argument("--room", default="digits", help="room name")
-    v.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]",
-                   help="a module job: your model and data (README \"Write your own job\"), loaded and "
-                        "checked once at start; default: the built-in MLP over --dataset")
-    v.add_argument("--dataset", default="digits", help="digits (needs scikit-learn), synthetic, or an .npz path")
-    v.add_argument("--hidden", type=_hidden, default=(32,), help="hidden widths, e.g. 32 or 64,32 (default: 32)")
+    _job_args(v, "default: the built-in MLP job")
     v.add_argument("--global-batch", type=int, default=64,
                    help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "
                         "\"Shares\"); fixed, so a joining tab adds speed, not samples")
@@ -308,7 +346,9 @@ def _simulate(a: argparse.Namespace) -> int:
     from .runtime.inproc import InprocConfig, run_inprocess
 
     train, lr = _train_from(a, 0.5)
+    job_options = _check_job_args(a)
     cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=a.batch, hidden=a.hidden, lr=lr,
+                       activation=a.activation, job_options=job_options,
                        steps=a.steps, target_accuracy=a.target_accuracy, max_seconds=a.max_seconds,
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
@@ -328,7 +368,7 @@ def _simulate(a: argparse.Namespace) -> int:
             load_dataset(cfg.dataset, seed=cfg.seed)
         else:
             from .jobs import load_job
-            load_job(cfg.job, with_data=False)
+            load_job(cfg.job, with_data=False, options=job_options)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
@@ -467,10 +507,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
         raise ConfigError("serve", "tabcohort_server", f"the server package is not importable: {exc}")
     from .protocol.policy import Timing
 
-    if a.job is not None and (a.dataset != "digits" or a.hidden != (32,)):
-        flag, val = ("--dataset", a.dataset) if a.dataset != "digits" else ("--hidden", a.hidden)
-        raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset and "
-                          "--hidden are the built-in MLP job's")
+    job_options = _check_job_args(a)
     # docs/PROTOCOL.md "Timing": the policy raises drop to 4 beats and takeover to 8, so a smaller
     # value would be silently ignored; say so instead
     for flag, val, k in (("--drop-ms", a.drop_ms, 4), ("--takeover-ms", a.takeover_ms, 8)):
@@ -478,7 +515,8 @@ def _serve_checked(a: argparse.Namespace) -> int:
             raise ConfigError(flag, val, f"must be at least {k} x --beat-ms ({k * a.beat_ms:g} ms): "
                               f"docs/PROTOCOL.md \"Timing\" derives it from the beat, so a smaller value has no effect")
     train, lr = _train_from(a, 0.5)
-    job = JobConfig(dataset=a.dataset, hidden=a.hidden, batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
+    job = JobConfig(dataset=a.dataset, hidden=a.hidden, activation=a.activation, job_options=job_options,
+                    batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
                     local_steps=train.local_steps, inner_optimizer=train.inner_optimizer, inner_lr=train.inner_lr,
                     outer_optimizer=train.outer_optimizer, outer_momentum=train.outer_momentum,
                     precision=a.precision, topology=a.topology, steps=a.steps, collect_rule=a.collect_rule,

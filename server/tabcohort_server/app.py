@@ -51,6 +51,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tabcohort.errors import ConfigError
+
 from . import checkpoint as ckpt
 from .config import ServerConfig
 from .guard import AuthLimiter, origin_allowed
@@ -98,6 +100,10 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     assets: dict[str, RoomAssets] = {}
     for name, room in rooms.rooms.items():
         a = assets[name] = RoomAssets(room)
+        if a.checkpoint_bytes > limits.max_checkpoint_bytes:   # its checkpoints could never be stored
+            raise ConfigError(f"{name}.job", room.job.job or "built-in", f"its parameters and optimizer state are "
+                              f"{a.checkpoint_bytes:,} bytes; a checkpoint is at most "
+                              f"{limits.max_checkpoint_bytes:,} (max_checkpoint_bytes)")
         load_room_checkpoint(room, a, config.checkpoint_dir, keep=config.checkpoint_keep)
     app[ASSETS] = assets
     key = _secret_key(config.checkpoint_dir)

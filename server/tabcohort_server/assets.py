@@ -56,6 +56,9 @@ class RoomAssets:
 
         job = room.job
         ref, options = job.job_ref()
+        if ref == BUILTIN:
+            from tabcohort.jobs.builtin_mlp import canonical
+            options = canonical(options)
         loaded = load_job(ref, options=options)
         batch = job.batch or job.global_batch
         self.worker = probe(loaded, batch=batch, seed=job.seed)
@@ -92,5 +95,6 @@ class RoomAssets:
                            "code_url": f"{base}/code",
                            "data_sha256": loaded.data.sha256, "data_bytes": len(self.job_data),
                            "data_url": f"{base}/data"},
-                 dataset_info={"name": loaded.name, "sha256": loaded.data.sha256, "url": f"{base}/data"})
+                 dataset_info={"name": job.dataset if ref == BUILTIN else loaded.name, "sha256": loaded.data.sha256,
+                               "url": f"{base}/data"})
         self.job_json = json.dumps(d).encode()

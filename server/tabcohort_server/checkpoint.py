@@ -203,12 +203,19 @@ class CheckpointStore:
         self.keep = keep
         self.entries: list[dict] = []           # metas, ascending step
         self._data: dict[str, bytes] = {}       # id -> parameters (all in memory; newest on disk)
+        #: readable checkpoint files of this room that ``accept`` refused (another job's), and the
+        #: newest of their steps: serve says why the room does not resume from them
+        self.n_refused, self.refused_step = 0, None
         if directory:
             seen: dict[str, tuple[dict, bytes]] = {}
+            refused: dict[str, int] = {}
             for path in _scan(directory, room):
                 got = _read(path)
                 if got is not None and (accept is None or accept(*got)):
                     seen.setdefault(got[0]["id"], got)
+                elif got is not None:
+                    refused[got[0]["id"]] = got[0]["step"]
+            self.n_refused, self.refused_step = len(refused), max(refused.values(), default=None)
             for meta, data in sorted(seen.values(), key=lambda g: g[0]["step"]):
                 self.entries.append(meta)
                 self._data[meta["id"]] = data

@@ -114,13 +114,15 @@ class JobConfig:
     outer_optimizer: str = "sgd"
     outer_momentum: float = 0.9
     job: str | None = None
+    #: a module job's options (its ``OPTIONS`` overridden: serve's ``--job-option NAME=VALUE``)
+    job_options: dict = field(default_factory=dict)
 
     def job_ref(self) -> tuple[str, dict | None]:
-        """The room's job and its options: ``(job, None)`` for a module job, else the built-in
-        MLP job with ``dataset``, ``hidden``, ``activation`` and ``seed`` (the data's shuffle)
-        as its options."""
+        """The room's job and its options: ``(job, job_options or None)`` for a module job, else
+        the built-in MLP job with ``dataset``, ``hidden``, ``activation`` and ``seed`` (the
+        data's shuffle) as its options (``tabcohort.jobs.builtin_mlp.canonical``)."""
         if self.job:
-            return self.job, None
+            return self.job, dict(self.job_options) or None
         return "tabcohort.jobs.builtin_mlp", {"dataset": self.dataset, "hidden": list(self.hidden),
                                               "activation": self.activation, "data_seed": self.seed}
 
@@ -171,6 +173,7 @@ class JobConfig:
         d = asdict(self)
         d.pop("token")
         d.pop("job")   # a server path: the job's name and hashes are in job_info
+        d.pop("job_options")   # in job_info["options"]
         d["hidden"] = list(self.hidden)
         d["timing"] = asdict(self.timing)
         d["batch"] = self.batch or self.global_batch      # a rank's cap unless it sets its own

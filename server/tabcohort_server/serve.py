@@ -72,13 +72,19 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         else:
             progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
         lead = "" if config.any_rank_may_lead else " --trainer-token ..."
+        # a module job's code is run natively only when the user says so (README "Trust model")
+        trust = " --trust-job (or --job YOUR_COPY)" if job.job else ""
         progress(f"  join: tabcohort rank --server {url} --room {name}"
-                 f"{' --token ...' if job.token else ''}{lead}")
+                 f"{' --token ...' if job.token else ''}{lead}{trust}")
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from
             progress(f"  room {name} resumes from its checkpoint {r['id']} at step {r['step']} "
                      f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
+        elif room is not None and room.store is not None and room.store.n_refused:
+            progress(f"  room {name} starts from scratch: the {room.store.n_refused} checkpoint(s) in "
+                     f"{config.checkpoint_dir} (newest at step {room.store.refused_step}) are of another job "
+                     f"(another model, data or training setting, e.g. --hidden); they are left as they are")
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")

@@ -314,3 +314,59 @@ def test_a_module_job_trains_with_local_steps_bit_identical(cluster):
     assert len(_fetch(cluster, "/checkpoint")) == 8 * job["bucket_len"]
     print(f"cnn job, 4 local steps: step {st['step']}, held-out accuracy {st['accuracy']:.4f}, "
           f"2 ranks (numpy, pure Python) bit-identical ({digests[0]})")
+
+
+def test_job_options_from_the_command_line_reach_the_job(tmp_path):
+    """``--job-option NAME=VALUE`` (VALUE as JSON) overrides a job's ``OPTIONS`` in simulate and
+    serve; an option the job does not have is refused naming the ones it has, before anything
+    listens; the built-in job's own options are refused with --job."""
+    job = tmp_path / "optjob.py"
+    job.write_text(GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"acc": 0.5}')
+                   .replace("def load_data():", "def load_data(options):")
+                   .replace("def make_worker(data, *, batch, seed, backend):\n    return Tiny(data, batch)",
+                            "def make_worker(data, *, batch, seed, backend, options):\n    w = Tiny(data, batch)\n"
+                            "    w.evaluate = lambda: options['acc']\n    return w"))
+    sim = [sys.executable, "-m", "tabcohort.cli", "simulate", "--job", str(job), "--ranks", "2", "--steps", "20",
+           "--json"]
+    r = subprocess.run(sim + ["--job-option", "acc=0.25"], capture_output=True, text=True, timeout=120,
+                       env=_env(), cwd=str(ROOT))
+    assert r.returncode == 0 and json.loads(r.stdout)["accuracy"] == 0.25, r.stderr
+    r = _serve_job(tmp_path, job.read_text(), "--job-option", "size=3")
+    assert r.returncode == 2 and "no such option size (the job's options: acc)" in r.stderr, r.stderr
+    r = _serve_job(tmp_path, job.read_text(), "--activation", "tanh")
+    assert r.returncode == 2 and "--activation='tanh'" in r.stderr and "--job-option" in r.stderr, r.stderr
+
+
+def test_serve_refuses_a_built_in_model_too_large_for_a_checkpoint_at_once():
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", "--hidden", "100000000"],
+                       capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
+    assert r.returncode == 2 and "--hidden='100000000'" in r.stderr and "at most 67,108,864" in r.stderr, r.stderr
+
+
+def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_path):
+    """A checkpoint directory whose checkpoints are of another job (here: another --hidden) is
+    left alone, and serve says the room starts from scratch and why."""
+    import hashlib
+    import time
+
+    from tabcohort_server import checkpoint as ckpt
+    data = b"\0" * 4 * 10
+    ckpt.save(str(tmp_path), "digits", {"step": 1234, "digest": hashlib.sha256(data).hexdigest(), "n": 10,
+                                        "job_hash": "0" * 32}, data)
+    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", "--dataset", "synthetic",
+                          "--checkpoint-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=_env(), cwd=str(ROOT))
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("starts from scratch" in x for x in lines):
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        said = "".join(lines)
+        assert "room digits starts from scratch: the 1 checkpoint(s)" in said, said
+        assert "(newest at step 1234) are of another job" in said, said
+    finally:
+        p.kill()
+        p.wait(10)

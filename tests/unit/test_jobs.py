@@ -273,3 +273,39 @@ def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():
     with pytest.raises(ConfigError, match="another version of tabcohort"):   # another version's built-in job
         trusted_job_source({**info, "code_sha256": "0" * 64}, trust=False, local=None)
     assert trusted_job_source({**info, "code_sha256": "0" * 64}, trust=True, local=None) is None
+
+
+def test_a_jobs_backends_spec_and_own_errors_are_checked(tmp_path):
+    """``BACKENDS`` without ``auto``: auto picks numpy (when importable and listed), else python,
+    else the first listed; ``BACKENDS`` that is not a tuple of names and a ``SPEC["options"]``
+    (the key that holds ``OPTIONS``) are refused; a ``ConfigError`` the job raises itself (it
+    names its setting) reaches the user as it is."""
+    from tabcohort._compat import np as _np
+    two = load_job(_job(tmp_path, OPTIONS_JOB.replace('("auto", "python", "gpu")', '("numpy", "python")'),
+                        name="twob.py"))
+    want = "numpy" if _np is not None else "python"
+    assert two._backend("auto") == want and two.make_worker(batch=2, seed=0, backend="auto").backend == want
+    for bad in ('"python"', "()", "(1, 2)"):
+        with pytest.raises(JobError, match="BACKENDS must be a tuple of backend names"):
+            load_job(_job(tmp_path, OPTIONS_JOB.replace('("auto", "python", "gpu")', bad), name="badb.py"))
+    with pytest.raises(JobError, match="SPEC has a key 'options'"):
+        load_job(_job(tmp_path, OPTIONS_JOB.replace('SPEC = {"name": "const"}', 'SPEC = {"name": "c", "options": 1}'),
+                      name="specopt.py"))
+    own = OPTIONS_JOB.replace("def load_data(options):\n", "def load_data(options):\n"
+                              "    from tabcohort.errors import ConfigError\n"
+                              "    raise ConfigError('scale', options['scale'], 'must be positive')\n")
+    with pytest.raises(ConfigError) as e:
+        load_job(_job(tmp_path, own, name="ownerr.py"), options={"scale": -1})
+    assert not isinstance(e.value, JobError) and e.value.variable == "scale" and "must be positive" in str(e.value)
+
+
+def test_the_builtin_job_refuses_a_model_too_large_for_a_checkpoint_before_building_it():
+    from tabcohort.jobs import BUILTIN
+    job = load_job(BUILTIN, options={"dataset": "synthetic", "hidden": [100_000_000]})
+    with pytest.raises(ConfigError, match=r"would have [\d,]+ parameters .*at most 67,108,864") as e:
+        job.make_worker(batch=8, seed=0, backend="python")
+    assert e.value.variable == "hidden"
+    import os
+    from tabcohort.jobs.builtin_mlp import canonical
+    assert canonical({"dataset": "x.npz"})["dataset"] == os.path.abspath("x.npz")
+    assert canonical({"dataset": "digits"})["dataset"] == "digits"

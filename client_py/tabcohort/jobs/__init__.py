@@ -43,6 +43,7 @@ import os
 from typing import Any, Callable
 
 from .._compat import np
+from ..errors import ConfigError
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
                      source_bundle)
@@ -94,6 +95,8 @@ class LoadedJob:
             raise JobError(f"SPEC must be a dict, got {type(spec).__name__}", source.ref)
         self.options = job_options(source, module, options)
         if self.options is not None:
+            if "options" in spec:
+                raise JobError("SPEC has a key 'options': that key holds the job's OPTIONS (rename it)", source.ref)
             spec = dict(spec, options=self.options)
         try:
             json.dumps(spec, sort_keys=True, allow_nan=False)
@@ -102,19 +105,36 @@ class LoadedJob:
         self.spec = spec
         self.name = str(spec.get("name") or source.module)
         backends = getattr(module, "BACKENDS", None)
-        self.backends = tuple(str(b) for b in backends) if isinstance(backends, (tuple, list)) else None
+        if backends is not None and (not isinstance(backends, (tuple, list)) or not backends
+                                     or not all(isinstance(b, str) for b in backends)):
+            raise JobError(f"BACKENDS must be a tuple of backend names, e.g. (\"numpy\", \"python\"), "
+                           f"got {backends!r}", source.ref)
+        self.backends = tuple(backends) if backends is not None else None
 
     @property
     def factory(self) -> Callable[..., Any]:
         return getattr(self.module, self.source.factory)
 
     def _backend(self, backend: str) -> str:
+        """The backend name the factory gets: as asked when the job lists it in ``BACKENDS``;
+        ``auto`` for a job that does not list it: numpy when importable and listed, else
+        python when listed, else the first listed; without ``BACKENDS``, :func:`resolve_backend`.
+
+        Raises:
+            ConfigError: a backend the job does not run on (naming the ones it does).
+        """
         if self.backends is None:
             return resolve_backend(backend)
-        if backend not in self.backends:
-            from ..errors import ConfigError
-            raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)}")
-        return backend
+        if backend in self.backends:
+            return backend
+        if backend == "auto":
+            for b in (("numpy",) if np is not None else ()) + ("python",):
+                if b in self.backends:
+                    return b
+            return self.backends[0]
+        from ..errors import ConfigError
+        raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)} "
+                          "(its BACKENDS)")
 
     def _call_factory(self, batch: int, seed: int, backend: str) -> Any:
         files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
@@ -123,7 +143,7 @@ class LoadedJob:
             kw["options"] = dict(self.options)
         try:
             return self.factory(self.data, **kw)
-        except JobError:
+        except ConfigError:   # the job names the setting itself (the built-in job: hidden, backend)
             raise
         except Exception as e:
             raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
@@ -154,7 +174,7 @@ class LoadedJob:
             files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
             try:
                 inner = await inner
-            except JobError:
+            except ConfigError:
                 raise
             except Exception as e:
                 raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
@@ -258,6 +278,8 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
     files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
     try:
         arrays = fn() if options is None else fn(dict(options))
+    except ConfigError:   # the job names the setting itself (the built-in job: its dataset)
+        raise
     except Exception as e:
         raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files)})", src.ref) from None
     if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):

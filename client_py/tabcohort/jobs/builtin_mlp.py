@@ -22,6 +22,17 @@ SPEC = {"name": "mlp"}
 BACKENDS = ("auto", "numpy", "python", "js", "webgpu")
 
 
+def canonical(options):
+    """``options`` with an ``.npz`` dataset path made absolute (the same file is the same job,
+    and a model export evaluates, from any directory)."""
+    import os
+    d = dict(options)
+    name = d.get("dataset")
+    if isinstance(name, str) and name not in ("digits", "synthetic"):
+        d["dataset"] = os.path.abspath(os.path.expanduser(name))
+    return d
+
+
 def load_data(options):
     """Server side only: the dataset named by ``options["dataset"]`` (``digits``,
     ``synthetic``, or an ``.npz`` path), shuffled and split with ``options["data_seed"]``."""
@@ -80,16 +91,33 @@ def dataset_of(data, options):
                    flat(x_tr, "f"), flat(data["y_train"], i4), flat(x_te, "f"), flat(data["y_test"], i4))
 
 
+#: the most parameters the built-in job builds: 256 MiB of float32, a server's largest checkpoint
+MAX_PARAMS = 64 << 20
+
+
 def make_worker(data, *, batch, seed, backend, options):
     """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; for ``js``,
     ``webgpu``, and ``auto`` in a tab, an awaitable of it (the webgpu probe is asynchronous).
 
     Raises:
-        ConfigError: a bad backend or model arguments (``hidden``, ``activation``).
+        ConfigError: a bad backend or model arguments (``hidden``, ``activation``), or a model
+            of more than :data:`MAX_PARAMS` parameters.
     """
     from tabcohort import model
 
+    from tabcohort.errors import ConfigError
+
     ds = dataset_of(data, options)
+    hidden = options["hidden"]
+    if not isinstance(hidden, (list, tuple)) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1
+                                                        for h in hidden):
+        raise ConfigError("hidden", hidden, "expected a list of layer widths >= 1")
+    sizes = [ds.n_features, *hidden, ds.n_classes]
+    n = sum((a + 1) * b for a, b in zip(sizes, sizes[1:]))
+    if n > MAX_PARAMS:
+        raise ConfigError("hidden", ",".join(map(str, hidden)), f"the MLP would have {n:,} parameters "
+                          f"({4 * n / 2**20:,.0f} MiB of float32); at most {MAX_PARAMS:,} (a checkpoint is "
+                          "at most 256 MiB)")
     kw = dict(hidden=tuple(options["hidden"]), activation=options["activation"], batch=batch, seed=seed)
     if backend in ("js", "webgpu") or backend == "auto" and _in_tab():
         from tabcohort.model.backend_js import make_tab_worker

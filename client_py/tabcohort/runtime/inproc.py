@@ -54,6 +54,7 @@ class InprocConfig:
     dataset: str = "digits"
     batch: int = 32
     hidden: tuple[int, ...] = (32,)
+    activation: str = "relu"
     lr: float = 0.5
     steps: int = 400
     target_accuracy: float = 0.0
@@ -79,6 +80,8 @@ class InprocConfig:
     #: a module job, ``PATH_OR_MODULE[:FACTORY]`` (README "Write your own job"), instead of the
     #: built-in MLP job over ``dataset``; loaded once, each rank builds its worker from it
     job: str | None = None
+    #: the module job's options (its ``OPTIONS`` overridden; README "Write your own job")
+    job_options: dict = field(default_factory=dict)
 
     @property
     def resolved_global_batch(self) -> int:
@@ -154,10 +157,12 @@ class InprocCohort:
     def __init__(self, cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> None:
         cfg.validate()
         from ..jobs import BUILTIN, load_job, probe
+        from ..jobs.builtin_mlp import canonical
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
-        # the built-in MLP is a job like any other, with the dataset and hidden sizes as options
-        options = None if cfg.job else {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "data_seed": cfg.seed}
+        # the built-in MLP is a job like any other, with the dataset and the model as its options
+        options = dict(cfg.job_options) or None if cfg.job else canonical(
+            {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "activation": cfg.activation, "data_seed": cfg.seed})
         self.loaded_job = load_job(cfg.job or BUILTIN, options=options)   # JobError before any rank starts
         probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
         self.rng = random.Random(cfg.seed)
