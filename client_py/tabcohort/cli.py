@@ -438,7 +438,10 @@ def _evaluate(a: argparse.Namespace) -> int:
         job = json.loads(other["job.json"])
     except OSError as e:
         raise ConfigError("--model", a.model, f"cannot read it ({e.strerror})") from None
-    except (ArrayFormatError, KeyError, ValueError) as e:
+    except KeyError as e:
+        raise ConfigError("--model", a.model, f"not a model export: it has no {e.args[0]!r} member (an export "
+                          "is GET /api/rooms/ROOM/model: an .npz with params.npy and job.json)") from None
+    except (ArrayFormatError, ValueError) as e:
         raise ConfigError("--model", a.model, f"not a model export (.npz with params.npy and job.json): {e}") from None
     if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
@@ -458,7 +461,7 @@ def _evaluate(a: argparse.Namespace) -> int:
         ref = os.path.join(own.root, own.module + ".py")
     elif find_source(ref).code_sha256 != info.get("code_sha256"):
         raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
-                          f"{str(info.get('code_sha256'))[:16]}): another version of the job")
+                          f"{str(info.get('code_sha256'))[:16]}): another job, or another version of it")
     loaded = load_job(ref, options=info.get("options"))
     worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
     from .protocol.optim import TrainConfig

@@ -57,7 +57,7 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
         src = find_source(local)
         if src.code_sha256 != want:
             raise ConfigError(job_var, local, f"this copy's code hash {src.code_sha256[:16]} is not the room's job "
-                              f"{name!r} (code sha256 {str(want)[:16]}): a different version; get the room's "
+                              f"{name!r} (code sha256 {str(want)[:16]}): another job, or another version of it; get the room's "
                               f"version or use {trust_var} to run the server's")
         return src
     if trust:
