@@ -1,4 +1,4 @@
-"""The tabcohort server: rooms, the WebSocket star relay, job/dataset/checkpoint HTTP, metrics.
+"""The tabcohort server: rooms, the WebSocket star relay, job (code and data)/checkpoint HTTP, metrics.
 
 ``create_app(config)`` builds the aiohttp application; ``rooms`` holds the bookkeeping as plain
 Python (no aiohttp), so it is tested without a server.
