@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "job is this install's own copy (its code hash must be the model's).")
     e.add_argument("--model", required=True, metavar="FILE", help="the .npz export")
     e.add_argument("--job", default=None, metavar="PATH_OR_MODULE[:FACTORY]", help="the module job it was trained as")
+    e.add_argument("--dataset", default=None, metavar="PATH.npz",
+                   help="the built-in job trained on an .npz: where that file is here (default: its file name "
+                        "in the working directory)")
     e.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
@@ -462,7 +465,12 @@ def _evaluate(a: argparse.Namespace) -> int:
     elif find_source(ref).code_sha256 != info.get("code_sha256"):
         raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
                           f"{str(info.get('code_sha256'))[:16]}): another job, or another version of it")
-    loaded = load_job(ref, options=info.get("options"))
+    options = info.get("options")
+    if a.dataset is not None:
+        if not info.get("builtin") or not str((options or {}).get("dataset", "")).startswith("npz:"):
+            raise ConfigError("--dataset", a.dataset, "only for a model of the built-in job trained on an .npz file")
+        options = {**options, "dataset_path": a.dataset}
+    loaded = load_job(ref, options=options)
     worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
     from .protocol.optim import TrainConfig
     jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())

@@ -95,6 +95,7 @@ class RoomAssets:
                            "code_url": f"{base}/code",
                            "data_sha256": loaded.data.sha256, "data_bytes": len(self.job_data),
                            "data_url": f"{base}/data"},
-                 dataset_info={"name": job.dataset if ref == BUILTIN else loaded.name, "sha256": loaded.data.sha256,
+                 dataset_info={"name": loaded.options["dataset"] if ref == BUILTIN else loaded.name,
+                               "sha256": loaded.data.sha256,
                                "url": f"{base}/data"})
         self.job_json = json.dumps(d).encode()

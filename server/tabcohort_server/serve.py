@@ -72,7 +72,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         else:
             progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
         lead = "" if config.any_rank_may_lead else " --trainer-token ..."
-        # a module job's code is run natively only when the user says so (README "Trust model")
+        # a module job's code is run natively only when the user says so (README "Trust model for job code")
         trust = " --trust-job (or --job YOUR_COPY)" if job.job else ""
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}{lead}{trust}")

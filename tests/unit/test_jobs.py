@@ -236,6 +236,12 @@ def test_job_options_reach_load_data_and_the_factory_and_the_job_hash(tmp_path):
     wa, wb = a.make_worker(batch=4, seed=0, backend="python"), b.make_worker(batch=4, seed=0, backend="python")
     assert list(wa.params()) == [1.0, 2.0, 3.0] and list(wb.params()) == [2.0, 4.0, 6.0]
     assert b.spec == {"name": "const", "options": {"scale": 2.0}} and a.job_hash(wa) != b.job_hash(wb)
+    # LOCAL_OPTIONS reach load_data only: not in the spec, so not in the job hash
+    local = _job(tmp_path, OPTIONS_JOB.replace("OPTIONS = {\"scale\": 1.0}", "OPTIONS = {\"scale\": 1.0}\n"
+                                               "LOCAL_OPTIONS = {\"where\": None}").replace(
+        "def load_data(options):\n", "def load_data(options):\n    assert options['where'] == 'here'\n"), name="locjob.py")
+    c = load_job(local, options={"scale": 2.0, "where": "here"})
+    assert c.spec == b.spec and c.options == {"scale": 2.0}
     with pytest.raises(JobError, match="no such option size .*the job's options: scale"):
         load_job(path, options={"size": 3})
     with pytest.raises(JobError, match="takes no options"):
@@ -249,6 +255,12 @@ def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchro
         job.make_worker(batch=4, seed=0, backend="gpu")
     w = _run(job.make_worker_async(batch=4, seed=0, backend="gpu"))
     assert w.backend == "gpu" and w.grads_sync(3, 1)[0] == 0.5
+    # local steps build their scratch worker through the same asynchronous factory
+    loss, pg = _run(w.local_grads(10, 2, 3, "sgd", 0.5))
+    assert loss == 0.5 and list(pg) == [1.5, 1.5, 18.0]
+    from tabcohort.errors import LocalProtocolError
+    with pytest.raises(LocalProtocolError, match="asynchronous"):
+        _run(job.make_worker_async(batch=4, seed=0, backend="gpu")).local_grads_sync(10, 2, 3, "sgd", 0.5)
     with pytest.raises(ConfigError, match="runs on auto, python, gpu"):
         job.make_worker(batch=4, seed=0, backend="numpy")
     with pytest.raises(ConfigError, match="expected one of auto, numpy, python"):   # a job without BACKENDS
@@ -270,7 +282,7 @@ def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():
     assert own is not None and own.code_sha256 == job.source.code_sha256
     info = {"name": "mlp", "code_sha256": job.source.code_sha256, "code_bytes": 1, "builtin": True}
     assert trusted_job_source(info, trust=False, local=None).code_sha256 == job.source.code_sha256
-    with pytest.raises(ConfigError, match="another version of tabcohort"):   # another version's built-in job
+    with pytest.raises(ConfigError, match="the server runs other tabcohort code"):   # another version's built-in job
         trusted_job_source({**info, "code_sha256": "0" * 64}, trust=False, local=None)
     assert trusted_job_source({**info, "code_sha256": "0" * 64}, trust=True, local=None) is None
 
@@ -307,5 +319,36 @@ def test_the_builtin_job_refuses_a_model_too_large_for_a_checkpoint_before_build
     assert e.value.variable == "hidden"
     import os
     from tabcohort.jobs.builtin_mlp import canonical
-    assert canonical({"dataset": "x.npz"})["dataset"] == os.path.abspath("x.npz")
-    assert canonical({"dataset": "digits"})["dataset"] == "digits"
+    # an .npz path: the file name is the job's (hashed, published), the path the server's own
+    assert canonical({"dataset": "d/x.npz"}) == {"dataset": "npz:x.npz", "dataset_path": os.path.abspath("d/x.npz")}
+    assert canonical({"dataset": "digits"}) == {"dataset": "digits"}
+
+
+def test_a_workers_own_local_steps_are_used_only_when_it_has_both_forms(tmp_path):
+    """JobWorker uses the job's worker's own local steps only when it has an awaitable
+    ``local_grads`` and a ``local_grads_sync`` (tabcohort's MLP workers); a lone or synchronous
+    ``local_grads`` is not the contract, and the generic inner loop runs instead."""
+    from tabcohort.jobs.worker import JobWorker
+    lone = JOB.replace("    def evaluate(self):", "    def local_grads(self, *a, **k):\n        raise AssertionError('not mine')\n\n"
+                       "    def evaluate(self):")
+    w = load_job(_job(tmp_path, lone, name="lonejob.py")).make_worker(batch=4, seed=0, backend="python")
+    assert list(w.local_grads_sync(10, 2, 3, "sgd", 0.5)[1]) == [1.5, 1.5, 18.0]
+    assert JobWorker(w.inner, backend="python", spec={}, model="m", batch=4).train_len is None
+
+
+def test_the_code_hash_is_the_same_on_every_machine(tmp_path, monkeypatch):
+    """The bundle is the same bytes whatever the host: stored (no zlib build in it), unix
+    creator and mode (Python writes 0 = MS-DOS on Windows), LF line endings (a Windows checkout
+    with CRLF is the same code)."""
+    import sys as _sys
+    from tabcohort.jobs import BUILTIN
+    here = find_source(BUILTIN).code_sha256
+    monkeypatch.setattr(_sys, "platform", "win32")
+    assert find_source(BUILTIN).code_sha256 == here
+    monkeypatch.undo()
+    (tmp_path / "crlf").mkdir()
+    lf = find_source(_job(tmp_path))
+    (tmp_path / "crlf" / "constjob.py").write_bytes(JOB.replace("\n", "\r\n").encode())
+    assert find_source(str(tmp_path / "crlf" / "constjob.py")).code_sha256 == lf.code_sha256
+    with zipfile.ZipFile(io.BytesIO(lf.bundle)) as z:
+        assert all(i.compress_type == zipfile.ZIP_STORED and i.create_system == 3 for i in z.infolist())

@@ -55,7 +55,7 @@ __all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_j
 
 #: The built-in job (``tabcohort serve`` without ``--job``): the MLP over a classification dataset.
 BUILTIN = "tabcohort.jobs.builtin_mlp"
-#: The jobs that ship with tabcohort (README "Trust model": code a rank already has).
+#: The jobs that ship with tabcohort (README "Trust model for job code": code a rank already has).
 SHIPPED = (BUILTIN,)
 
 
@@ -93,7 +93,7 @@ class LoadedJob:
             spec = {}
         if not isinstance(spec, dict):
             raise JobError(f"SPEC must be a dict, got {type(spec).__name__}", source.ref)
-        self.options = job_options(source, module, options)
+        self.options, _ = job_options(source, module, options)
         if self.options is not None:
             if "options" in spec:
                 raise JobError("SPEC has a key 'options': that key holds the job's OPTIONS (rename it)", source.ref)
@@ -181,6 +181,14 @@ class LoadedJob:
                                f"({_where(e, files)})", self.source.ref) from None
         return self._wrap(inner, batch, seed, b)
 
+    def _scratch(self, batch: int, seed: int, b: str) -> Any:
+        """Another worker for local steps: a JobWorker, or an awaitable of one when the
+        factory is asynchronous."""
+        inner = self._call_factory(batch, seed, b)
+        if inspect.isawaitable(inner):
+            return _Pending(inner, lambda w: self._wrap(w, batch, seed, b))
+        return self._wrap(inner, batch, seed, b)
+
     def _wrap(self, inner: Any, batch: int, seed: int, b: str) -> JobWorker:
         for attr in ("bucket_len", "params", "set_params", "grads", "evaluate"):
             if not hasattr(inner, attr):
@@ -191,7 +199,7 @@ class LoadedJob:
             raise JobError(f"the worker's bucket_len must be an integer >= 1, got {bl!r}", self.source.ref)
         full = {"job": self.name, "code_sha256": self.source.code_sha256, "spec": self.spec}
         w = JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
-                      make_scratch=lambda: self.make_worker(batch=batch, seed=seed, backend=b))
+                      make_scratch=lambda: self._scratch(batch, seed, b))
         # the state report's epoch: the worker's own train_len, else the rows of the data's
         # training array by README's naming (y_train, x_train)
         n = getattr(inner, "train_len", None)
@@ -213,27 +221,49 @@ class LoadedJob:
                                worker.bucket_len, train)
 
 
-def job_options(source: JobSource, module: Any, given: dict | None) -> dict | None:
-    """The job's options: its ``OPTIONS`` defaults overridden by ``given``; None for a job
-    without ``OPTIONS`` (which then takes none).
+class _Pending:
+    """An awaitable of a wrapped worker from an asynchronous factory's awaitable; ``close()``
+    closes the factory's (a worker never built leaves no coroutine behind)."""
+
+    def __init__(self, inner: Any, wrap: Callable[[Any], JobWorker]) -> None:
+        self.inner, self.wrap = inner, wrap
+
+    def __await__(self) -> Any:
+        return self._run().__await__()
+
+    async def _run(self) -> JobWorker:
+        return self.wrap(await self.inner)
+
+    def close(self) -> None:
+        getattr(self.inner, "close", lambda: None)()
+
+
+def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dict | None, dict]:
+    """The job's options: its ``OPTIONS`` defaults overridden by ``given`` (None for a job
+    without ``OPTIONS``, which then takes none), and its local options: ``LOCAL_OPTIONS``
+    defaults overridden by ``given`` (options only ``load_data`` gets, on the server: neither in
+    the job hash nor published, e.g. where a data file is read).
 
     Raises:
-        JobError: ``OPTIONS`` is not a dict, ``given`` names an option the job does not have,
-            or options are given to a job without ``OPTIONS``.
+        JobError: ``OPTIONS`` or ``LOCAL_OPTIONS`` is not a dict, ``given`` names an option the
+            job does not have, or options are given to a job without ``OPTIONS``.
     """
-    defaults = getattr(module, "OPTIONS", None)
+    defaults, local = getattr(module, "OPTIONS", None), getattr(module, "LOCAL_OPTIONS", None) or {}
     given = dict(given or {})
+    if not isinstance(local, dict):
+        raise JobError(f"LOCAL_OPTIONS must be a dict, got {type(local).__name__}", source.ref)
+    local = {**local, **{k: given.pop(k) for k in list(given) if k in local}}
     if defaults is None:
         if given:
             raise JobError(f"the job takes no options (no OPTIONS), got {', '.join(sorted(given))}", source.ref)
-        return None
+        return None, local
     if not isinstance(defaults, dict):
         raise JobError(f"OPTIONS must be a dict, got {type(defaults).__name__}", source.ref)
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise JobError(f"no such option {', '.join(unknown)} (the job's options: {', '.join(sorted(defaults))})",
-                       source.ref)
-    return {**defaults, **given}
+        raise JobError(f"no such option {', '.join(unknown)} (the job's options: "
+                       f"{', '.join(sorted(defaults) + sorted(local))})", source.ref)
+    return {**defaults, **given}, local
 
 
 def load_job(ref: str, *, with_data: bool = True, options: dict | None = None) -> LoadedJob:
@@ -250,14 +280,15 @@ def load_job(ref: str, *, with_data: bool = True, options: dict | None = None) -
     mod = src.import_module()
     data = JobData()
     if with_data:
-        data = job_data(src, mod, job_options(src, mod, options))
+        opts, local = job_options(src, mod, options)
+        data = job_data(src, mod, None if opts is None else {**opts, **local})
     return LoadedJob(src, mod, data, options)
 
 
 def shipped_source(code_sha256: str | None) -> JobSource | None:
     """The job that ships with tabcohort (:data:`SHIPPED`) whose code bundle has sha256
     ``code_sha256``, or None: a rank runs such a served job from its own copy, with no trust
-    asked (README "Trust model"), because the hash proves the code is the rank's own."""
+    asked (README "Trust model for job code"), because the hash proves the code is the rank's own."""
     for ref in SHIPPED:
         src = find_source(ref)
         if src.code_sha256 == code_sha256:

@@ -15,30 +15,55 @@ Data: ``x_train`` float32 ``(train_len, n_features)``, ``y_train`` int32 ``(trai
 
 import sys
 
-#: option name -> default (serve's --dataset, --hidden, --activation, --seed)
+#: option name -> default (serve's --dataset, --hidden, --activation, --seed); ``dataset`` is
+#: ``digits``, ``synthetic`` or ``npz:FILE_NAME``
 OPTIONS = {"dataset": "digits", "hidden": [32], "activation": "relu", "data_seed": 0}
-SPEC = {"name": "mlp"}
+#: where the server reads an ``.npz`` dataset (not in the job hash: the data's sha256 is, so the
+#: same file is the same job wherever it lies, and the server's paths are not published)
+LOCAL_OPTIONS = {"dataset_path": None}
+def _model_code_sha256():
+    """sha256 of the model code this job runs (``tabcohort/model/*.py``, LF line endings): in
+    the spec, so in the job hash, so ranks whose MLP code differs never mix (this file's own
+    bytes are in the hash as its code bundle)."""
+    import hashlib
+    import os
+
+    import tabcohort.model
+    here = os.path.dirname(os.path.abspath(tabcohort.model.__file__))
+    h = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(here) if n.endswith(".py")):
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read().replace(b"\r\n", b"\n") + b"\0")
+    return h.hexdigest()
+
+
+SPEC = {"name": "mlp", "model_code_sha256": _model_code_sha256()}
 #: the backends the factory accepts; ``auto`` is resolved by the factory itself
 BACKENDS = ("auto", "numpy", "python", "js", "webgpu")
 
 
 def canonical(options):
-    """``options`` with an ``.npz`` dataset path made absolute (the same file is the same job,
-    and a model export evaluates, from any directory)."""
+    """``options`` with serve's ``--dataset`` given as a path split into ``dataset``
+    (``npz:FILE_NAME``, hashed) and ``dataset_path`` (where it is read, absolute)."""
     import os
     d = dict(options)
     name = d.get("dataset")
-    if isinstance(name, str) and name not in ("digits", "synthetic"):
-        d["dataset"] = os.path.abspath(os.path.expanduser(name))
+    if isinstance(name, str) and name not in ("digits", "synthetic") and not name.startswith("npz:"):
+        d["dataset_path"] = os.path.abspath(os.path.expanduser(name))
+        d["dataset"] = "npz:" + os.path.basename(d["dataset_path"])
     return d
 
 
 def load_data(options):
     """Server side only: the dataset named by ``options["dataset"]`` (``digits``,
-    ``synthetic``, or an ``.npz`` path), shuffled and split with ``options["data_seed"]``."""
+    ``synthetic``, or ``npz:FILE_NAME`` read from ``options["dataset_path"]``, else from
+    ``FILE_NAME`` in the working directory), shuffled and split with ``options["data_seed"]``."""
     from tabcohort.model import load_dataset
 
-    ds = load_dataset(options["dataset"], seed=int(options["data_seed"]))
+    name = str(options["dataset"])
+    if name.startswith("npz:"):
+        name = options.get("dataset_path") or name[4:]
+    ds = load_dataset(name, seed=int(options["data_seed"]))
     return to_arrays(ds)
 
 
@@ -84,9 +109,7 @@ def dataset_of(data, options):
         v = a.data
         return v if isinstance(v, array) and v.typecode == code else array(code, v)
 
-    name = str(options["dataset"])
-    return Dataset.checked(name if name in ("digits", "synthetic") else "npz:" + name.replace("\\", "/").rsplit("/", 1)[-1],
-                   x_tr.shape[1],
+    return Dataset.checked(str(options["dataset"]), x_tr.shape[1],
                    int(data["n_classes"].data[0]), int(options["data_seed"]),
                    flat(x_tr, "f"), flat(data["y_train"], i4), flat(x_te, "f"), flat(data["y_test"], i4))
 
@@ -96,8 +119,9 @@ MAX_PARAMS = 64 << 20
 
 
 def make_worker(data, *, batch, seed, backend, options):
-    """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; for ``js``,
-    ``webgpu``, and ``auto`` in a tab, an awaitable of it (the webgpu probe is asynchronous).
+    """The MLP worker (:class:`tabcohort.model.MLPWorker`) for ``backend``; in a tab (and for
+    ``js`` and ``webgpu``) an awaitable of it from
+    :func:`tabcohort.model.backend_js.make_tab_worker` (the webgpu probe is asynchronous).
 
     Raises:
         ConfigError: a bad backend or model arguments (``hidden``, ``activation``), or a model
@@ -119,7 +143,9 @@ def make_worker(data, *, batch, seed, backend, options):
                           f"({4 * n / 2**20:,.0f} MiB of float32); at most {MAX_PARAMS:,} (a checkpoint is "
                           "at most 256 MiB)")
     kw = dict(hidden=tuple(options["hidden"]), activation=options["activation"], batch=batch, seed=seed)
-    if backend in ("js", "webgpu") or backend == "auto" and _in_tab():
+    # in a tab every backend goes through the tab's chooser (a forced one that fails falls back,
+    # with a note); js and webgpu exist only there
+    if backend in ("js", "webgpu") or _in_tab():
         from tabcohort.model.backend_js import make_tab_worker
         return make_tab_worker(ds, backend=backend, **kw)
     return model.make_worker(ds, backend=backend, **kw)

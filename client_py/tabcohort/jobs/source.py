@@ -100,16 +100,19 @@ class JobSource:
 
 
 def source_bundle(module: str, files: dict[str, bytes], factory: str) -> bytes:
-    """The deterministic code bundle: the files (sorted, stored, fixed timestamps) and
-    :data:`BUNDLE_MANIFEST` (``{"module", "factory"}``)."""
+    """The deterministic code bundle: :data:`BUNDLE_MANIFEST` (``{"module", "factory"}``) and the
+    files, sorted, stored uncompressed (a deflate stream differs between zlib builds), with a
+    fixed timestamp, mode and creator system (Python writes the host's: Windows and Linux would
+    hash the same code differently), so the same code has the same sha256 on every machine."""
     buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
         manifest = json.dumps({"module": module, "factory": factory}, sort_keys=True).encode()
-        z.writestr(zipfile.ZipInfo(BUNDLE_MANIFEST, _ZIP_DATE), manifest)
-        for rel in sorted(files):
-            info = zipfile.ZipInfo(rel, _ZIP_DATE)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            z.writestr(info, files[rel])
+        for name, data in [(BUNDLE_MANIFEST, manifest)] + [(rel, files[rel]) for rel in sorted(files)]:
+            info = zipfile.ZipInfo(name, _ZIP_DATE)
+            info.compress_type = zipfile.ZIP_STORED
+            info.create_system = 3               # unix
+            info.external_attr = 0o100644 << 16  # a regular file, rw-r--r--
+            z.writestr(info, data)
     return buf.getvalue()
 
 
@@ -163,9 +166,10 @@ def find_source(ref: str) -> JobSource:
 
 
 def _read(path: str, ref: str) -> bytes:
+    """A job file's bytes, line endings as ``\\n`` (a Windows checkout is the same code)."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            return f.read().replace(b"\r\n", b"\n")
     except OSError as e:
         raise JobError(f"cannot read {path}: {e.strerror}", ref) from None
 

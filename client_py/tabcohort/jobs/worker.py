@@ -43,10 +43,15 @@ class JobWorker:
         self.bucket_len = int(inner.bucket_len)
         self._spec = spec
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
-        # a worker that has its own (tabcohort's MLP workers) is used as is
+        # a worker with its own grads_sync, or its own local steps (both local_grads, awaitable,
+        # and local_grads_sync: tabcohort's MLP workers) is used for them as is
         self._own_sync = getattr(inner, "grads_sync", None) if self._async else None
-        self._own_local = getattr(inner, "local_grads", None)
-        self._own_local_sync = getattr(inner, "local_grads_sync", None)
+        own_local, own_local_sync = getattr(inner, "local_grads", None), getattr(inner, "local_grads_sync", None)
+        both = inspect.iscoroutinefunction(own_local) and callable(own_local_sync)
+        self._own_local = own_local if both else None
+        self._own_local_sync = own_local_sync if both else None
+        #: training samples (the state report's epoch = samples assigned / this), or None
+        self.train_len: int | None = None
 
     @property
     def backend(self) -> str:
@@ -62,8 +67,6 @@ class JobWorker:
     def adapter(self) -> str | None:
         """The GPU adapter's name of a worker on WebGPU, or None."""
         return getattr(self.inner, "adapter", None)
-        #: training samples (the state report's epoch = samples assigned / this), or None
-        self.train_len: int | None = None
 
     def spec(self) -> dict:
         return dict(self._spec)
@@ -82,6 +85,9 @@ class JobWorker:
         if self._own_local is not None:
             got = await self._own_local(offset, samples, steps, optimizer, lr, should_stop=should_stop)
             return None if got is None else self._loss_and_gradient(got)
+        if self._scratch is None:
+            s = self._new_scratch()
+            self._scratch = await s if inspect.isawaitable(s) else s
         steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
         try:
             req = next(steps_)
@@ -101,6 +107,14 @@ class JobWorker:
         simulator's virtual-time ranks use it)."""
         if self._own_local_sync is not None:
             return self._loss_and_gradient(self._own_local_sync(offset, samples, steps, optimizer, lr))
+        if self._scratch is None:
+            s = self._new_scratch()
+            if inspect.isawaitable(s):
+                getattr(s, "close", lambda: None)()
+                from ..errors import LocalProtocolError
+                raise LocalProtocolError("the job's factory is asynchronous: its local steps run awaited "
+                                         "(local_grads), not local_grads_sync")
+            self._scratch = s
         steps_ = self._local_steps(offset, samples, steps, optimizer, lr)
         try:
             g = next(steps_)
@@ -112,13 +126,8 @@ class JobWorker:
     def _local_steps(self, offset: int, samples: int, steps: int, optimizer: str, lr: float) -> Any:
         """The inner loop as a generator: it yields ``(offset, samples)`` of the next inner
         gradient and is sent ``(loss, grad)`` back; it returns ``(mean loss, pseudo-gradient)``."""
-        from ..errors import LocalProtocolError
         from ..model.local import InnerOptimizer, pseudo_gradient
 
-        if self._scratch is None:
-            if self._make_scratch is None:
-                raise LocalProtocolError("local steps need a second worker of the job (no factory)")
-            self._scratch = self._make_scratch()
         scratch, p0 = self._scratch, self.params()
         opt = InnerOptimizer(optimizer, lr, len(p0))
         scratch.set_params(p0)
@@ -129,6 +138,18 @@ class JobWorker:
             p = opt.step(p, g)
             scratch.set_params(p)
         return total / int(steps), pseudo_gradient(p0, scratch.params())
+
+    def _new_scratch(self) -> Any:
+        """Another worker of the same job (a JobWorker, or an awaitable of one for a job whose
+        factory is asynchronous).
+
+        Raises:
+            LocalProtocolError: no factory is known.
+        """
+        if self._make_scratch is None:
+            from ..errors import LocalProtocolError
+            raise LocalProtocolError("local steps need a second worker of the job (no factory)")
+        return self._make_scratch()
 
     async def grads(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)

@@ -4,7 +4,7 @@ Bring-up (PROTOCOL.md, "Native bring-up"): configuration from arguments or the e
 (``TABCOHORT_SERVER``, ``TABCOHORT_ROOM``, ``TABCOHORT_TOKEN``, ``TABCOHORT_BATCH``,
 ``TABCOHORT_LINK``) is validated, and the server's host resolved, before any connection; then the
 rank fetches the job and its data (verifying the data's sha256 and the job hash itself; the
-job's code is the rank's own or a trusted one: README "Trust model"), loads the room's latest checkpoint if there is one (every rank does, so whichever rank
+job's code is the rank's own or a trusted one: README "Trust model for job code"), loads the room's latest checkpoint if there is one (every rank does, so whichever rank
 bootstraps drives from it), joins over the star relay, reports its state every
 ``report_interval_s``, uploads checkpoints while it leads, and stops when the server says so.
 """
@@ -422,7 +422,7 @@ class RankRun(RankSession):
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
             check_topology(job, "this rank")
-            # never the server's code without the user's say (README "Trust model")
+            # never the server's code without the user's say (README "Trust model for job code")
             worker, jh = await self._module_worker(http, job)
             got = await self._get(http, "/checkpoint")
             if got is not None:

@@ -33,7 +33,7 @@ def check_topology(job: dict, who: str) -> None:
 
 def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var: str = "--trust-job",
                        job_var: str = "--job") -> Any:
-    """What a native rank may run for the room's job (README "Trust model"): the local copy
+    """What a native rank may run for the room's job (README "Trust model for job code"): the local copy
     ``local`` (its code hash must be the room's), the rank's own copy of a job that ships with
     tabcohort when the room's code hash is that copy's (the built-in job:
     :func:`tabcohort.jobs.shipped_source`), ``None`` = the server's code (``trust``), or a
@@ -50,9 +50,9 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
             return own
         if info.get("builtin") and not trust:
             raise ConfigError("tabcohort", _version(), f"the room's built-in job {name!r} has code sha256 "
-                              f"{str(want)[:16]} and this tabcohort's differs: the server runs another "
-                              f"version of tabcohort; install the server's version (or pass {trust_var} "
-                              f"to run the server's copy)")
+                              f"{str(want)[:16]} and this tabcohort's differs: the server runs other "
+                              f"tabcohort code (this is tabcohort {_version()}); install the server's "
+                              f"version (or pass {trust_var} to run the server's copy)")
     if local:
         src = find_source(local)
         if src.code_sha256 != want:
