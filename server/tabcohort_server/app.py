@@ -508,9 +508,11 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 def _checkpoint_response(room: Room, meta: dict, data: bytes) -> web.Response:
+    term = meta.get("term")   # its leader's term: a rank starting from it starts terms above it
     return web.Response(body=data, content_type="application/octet-stream", headers={
         "X-Tabcohort-Step": str(meta["step"]), "X-Tabcohort-Digest": meta["digest"],
         "X-Tabcohort-Checkpoint": str(meta.get("id", "")),
+        "X-Tabcohort-Term": str(term if isinstance(term, int) and not isinstance(term, bool) and term >= 0 else 0),
         "Content-Disposition": f'attachment; filename="{room.name}-step{meta["step"]}.f32"'})
 
 

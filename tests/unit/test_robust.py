@@ -242,3 +242,28 @@ def test_l2_norm_in_blocks_is_the_float64_norm_to_rounding():
     big = float(np.float32(3e38))
     assert l2_norm(np.full(10, big, dtype=np.float32)) == pytest.approx(big * _m.sqrt(10), rel=1e-12)
     assert l2_norm(np.zeros(5, dtype=np.float32)) == 0.0
+
+
+def test_a_trainer_joining_a_room_whose_leader_is_gone_leads_above_the_checkpoints_term():
+    """PROTOCOL.md "Untrusted ranks" and "Lineage and terms": a rank that may lead, joining
+    where only ranks that contribute are ready (the followers of a leader that left), does
+    not wait for a round from them (none can come) but bootstraps, at a term above the term of
+    the checkpoint it loaded, so those followers, still holding the gone leader's term, adopt
+    its rounds."""
+    tr = rig(7, term_floor=3)            # loaded a checkpoint uploaded by a leader at term 3
+    tr.m.peer_role(1, False)              # 1 only contributes; it still follows term 3
+    tr.m.start(now_ms=0)
+    t = 0.0
+    while t < 3000 and not tr.m.is_leader(t):
+        t += 100.0
+        tr.m.handle(beat(1, ready=True, running=True, step=900, term=3), now_ms=t)
+        tr.m.on_timer(now_ms=t)
+        tr.drain()
+    assert tr.m.is_leader(t) and tr.m.counters["bootstrap"] == 1, tr.m.counters
+    assert tr.m.term == 4
+    # the contributor, following term 3, adopts the new leader's rounds
+    vol = rig(1, ready=True, term=3)
+    vol.m.set_roles(may_lead=False)
+    vol.m.peer_role(7, True)
+    vol.m.handle(round_msg(7, 1, term=tr.m.term), now_ms=t)
+    assert vol.m.following == 7 and vol.m.term == 4

@@ -203,6 +203,10 @@ class RankMachine:
         opt_state: the leader's optimizer state to start from (a checkpoint's): float32,
             shape (``train.state_len(bucket_len)``,), or None (zeros).
         start_step: the step this rank starts at (the checkpoint it loaded), >= 0.
+        term_floor: the term of the checkpoint it loaded (its leader's), >= 0: a term this rank
+            starts by bootstrap or takeover is above it (PROTOCOL.md, "Lineage and terms": a
+            rank that may lead, joining a room whose leader is gone, must outrank the lineage
+            its followers still hold).
 
     Raises:
         LocalProtocolError: an id outside uint32, or a non-positive batch or bucket length.
@@ -214,13 +218,17 @@ class RankMachine:
                  grace_fraction: float = 0.1, grace_margin: float = 2.0, term: int = 0,
                  global_batch: int | None = None, step_limit: int | None = None,
                  may_lead: bool = True, lr_max: float = 10.0, aggregate: str = "clip",
-                 train: TrainConfig | None = None, opt_state: Any = None, start_step: int = 0) -> None:
+                 train: TrainConfig | None = None, opt_state: Any = None, start_step: int = 0,
+                 term_floor: int = 0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
             raise LocalProtocolError("worker.batch and worker.bucket_len must be positive")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or not 0 <= start_step <= _MAX_STEP:
             raise LocalProtocolError(f"start_step must be an integer in [0, 2^63), got {start_step!r}")
+        if isinstance(term_floor, bool) or not isinstance(term_floor, int) or not 0 <= term_floor <= _MAX_STEP:
+            raise LocalProtocolError(f"term_floor must be an integer in [0, 2^63), got {term_floor!r}")
+        self.term_floor = term_floor
         if collect_rule not in ("quorum", "grace"):
             raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
         if not 0 <= grace_fraction <= 1:
@@ -942,7 +950,7 @@ class RankMachine:
             self.counters["lead_refused_no_role"] += 1    # "Untrusted ranks": contributes only
             return
         seen = [m.term for m in self.roster.members.values() if self.may_lead_rank(m.id)]
-        self.term = max([self.term] + seen) + 1
+        self.term = max([self.term, self.term_floor] + seen) + 1
         self._leading = True
         self.following = self.id
         self.last_open_ms = now_ms
@@ -961,7 +969,9 @@ class RankMachine:
             return
         self._announce()
         live = list(self.roster.live(now_ms, self.policy.drop_ms))
-        if any(m.ready for m in live):
+        # a round comes only from a rank that may lead: ready ranks that only contribute (the
+        # followers of a leader that is gone) are no reason to wait ("Untrusted ranks")
+        if any(m.ready and self.may_lead_rank(m.id) for m in live):
             return
         self._join_attempts += 1
         if self._join_attempts >= 2 and self.may_lead and self.id == min(

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_upload, load_checkpoint, make_module_worker,
-                      path_report, trusted_job_source)
+from .session import (RankSession, check_topology, checkpoint_term, checkpoint_upload, load_checkpoint,
+                      make_module_worker, path_report, trusted_job_source)
 
 LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
@@ -429,6 +429,7 @@ class RankRun(RankSession):
                 headers, data = got
                 self.start_step, self.start_state = load_checkpoint(worker, data, headers,
                                                                     state_len=job.get("state_len", 0))
+                self.start_term = checkpoint_term(headers)
                 self.progress(f"loaded checkpoint {headers.get('X-Tabcohort-Checkpoint', '')} at step {self.start_step} "
                               f"({headers.get('X-Tabcohort-Digest', '')[:12]})")
 

@@ -103,6 +103,16 @@ def _version() -> str:
         return "unknown"
 
 
+def checkpoint_term(headers: dict) -> int:
+    """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
+    or not an integer in [0, 2^63)."""
+    try:
+        t = int(str(headers.get("X-Tabcohort-Term", "")))
+    except ValueError:
+        return 0
+    return t if 0 <= t < 1 << 63 else 0
+
+
 def load_checkpoint(worker: Any, data: bytes, headers: dict, *, state_len: int = 0) -> tuple[int, Any]:
     """Set the worker's parameters from a checkpoint body (the parameters, then
     ``state_len`` float32 values of the leader's optimizer state: PROTOCOL.md "Local steps and
@@ -203,6 +213,8 @@ class RankSession:
         self.start_step = 0
         #: the optimizer state the next seat starts from (a checkpoint's, or the last seat's)
         self.start_state: Any = None
+        #: the loaded checkpoint's term (its leader's): the floor of any term this rank starts
+        self.start_term = 0
         self.rejoin = False
         self.n_rejoins = 0
 
@@ -219,7 +231,7 @@ class RankSession:
                               global_batch=job.get("global_batch"), step_limit=step_limit(job),
                               aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
                               may_lead=may_lead, train=TrainConfig.from_job(job), opt_state=self.start_state,
-                              start_step=int(self.start_step or 0))
+                              start_step=int(self.start_step or 0), term_floor=int(self.start_term or 0))
         machine.set_roles(may_lead=may_lead)   # the server names roles: enforced
         for k, may in peer_roles.items():      # the server's word on each peer's role
             machine.peer_role(k, may)
@@ -236,6 +248,7 @@ class RankSession:
         self.stop_event.clear()
         self.start_step = machine.step
         self.start_state = machine.optimizer_state()
+        self.start_term = max(self.start_term, machine.term)
         self.n_rejoins += 1
 
     def on_control(self, obj: dict) -> None:
