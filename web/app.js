@@ -376,7 +376,10 @@ function render(s) {
   // the role the server bound to this tab's link (docs/PROTOCOL.md "Roles"), then what it does now
   const bound = s.may_lead === true ? "may lead" : s.may_lead === false ? "contributes" : null;
   const doing = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
-  $("s-role").textContent = bound ? `${doing} (${bound})` : doing;
+  // a rank that only contributes cannot start training: say what it waits for
+  const waits = !s.is_leader && !s.ready && s.may_lead === false
+    ? ": waiting for a rank that may lead (one started with the trainer token)" : "";
+  $("s-role").textContent = (bound ? `${doing} (${bound})` : doing) + waits;
   $("s-role").className = s.is_leader ? "leader" : "";
   $("s-cohort").textContent = s.cohort;
   $("s-step").textContent = s.step;
@@ -386,10 +389,9 @@ function render(s) {
     ? (follower ? "– (the leader evaluates)" : "–") : `${(s.accuracy * 100).toFixed(1)} %`;
   const accNote = $("acc-note");
   const noAcc = follower && !accChart.length;
-  if (accNote.hidden === noAcc) {
-    accNote.hidden = !noAcc;
-    if (noAcc) accNote.textContent = `Only the leader (rank ${hex(s.leader)}) evaluates held-out accuracy; this tab is a follower. The operator view shows the room's accuracy.`;
-  }
+  if (accNote.hidden === noAcc) accNote.hidden = !noAcc;
+  const accText = `Only the leader (rank ${hex(s.leader)}) evaluates held-out accuracy; this tab is a follower. The operator view shows the room's accuracy.`;
+  if (noAcc && accNote.textContent !== accText) accNote.textContent = accText;   // the leader may change
   $("s-sps").textContent = num(s.steps_per_s, 1);
   $("s-samples").textContent = num(s.samples_per_s, 0);
   $("s-bytes").textContent = `${fmtBytes(s.wire_bytes_per_s)}/s`;

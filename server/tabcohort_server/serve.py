@@ -68,7 +68,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
             what = f"job {info['name']}" if job.job else f"built-in job {info['name']} over {job.dataset}"
             progress(f"tabcohort serve: {url}  room {name} ({what}: code {info['code_bytes']} bytes "
                      f"sha256 {info['code_sha256'][:16]}, data {info['data_bytes']} bytes sha256 "
-                     f"{info['data_sha256'][:16]}; backends {', '.join(info['backends'])}; {job.topology})")
+                     f"{info['data_sha256'][:16]}; backends {', '.join(b for b in info.get('accepts') or info['backends'] if b != 'auto')}; "
+                     f"{job.topology})")
         else:
             progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
         lead = "" if config.any_rank_may_lead else " --trainer-token ..."

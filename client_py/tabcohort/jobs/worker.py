@@ -38,6 +38,7 @@ class JobWorker:
         self._make_scratch = make_scratch     # another worker of the same job (local steps)
         self._scratch: Any = None
         self._backend = backend
+        self._note: str | None = None
         self.model = str(getattr(inner, "model", None) or model)
         self.batch = int(getattr(inner, "batch", batch))
         self.bucket_len = int(inner.bucket_len)
@@ -60,8 +61,13 @@ class JobWorker:
 
     @property
     def backend_note(self) -> str | None:
-        """Why the worker is not on the backend asked for, or None."""
-        return getattr(self.inner, "backend_note", None)
+        """Why the worker is not on the backend asked for, or None (the job worker's own note,
+        else one the runtime set)."""
+        return getattr(self.inner, "backend_note", None) or self._note
+
+    @backend_note.setter
+    def backend_note(self, note: str | None) -> None:
+        self._note = note
 
     @property
     def adapter(self) -> str | None:

@@ -277,6 +277,10 @@ class TabRun(RankSession):
                 from ..model import backend_js
                 backend_js.WGSL_TEST_SUFFIX = str(self.cfg["wgsl_suffix"])
             worker, jh = await make_module_worker(job, src, raw, batch=self.cfg.get("batch"), backend=backend)
+            if want not in ("auto", backend) and not info.get("accepts"):
+                # the page's ?backend= names one the job has no path for: say so, do not ignore it
+                worker.backend_note = (f"?backend={want} was asked for, but the job {info['name']!r} runs on "
+                                       f"{', '.join(info.get('backends') or [backend])}; using {backend}")
         except Exception as e:   # the job's own code may raise anything: say so, do not hang
             text = f"the job {info.get('name')!r} failed to load in this tab: {e}"
             self.ui("job", status="failed", error=text[:1000], **shown)
