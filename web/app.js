@@ -400,13 +400,19 @@ function render(s) {
   $("s-backend").textContent = `${s.backend}${s.backend === "webgpu" && s.adapter ? ` on ${s.adapter}` : ""} (${s.transport})`;
   const bn = $("s-backend-note");
   if (bn.textContent !== (s.backend_note || "")) { bn.textContent = s.backend_note || ""; bn.hidden = !s.backend_note; }
-  const drops = Object.entries(s.wire_drops || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`);
+  // superseded rounds skipped unread are normal, not a fault (docs/PROTOCOL.md "Follower: receiving messages")
+  const drops = Object.entries(s.wire_drops || {}).filter(([k, v]) => v && k !== "round_superseded")
+    .map(([k, v]) => `${k} ${v}`);
   $("s-fault").textContent = [s.fault, ...drops].filter(Boolean).join("; ") || "none";
   lossChart.push(s.step, s.loss);
   accChart.push(s.step, s.accuracy);
   if (!s.final && tc.phase !== "stopped") {
     $("start").disabled = s.running;
     $("stop").disabled = !s.running;
+    // stopped here (the Stop button): say so, not the join line; Start resumes
+    if (!s.running && tc.wasRunning) status(`Stopped at step ${s.step}: this tab computes nothing until Start.`);
+    else if (s.running && tc.wasRunning === false) status(`Running again as rank ${hex(s.id)}.`);
+    tc.wasRunning = !!s.running;
   }
   // the lr / precision controls: only on a tab the server lets lead (an open room's tabs contribute)
   const lead = !!s.is_leader && !s.final && s.may_lead !== false;

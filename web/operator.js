@@ -169,7 +169,7 @@ function render(s, q) {
     cell(text(p.step ?? "–"));
     cell(text(p.cohort ?? "–"));
     cell(sig(p.loss));
-    cell([text(p.backend ?? "–"), p.adapter ? ` on ${text(p.adapter)}` : "", p.backend_note ? ` (${text(p.backend_note)})` : ""].join(""));
+    cell([text(p.backend ?? "–"), p.adapter && p.backend === "webgpu" ? ` on ${text(p.adapter)}` : "", p.backend_note ? ` (${text(p.backend_note)})` : ""].join(""));
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
     cell(text(p.precision ?? "–"));

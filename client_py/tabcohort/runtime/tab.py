@@ -266,10 +266,10 @@ class TabRun(RankSession):
                                      f"this tab has {backend} only")
             src = shipped_source(info["code_sha256"])   # the built-in job: this tab's own copy
             if src is None:
-                self.progress(f"fetching job {info['name']} ({info['code_bytes']} bytes of code)")
+                self.progress(f"fetching job {info['name']} ({_size(int(info['code_bytes']))} of code)")
                 code = await self._download("/job/code", "code", int(info["code_bytes"]), info["code_sha256"])
                 src = load_bundle(code, expect_sha256=info["code_sha256"])
-            self.progress(f"fetching the job's data ({info['data_bytes']} bytes)")
+            self.progress(f"fetching the job's data ({_size(int(info['data_bytes']))})")
             raw = await self._download("/job/data", "data", int(info["data_bytes"]), info["data_sha256"],
                                        cache=True)
             self.progress(f"importing job {info['name']} and building its worker ({backend})")
@@ -491,6 +491,11 @@ class TabRun(RankSession):
                 self.progress(f"checkpoint upload: HTTP {r.status}")
         except Exception as e:  # a failed upload must not stop training
             self.progress(f"checkpoint upload failed: {e}")
+
+
+def _size(n: int) -> str:
+    """A byte count as the page writes sizes (kB, MB: powers of 1000)."""
+    return f"{n} bytes" if n < 1000 else f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB"
 
 
 async def run_tab(cfg_json: str) -> int:
