@@ -196,7 +196,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'self.id == min(\n                [self.id] + [m.id for m in live if self.may_lead_rank(m.id)])',
      [f"{U}::test_only_lowest_running_id_bootstraps_and_lower_idle_rank_does_not_block"]),
     ("join: no bootstrap while a live peer is ready", M,
-     'if any(m.ready for m in live):\n            return', 'pass',
+     'if any(m.ready and self.may_lead_rank(m.id) for m in live):\n            return', 'pass',
      [f"{U}::test_joiner_does_not_bootstrap_while_a_live_peer_is_ready"]),
     ("takeover after the takeover window", M,
      'elif now_ms - self.last_open_ms > self.policy.takeover_ms + self._round_slack_ms(now_ms) \\\n'
@@ -205,7 +205,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      [f"{U}::test_a_takeover_starts_a_new_term_above_every_term_seen",
       f"{U}::test_a_lower_id_joiner_never_takes_the_lead_while_rounds_flow"]),
     ("a takeover starts a new term", M,
-     'self.term = max([self.term] + seen) + 1', 'self.term = max([self.term] + seen)',
+     'self.term = max([self.term, self.term_floor] + seen) + 1', 'self.term = max([self.term, self.term_floor] + seen)',
      [f"{U}::test_a_takeover_starts_a_new_term_above_every_term_seen"]),
     ("takeover only by the most advanced lineage", M,
      'best = max((t, st) for t, st, _ in cands)', 'best = (self.term, self.step)',
