@@ -267,3 +267,13 @@ def test_a_trainer_joining_a_room_whose_leader_is_gone_leads_above_the_checkpoin
     vol.m.peer_role(7, True)
     vol.m.handle(round_msg(7, 1, term=tr.m.term), now_ms=t)
     assert vol.m.following == 7 and vol.m.term == 4
+
+
+def test_a_checkpoints_term_header_is_validated_and_a_bad_one_is_no_floor():
+    """``X-Tabcohort-Term`` comes from the server: anything but an integer in [0, 2^63) gives
+    term floor 0 (the rule as without a checkpoint), never an exception or a huge floor."""
+    from tabcohort.runtime.session import checkpoint_term
+    assert checkpoint_term({"X-Tabcohort-Term": "7"}) == 7
+    for bad in ({}, {"X-Tabcohort-Term": ""}, {"X-Tabcohort-Term": "-1"}, {"X-Tabcohort-Term": "1e3"},
+                {"X-Tabcohort-Term": str(1 << 63)}, {"X-Tabcohort-Term": "<b>3</b>"}, {"X-Tabcohort-Term": None}):
+        assert checkpoint_term(bad) == 0, bad

@@ -132,7 +132,6 @@ class LoadedJob:
                 if b in self.backends:
                     return b
             return self.backends[0]
-        from ..errors import ConfigError
         raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)} "
                           "(its BACKENDS)")
 
@@ -157,36 +156,25 @@ class LoadedJob:
                 returned an awaitable (use :meth:`make_worker_async`).
             ConfigError: ``backend`` is not one the job runs on.
         """
-        b = self._backend(backend)
-        inner = self._call_factory(batch, seed, b)
-        if inspect.isawaitable(inner):
-            getattr(inner, "close", lambda: None)()
+        w = self._build(batch, seed, self._backend(backend))
+        if isinstance(w, _Pending):
+            w.close()
             raise JobError(f"the factory {self.source.factory}() is asynchronous here: build it with "
                            "make_worker_async", self.source.ref)
-        return self._wrap(inner, batch, seed, b)
+        return w
 
     async def make_worker_async(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
         """:meth:`make_worker` for a factory that may return an awaitable of its worker (a tab's
         WebGPU probe). Raises as :meth:`make_worker`."""
-        b = self._backend(backend)
-        inner = self._call_factory(batch, seed, b)
-        if inspect.isawaitable(inner):
-            files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
-            try:
-                inner = await inner
-            except ConfigError:
-                raise
-            except Exception as e:
-                raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
-                               f"({_where(e, files)})", self.source.ref) from None
-        return self._wrap(inner, batch, seed, b)
+        w = self._build(batch, seed, self._backend(backend))
+        return await w if isinstance(w, _Pending) else w
 
-    def _scratch(self, batch: int, seed: int, b: str) -> Any:
-        """Another worker for local steps: a JobWorker, or an awaitable of one when the
-        factory is asynchronous."""
+    def _build(self, batch: int, seed: int, b: str) -> "JobWorker | _Pending":
+        """A wrapped worker, or a :class:`_Pending` one when the factory is asynchronous (also
+        the scratch worker of local steps)."""
         inner = self._call_factory(batch, seed, b)
         if inspect.isawaitable(inner):
-            return _Pending(inner, lambda w: self._wrap(w, batch, seed, b))
+            return _Pending(self, inner, lambda w: self._wrap(w, batch, seed, b))
         return self._wrap(inner, batch, seed, b)
 
     def _wrap(self, inner: Any, batch: int, seed: int, b: str) -> JobWorker:
@@ -199,7 +187,7 @@ class LoadedJob:
             raise JobError(f"the worker's bucket_len must be an integer >= 1, got {bl!r}", self.source.ref)
         full = {"job": self.name, "code_sha256": self.source.code_sha256, "spec": self.spec}
         w = JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
-                      make_scratch=lambda: self._scratch(batch, seed, b))
+                      make_scratch=lambda: self._build(batch, seed, b))
         # the state report's epoch: the worker's own train_len, else the rows of the data's
         # training array by README's naming (y_train, x_train)
         n = getattr(inner, "train_len", None)
@@ -222,17 +210,27 @@ class LoadedJob:
 
 
 class _Pending:
-    """An awaitable of a wrapped worker from an asynchronous factory's awaitable; ``close()``
-    closes the factory's (a worker never built leaves no coroutine behind)."""
+    """An awaitable of a wrapped worker from an asynchronous factory's awaitable (what it
+    raises is said as a factory error); ``close()`` closes the factory's (a worker never built
+    leaves no coroutine behind)."""
 
-    def __init__(self, inner: Any, wrap: Callable[[Any], JobWorker]) -> None:
-        self.inner, self.wrap = inner, wrap
+    def __init__(self, job: LoadedJob, inner: Any, wrap: Callable[[Any], JobWorker]) -> None:
+        self.job, self.inner, self.wrap = job, inner, wrap
 
     def __await__(self) -> Any:
         return self._run().__await__()
 
     async def _run(self) -> JobWorker:
-        return self.wrap(await self.inner)
+        src = self.job.source
+        try:
+            got = await self.inner
+        except ConfigError:   # the job names the setting itself
+            raise
+        except Exception as e:
+            files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
+            raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {e} ({_where(e, files)})",
+                           src.ref) from None
+        return self.wrap(got)
 
     def close(self) -> None:
         getattr(self.inner, "close", lambda: None)()
