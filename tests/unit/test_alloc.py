@@ -13,7 +13,8 @@ import pytest
 from tabcohort._alloc import hold_allocator
 from tabcohort.errors import ConfigError
 
-# a rank's round trip of 1M float32 through the wire, 40 times, a few vectors alive at once;
+# a rank's round trip of 1M float32 through the wire, 40 times, a few vectors alive at once, with
+# the frame body also joined whole (``encode_body``: 4 MB of bytes made and dropped per round);
 # prints the minor page faults it took
 _ROUNDS = textwrap.dedent("""
     import resource, sys
@@ -25,7 +26,9 @@ _ROUNDS = textwrap.dedent("""
     w, r = FrameWriter(7, max_message_bytes=1 << 20), FrameReader()
     def cycle():
         out = []
-        for c in w.write({"t": "grad", "step": 3, "term": 1, "loss": 0.5, "samples": 8, "g": x}):
+        msg = {"t": "grad", "step": 3, "term": 1, "loss": 0.5, "samples": 8, "g": x}
+        body = w.encode_body(msg)
+        for c in w.write(msg):
             out += r.feed(c, now_ms=0.0)
         return out[0]["g"]
     keep = [cycle() for _ in range(3)]

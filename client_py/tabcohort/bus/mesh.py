@@ -373,9 +373,7 @@ class MeshBus:
         ch, p = self.channel_of.get(peer), self.path_of.get(peer)
         if ch is None or p is None:
             return
-        chunks = p.take(ch.buffered_bytes(), self.channel_high_water_bytes)
-        if chunks:
-            ch.send(chunks)
+        p.pump(ch, self.channel_high_water_bytes)
 
     def _fallback(self, p: Path, why: str, *, now_ms: float | None = None) -> None:
         """Move one pair to the server relay; the lower id tries its channel again after the

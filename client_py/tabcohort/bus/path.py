@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from typing import Any
 
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -149,6 +150,20 @@ class Path:
             channel_buffered += len(c)
             out.append(c)
         return out
+
+    def pump(self, channel: Any, high_water_bytes: int) -> None:
+        """Hand ``channel`` (a :class:`~tabcohort.bus.star.Channel`) the queued chunks:
+        :meth:`take` at its buffer, and again for as long as a send leaves nothing buffered (a
+        direct TCP path whose kernel took the chunks). One :meth:`take` per loop turn would let
+        work the rank queued meanwhile (its own bucket's compute, right after a round is posted)
+        hold back the rest of a frame the peer is waiting for."""
+        while True:
+            chunks = self.take(channel.buffered_bytes(), high_water_bytes)
+            if not chunks:
+                return
+            channel.send(chunks)
+            if channel.buffered_bytes():
+                return
 
     def unqueue(self) -> list[bytes]:
         """Everything queued, removed (a star path that fell back resends it on the socket)."""

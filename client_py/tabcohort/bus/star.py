@@ -596,9 +596,7 @@ class StarBus:
         ch, p = self.channel, self.path
         if ch is None or p is None:
             return
-        chunks = p.take(ch.buffered_bytes(), self.channel_high_water_bytes)
-        if chunks:
-            ch.send(chunks)
+        p.pump(ch, self.channel_high_water_bytes)
 
     def _channel_lost(self, why: str) -> None:
         """The channel to the server is gone (or never came up): the socket carries the chunks

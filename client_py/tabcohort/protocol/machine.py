@@ -27,7 +27,7 @@ from .actions import Action, Compute, Post, Report
 from .assign import windows
 from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
-from .robust import AGGREGATES, clip_to_median_norm, trimmed_mean
+from .robust import AGGREGATES, clip_to_median_norm, l2_norm, trimmed_mean
 from .shares import FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable, plan_shares
 from .policy import Policy, Timing, policy
 from .roster import Roster
@@ -99,7 +99,7 @@ class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
-                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms")
+                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms", "norms")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -117,6 +117,7 @@ class _Collection:
         self.grace_until_ms: float | None = None
         self.window_end_ms: float | None = None  # the collect window's end, once it is armed
         self.arrived_ms: dict[int, float] = {}   # id -> when its accepted bucket arrived
+        self.norms: dict[int, float] = {}        # id -> its bucket's L2 norm (the clip rule)
 
 
 class _Spread:
@@ -1320,6 +1321,7 @@ class RankMachine:
             return
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
+            self._keep_norm(col, self.id)
             _arrived(col, now_ms, self.id)
         self._phase = Phase.COLLECT
         self._phase_deadline_ms = now_ms + self.policy.collect_ms
@@ -1362,6 +1364,7 @@ class RankMachine:
             self._rejected(col, sender, now_ms)
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
+        self._keep_norm(col, sender)
         _arrived(col, now_ms, sender)
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
@@ -1494,7 +1497,7 @@ class RankMachine:
                     self._silences[k] += 1
                     self.counters["silent_marked"] += 1
                     self.drops["bucket_missing"] += 1      # a share given, nothing delivered
-            received = self._robust(col.received, now_ms)
+            received = self._robust(col, now_ms)
             buckets = list(received.values())
             for k in col.wanted & self._probation.keys():
                 if k not in col.received:              # missed again: owes the full run anew
@@ -1529,12 +1532,20 @@ class RankMachine:
         self._phase = Phase.YIELD
         self._phase_deadline_ms = now_ms
 
-    def _robust(self, received: dict[int, tuple[float, int, Any]], now_ms: float) -> dict[int, tuple[float, int, Any]]:
+    def _keep_norm(self, col: _Collection, k: int) -> None:
+        """The clip rule's norm of ``k``'s bucket, computed as it is accepted: the buckets that
+        arrive while the round still waits for others are measured then, not after the last
+        one, on the round's critical path ("Robust aggregation at the leader")."""
+        if self.aggregate == "clip" and len(col.wanted) > 1:
+            col.norms[k] = l2_norm(col.received[k][2])
+
+    def _robust(self, col: _Collection, now_ms: float) -> dict[int, tuple[float, int, Any]]:
         """"Untrusted ranks": bound every bucket's norm relative to the cohort's (clip rule), and
         quarantine a rank whose buckets keep being clipped far past the bound."""
+        received = col.received
         if self.aggregate != "clip" or len(received) < 2:
             return received
-        out, clipped = clip_to_median_norm(received, self.id)
+        out, clipped = clip_to_median_norm(received, self.id, norms=col.norms)
         for k in received:
             if k == self.id:
                 continue

@@ -70,7 +70,8 @@ def _scaled(v: Any, c: float) -> Any:
 
 
 def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
-                        factor: float = CLIP_FACTOR) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
+                        factor: float = CLIP_FACTOR,
+                        norms: dict[int, float] | None = None) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
     """Bound each bucket's norm relative to the cohort's.
 
     Args:
@@ -79,13 +80,16 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
         own: the leader's id (its bucket counts twice in the median); if absent, every bucket
             counts once.
         factor: the bound as a multiple of the reference norm (> 0).
+        norms: rank id -> :func:`l2_norm` of its ``g``, already computed (the leader measures
+            each bucket as it arrives); the others are computed here.
 
     Returns:
         ``(buckets, clipped)``: the buckets with every over-long ``g`` scaled down onto its
         bound (others unchanged, the same objects), and rank id -> ratio of its norm to its
         bound for every bucket that was clipped.
     """
-    norms = {k: l2_norm(b[2]) for k, b in buckets.items()}
+    known = norms or {}
+    norms = {k: known[k] if k in known else l2_norm(b[2]) for k, b in buckets.items()}
     ref_norms = list(norms.values()) + ([norms[own]] if own in norms else [])
     ref = _median(ref_norms) if ref_norms else 0.0
     if not ref > 0 or not math.isfinite(ref):

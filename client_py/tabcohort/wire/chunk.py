@@ -95,9 +95,14 @@ def parse_route(chunk: Any, limits: L.WireLimits | None = None) -> Route:
     return Route(sender, rcpt if flags & FLAG_HAS_RECIPIENT else None, fid, index, count, frame_len)
 
 
-def split_frame(body: bytes, *, sender: int, recipient: int | None, frame_id: int,
+def split_frame(body: Any, *, sender: int, recipient: int | None, frame_id: int,
                 max_message_bytes: int) -> list[bytes]:
     """Cut a frame body into chunks of at most ``max_message_bytes`` bytes each.
+
+    Args:
+        body: the frame body, bytes-like or a list of bytes-like parts in order
+            (:func:`tabcohort.wire.frame.encode_parts`): each chunk is joined straight from
+            the parts, so a vector's bytes are copied once, into the chunks.
 
     Raises:
         ConfigError: ``max_message_bytes`` below :data:`MIN_MESSAGE_BYTES`.
@@ -105,21 +110,30 @@ def split_frame(body: bytes, *, sender: int, recipient: int | None, frame_id: in
     """
     if max_message_bytes < MIN_MESSAGE_BYTES:
         raise ConfigError("max_message_bytes", max_message_bytes, f"must be >= {MIN_MESSAGE_BYTES}")
+    parts = [memoryview(p).cast("B") for p in body] if isinstance(body, list) else [memoryview(body).cast("B")]
     per = max_message_bytes - CHUNK_HEADER.size
-    n = len(body)
+    n = sum(len(p) for p in parts)
     count = max(1, -(-n // per))
     if count > MAX_CHUNKS or n > 0xFFFFFFFF:
         raise OverflowError(f"frame of {n} bytes needs {count} chunks of {per}")
     flags = FLAG_HAS_RECIPIENT if recipient is not None else 0
     rcpt = recipient if recipient is not None else 0
-    if count == 1:
-        return [CHUNK_HEADER.pack(WIRE_VERSION, flags, sender, rcpt, frame_id, 0, 1, n) + body]
-    mv = memoryview(body)
-    return [
-        b"".join((CHUNK_HEADER.pack(WIRE_VERSION, flags, sender, rcpt, frame_id, i, count, n),
-                  mv[i * per : (i + 1) * per]))
-        for i in range(count)
-    ]
+    chunks: list[bytes] = []
+    it = iter(parts)
+    part, pos = memoryview(b""), 0
+    for i in range(count):
+        seg: list[Any] = [CHUNK_HEADER.pack(WIRE_VERSION, flags, sender, rcpt, frame_id, i, count, n)]
+        need = min(per, n - i * per)
+        while need:
+            if pos == len(part):
+                part, pos = next(it), 0
+                continue
+            k = min(need, len(part) - pos)
+            seg.append(part[pos:pos + k])
+            pos += k
+            need -= k
+        chunks.append(b"".join(seg))
+    return chunks
 
 
 def rechunk(chunk: Any, max_message_bytes: int) -> list[bytes]:

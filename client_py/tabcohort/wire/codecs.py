@@ -118,7 +118,13 @@ class F32(Codec):
     name, code = "f32", 0
 
     def encode(self, x: Any, *, use_numpy: bool, block: int = DEFAULT_INT8_BLOCK) -> Encoded:
-        return Encoded(self.code, 0, 0, _f32_bytes(x, use_numpy))
+        """On the numpy path the payload is a read-only byte view of ``x`` (little-endian
+        float32, contiguous) rather than a copy: valid while ``x`` is unchanged."""
+        if use_numpy:
+            le = np.ascontiguousarray(x, dtype="<f4")
+            view = memoryview(le).cast("B")
+            return Encoded(self.code, 0, 0, view.toreadonly())
+        return Encoded(self.code, 0, 0, le_bytes_py(x))
 
     def _data_len(self, n: int, block: int) -> int:
         return 4 * n

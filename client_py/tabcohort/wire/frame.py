@@ -54,7 +54,19 @@ VEC_HEADER = struct.Struct("<BBII")
 
 def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
                 on_fallback: Callable[[], None] | None = None) -> bytes:
-    """Encode a message dict (without ``from``/``to``) as a frame body.
+    """Encode a message dict (without ``from``/``to``) as a frame body: the bytes of
+    :func:`encode_parts` joined (same arguments, same errors)."""
+    return b"".join(encode_parts(msg, codec=codec, block=block, use_numpy=use_numpy, on_fallback=on_fallback))
+
+
+def encode_parts(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
+                 on_fallback: Callable[[], None] | None = None) -> list[Any]:
+    """Encode a message dict (without ``from``/``to``) as the parts of a frame body, in order.
+
+    A vector's payload may be a read-only view of the caller's array (f32 on the numpy path:
+    no copy), so the parts are valid until that array changes: join or copy them before
+    returning to the caller (:meth:`tabcohort.wire.FrameWriter.write` cuts them into chunks at
+    once, the only copy of the vector's bytes before the socket's).
 
     Args:
         msg: a message with ``t`` and every key of its schema (INTERFACES.md, "Messages").
@@ -69,7 +81,7 @@ def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
     t = msg.get("t")
     if t not in SCHEMAS:
         raise LocalProtocolError(f"unknown message type {t!r}")
-    parts: list[bytes] = [bytes((MSG_TYPES[t],))]
+    parts: list[Any] = [bytes((MSG_TYPES[t],))]
     for key, kind in SCHEMAS[t]:
         if kind == "vec?":       # an optional vector: absent is sent as the empty vector
             kind = "vec"
@@ -114,7 +126,7 @@ def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
                 parts.append(_U16.pack(len(b)) + b)
         except (struct.error, TypeError, ValueError, OverflowError) as exc:
             raise LocalProtocolError(f"{t}.{key}={v!r}: {exc}") from None
-    return b"".join(parts)
+    return parts
 
 
 class _Cursor:

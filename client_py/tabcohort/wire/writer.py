@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import ConfigError, LocalProtocolError
 from .chunk import DEFAULT_MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, split_frame
 from .codecs import DEFAULT_INT8_BLOCK, get_codec
-from .frame import encode_body
+from .frame import encode_parts
 from .vec import as_f32_np, as_f32_py, resolve_numpy
 
 
@@ -53,13 +53,16 @@ class FrameWriter:
     def _fallback(self) -> None:
         self.f16_fallbacks += 1
 
-    def encode_body(self, msg: dict) -> bytes:
-        """The frame body of ``msg`` (no chunk headers); see :mod:`tabcohort.wire.frame`."""
+    def _parts(self, msg: dict) -> list:
         frm = msg.get("from", self.sender)
         if frm != self.sender:
             raise LocalProtocolError(f"message from {frm!r} given to the writer of {self.sender}")
-        return encode_body(msg, codec=self.codec, block=self.int8_block, use_numpy=self.use_numpy,
-                           on_fallback=self._fallback)
+        return encode_parts(msg, codec=self.codec, block=self.int8_block, use_numpy=self.use_numpy,
+                            on_fallback=self._fallback)
+
+    def encode_body(self, msg: dict) -> bytes:
+        """The frame body of ``msg`` (no chunk headers); see :mod:`tabcohort.wire.frame`."""
+        return b"".join(self._parts(msg))
 
     def write(self, msg: dict) -> list[bytes]:
         """Encode ``msg`` as the chunks of one new frame.
@@ -76,7 +79,7 @@ class FrameWriter:
         to = msg.get("to")
         if to is not None and (isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= 0xFFFFFFFF):
             raise LocalProtocolError(f"to={to!r} is not a uint32 rank id")
-        body = self.encode_body(msg)
+        body = self._parts(msg)
         fid = self._next_id
         self._next_id = (fid + 1) & 0xFFFFFFFF
         try:
