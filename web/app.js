@@ -421,6 +421,8 @@ function render(s) {
     form.hidden = !lead;
     if (lead) { $("lr").value = ""; $("precision").value = s.precision; }
   }
+  const apply = form.querySelector("button[type=submit]");
+  if (apply.disabled === !!s.running) apply.disabled = !s.running;   // a stopped rank applies nothing
   if (lead) {  // the box stays free for a new value; the current one is its placeholder
     $("lr").placeholder = `now ${sig(s.lr)}`;
     $("lr-now").textContent = `(now ${sig(s.lr)})`;

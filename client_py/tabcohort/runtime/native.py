@@ -366,6 +366,7 @@ class RankRun(RankSession):
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
+        self._printed_step: int | None = None        # the step of the last progress line
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
@@ -504,7 +505,8 @@ class RankRun(RankSession):
                 return st
             st = await self.leave(machine, driver, bus, final_report=final_report,
                                   upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
-            self._print(time.monotonic() - t0, st)
+            if st["step"] != self._printed_step:   # (a line for this step was printed already)
+                self._print(time.monotonic() - t0, st)
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}, digest {st['digest'][:16]}")
             await driver.close()
             await bus.aclose()
@@ -576,6 +578,7 @@ class RankRun(RankSession):
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     def _print(self, t: float, st: dict) -> None:
+        self._printed_step = st["step"]
         lead = st.get("leader")
         loss = st.get("loss")
         acc = st.get("accuracy")
