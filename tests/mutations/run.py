@@ -122,7 +122,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if sender in col.received:\n            self.drops["grad_duplicate"]', 'if False:\n            self.drops["grad_duplicate"]',
      [f"{U}::test_first_bucket_wins_duplicate_dropped"]),
     ("bucket: values finite", M,
-     'if not all_finite(g) or not math.isfinite(loss):', 'if False:',
+     'if not (all_finite(g) if norm is None else math.isfinite(norm)) or not math.isfinite(loss):', 'if False:',
      [f"{U}::test_bucket_acceptance_rules"]),
     ("bucket: positive samples", M,
      'if msg["samples"] != self.train.local_steps * col.shares[sender]:', 'if False:',

@@ -273,6 +273,28 @@ def test_l2_norm_in_blocks_is_the_float64_norm_to_rounding():
     assert l2_norm(np.zeros(5, dtype=np.float32)) == 0.0
 
 
+def test_l2_norm_is_finite_exactly_when_every_value_is():
+    # the leader's finiteness check of a bucket under the clip rule (robust.l2_norm)
+    from array import array
+
+    from tabcohort.protocol.robust import NORM_BLOCK
+
+    biggest = 3.4028234663852886e38                       # float32's largest finite value
+    n = 2 * NORM_BLOCK + 5
+    vectors = [array("f", [biggest] * n)]
+    try:
+        import numpy as np
+        vectors.append(np.full(n, biggest, dtype=np.float32))
+    except ImportError:
+        pass
+    for v in vectors:
+        assert math.isfinite(l2_norm(v))
+        for bad in (math.nan, math.inf, -math.inf):
+            w = v[:]
+            w[NORM_BLOCK + 3] = bad
+            assert not math.isfinite(l2_norm(w)), (type(v), bad)
+
+
 def test_a_trainer_joining_a_room_whose_leader_is_gone_leads_above_the_checkpoints_term():
     """PROTOCOL.md "Untrusted ranks" and "Lineage and terms": a rank that may lead, joining
     where only ranks that contribute are ready (the followers of a leader that left), does

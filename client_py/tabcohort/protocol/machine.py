@@ -1355,7 +1355,10 @@ class RankMachine:
             return
         g = msg["g"]
         loss = msg["loss"]
-        if not all_finite(g) or not math.isfinite(loss):
+        # the clip rule's norm, measured as the bucket arrives, is finite exactly when every value
+        # is (robust.l2_norm): it is the finiteness check then, not a second pass over the bucket
+        norm = l2_norm(g) if self._measures_norms(col) else None
+        if not (all_finite(g) if norm is None else math.isfinite(norm)) or not math.isfinite(loss):
             self.drops["grad_non_finite"] += 1
             self._rejected(col, sender, now_ms)
             return
@@ -1364,7 +1367,8 @@ class RankMachine:
             self._rejected(col, sender, now_ms)
             return
         col.received[sender] = (float(loss), int(msg["samples"]), g)
-        self._keep_norm(col, sender)
+        if norm is not None:
+            col.norms[sender] = norm
         _arrived(col, now_ms, sender)
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
@@ -1532,11 +1536,15 @@ class RankMachine:
         self._phase = Phase.YIELD
         self._phase_deadline_ms = now_ms
 
+    def _measures_norms(self, col: _Collection) -> bool:
+        """Whether the buckets of ``col`` are measured (their L2 norms) as they are accepted: under
+        the clip rule, in a round with other ranks than the leader. The buckets that arrive while
+        the round still waits for others are measured then, not after the last one, on the
+        round's critical path ("Robust aggregation at the leader")."""
+        return self.aggregate == "clip" and len(col.wanted) > 1
+
     def _keep_norm(self, col: _Collection, k: int) -> None:
-        """The clip rule's norm of ``k``'s bucket, computed as it is accepted: the buckets that
-        arrive while the round still waits for others are measured then, not after the last
-        one, on the round's critical path ("Robust aggregation at the leader")."""
-        if self.aggregate == "clip" and len(col.wanted) > 1:
+        if self._measures_norms(col):
             col.norms[k] = l2_norm(col.received[k][2])
 
     def _robust(self, col: _Collection, now_ms: float) -> dict[int, tuple[float, int, Any]]:
