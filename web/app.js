@@ -434,7 +434,15 @@ function render(s) {
   const quar = s.is_leader ? s.quarantined || {} : tc.leaderView.quarantined;
   const shareText = (k) => (Object.hasOwn(quar, k) ? "quarantined by the leader"
     : Object.hasOwn(shares, k) ? `${shares[k]} of ${s.global_batch ?? "–"}` : "none");
-  $("s-share").textContent = `${shareText(hex(s.id))}, ${num(speeds[hex(s.id)], 0)} samples/s measured`;
+  let mine = `${shareText(hex(s.id))}, ${num(speeds[hex(s.id)], 0)} samples/s measured`;
+  if (s.running && s.ready && !s.is_leader && !Object.hasOwn(shares, hex(s.id)) && !Object.hasOwn(quar, hex(s.id))
+      && Object.keys(shares).length) {
+    // why a volunteer's tab computes nothing (docs/PROTOCOL.md, "Shares"): not idle, following
+    mine += ` (the other ranks finish the global batch of ${s.global_batch ?? "–"} before one bucket of this tab would ` +
+      "arrive; it follows every round, is probed with a sample now and then, and gets a share when rounds are " +
+      "long enough: a larger --global-batch)";
+  }
+  $("s-share").textContent = mine;
   $("s-epoch").textContent = s.epoch === null || s.epoch === undefined ? "–" : num(s.epoch, 2);
   const links = new Map((s.links || []).map((l) => [l.peer, l]));
   const roles = s.roles && typeof s.roles === "object" ? s.roles : {};

@@ -95,3 +95,17 @@ def _natives_with_and_without_a_tab(cluster, tabs, split: CoreSplit) -> None:
     assert max(with_tab) >= 0.8 * sum(without) / len(without), (with_tab, without, lead["shares"], lead["speeds"])
     print(f"\nnative round rate with the tab / without: {max(with_tab) / (sum(without) / len(without)):.2f} "
           f"({split.describe()}); the tab's share {lead['shares'][tab_hex]}, applied {lead['applied'].get(tab_hex)}")
+
+
+def test_a_tab_left_without_a_share_says_why_on_its_page(cluster, tabs):
+    # the default room (global batch 64): a native round is faster than one bucket of a
+    # pure-Python tab, so the tab gets no share; its page says it follows and why, instead of a
+    # bare "none" a volunteer would read as an idle tab
+    url = cluster.serve()
+    cluster.rank()
+    tab = tabs(url, "?room=digits&backend=python")
+    wait_tab(tab, lambda s: s["cohort"] == 2 and s["ready"] and s["step"] >= 50 and not s["is_leader"], 90,
+             "a tab following a native leader")
+    text = wait_for(lambda: (t := tab.page.evaluate("document.getElementById('s-share').textContent"))
+                    and "follows every round" in t and t, 15, "the page's reason for no share")
+    assert text.startswith("none") and "--global-batch" in text, text
