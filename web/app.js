@@ -436,7 +436,7 @@ function render(s) {
     : Object.hasOwn(shares, k) ? `${shares[k]} of ${s.global_batch ?? "–"}` : "none");
   let mine = `${shareText(hex(s.id))}, ${num(speeds[hex(s.id)], 0)} samples/s measured`;
   if (s.running && s.ready && !s.is_leader && !Object.hasOwn(shares, hex(s.id)) && !Object.hasOwn(quar, hex(s.id))
-      && Object.keys(shares).length) {
+      && Object.keys(shares).length && Object.hasOwn(speeds, hex(s.id))) {   // (measured by the leader)
     // why a volunteer's tab computes nothing (docs/PROTOCOL.md, "Shares"): not idle, following
     mine += ` (the other ranks finish the global batch of ${s.global_batch ?? "–"} before one bucket of this tab would ` +
       "arrive; it follows every round, is probed with a sample now and then, and gets a share when rounds are " +

@@ -30,8 +30,8 @@ class _Channel:
     def buffered_bytes(self) -> int:
         return 0
 
-    def send(self, chunks) -> None:
-        pass
+    def send(self, chunks) -> bool:
+        return False
 
 
 class _Connector:

@@ -31,6 +31,41 @@ def test_nothing_leaves_the_queue_before_the_channel_opens_then_flow_control_bou
     assert p.queued_bytes == 3000
 
 
+class _Channel:
+    """A channel's flow-control face: what a send leaves buffered and whether it took the chunks."""
+
+    def __init__(self, keeps: bool, takes: bool = True) -> None:
+        self.keeps, self.takes = keeps, takes
+        self.buffered, self.sends = 0, []
+
+    def buffered_bytes(self) -> int:
+        return self.buffered
+
+    def send(self, chunks) -> bool:
+        self.sends.append(len(chunks))
+        if self.takes and self.keeps:
+            self.buffered += sum(map(len, chunks))
+        return self.takes
+
+
+def test_pump_hands_a_write_through_channel_the_whole_queue_and_others_one_high_water_mark():
+    def path() -> Path:
+        p = Path(7, now_ms=0.0)
+        for _ in range(10):
+            p.enqueue([b"x" * 1000], 1000, max_queue_bytes=BIG)
+        p.opened(65536, now_ms=1.0)
+        return p
+    p, through = path(), _Channel(keeps=False)            # a TCP path whose kernel takes it all
+    p.pump(through, 2500)
+    assert through.sends == [3, 3, 3, 1] and p.queued_bytes == 0
+    p, buffering = path(), _Channel(keeps=True)           # a data channel: bufferedAmount grows
+    p.pump(buffering, 2500)
+    assert buffering.sends == [3] and p.queued_bytes == 7000
+    p, dead = path(), _Channel(keeps=False, takes=False)  # closing, or its send deferred
+    p.pump(dead, 2500)
+    assert dead.sends == [3] and p.queued_bytes == 7000   # the rest stays for the relay
+
+
 def test_opening_with_a_smaller_message_size_drops_what_was_cut_for_a_larger_one():
     p = Path(7, now_ms=0.0)
     p.enqueue([b"x" * 20000], 20000, max_queue_bytes=BIG)

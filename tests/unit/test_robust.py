@@ -131,6 +131,20 @@ def test_the_leader_clips_a_poisoning_follower_and_quarantines_it():
     assert all(math.isfinite(x) and abs(x) < 1e6 for x in r.w.params())
 
 
+def test_under_the_clip_rule_a_bucket_with_a_nan_or_an_infinity_is_dropped_and_counted():
+    # its norm is the finiteness check there (robust.l2_norm): not finite -> dropped, never
+    # reduced (docs/PROTOCOL.md "Leader: driving one round")
+    for bad in (math.nan, math.inf, -math.inf):
+        def bucket_of(k, col, g, _own_samples, bad=bad):
+            if k not in col.shares:
+                return None
+            return [bad] + list(g)[1:] if k == 3 else list(g)
+        r, _ = _lead_rounds(bucket_of)
+        assert r.m.drops["grad_non_finite"] >= 1 and r.m.step > 0, (bad, dict(r.m.drops))
+        assert r.m.counters["buckets_clipped"] == 0                  # dropped, not clipped to zero
+        assert all(math.isfinite(x) for x in r.w.params())
+
+
 def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined():
     # near convergence an honest batch's gradient can pass 4 x the median norm; clipping bounds
     # it, and only buckets far past the bound count toward a quarantine (docs/PROTOCOL.md

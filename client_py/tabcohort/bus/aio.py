@@ -265,17 +265,18 @@ class AiortcChannel:
         dc = self.dc
         return dc.bufferedAmount if dc is not None else 0
 
-    def send(self, chunks: list[bytes]) -> None:
+    def send(self, chunks: list[bytes]) -> bool:
         dc = self.dc
         if dc is None or dc.readyState != "open" or self.closed:
-            return
+            return False
         if asyncio._get_running_loop() is not self._loop:
             # a synchronous caller between loop runs: aiortc schedules its flush on the running
             # loop, so send from inside it
             self._loop.call_soon(self.send, chunks)
-            return
+            return False
         for c in chunks:
             dc.send(c)
+        return True
 
     def pause(self, paused: bool) -> None:
         """Stop (True) or resume reading datagrams (tests: a black-holed consumer; aioice keeps
@@ -589,18 +590,20 @@ class TcpChannel:
         s = self.stream
         return s.transport.get_write_buffer_size() if s is not None and not s.transport.is_closing() else 0
 
-    def send(self, chunks: list[bytes]) -> None:
+    def send(self, chunks: list[bytes]) -> bool:
         s = self.stream
-        if s is not None and not self.closed and not s.transport.is_closing():
-            w = s.transport.write
-            for c in chunks:   # (no join: a copy of every MiB; the prefix is a 4-byte write)
-                w(direct.LEN.pack(len(c)))
-                w(c)
-            # the transport is not over its high-water mark (the kernel took most of it), so no
-            # resume_writing will come: ask the bus for more on the next loop turn
-            if not self._low_due and not s.write_paused:
-                self._low_due = True
-                self._loop.call_soon(self._low)
+        if s is None or self.closed or s.transport.is_closing():
+            return False
+        w = s.transport.write
+        for c in chunks:   # (no join: a copy of every MiB; the prefix is a 4-byte write)
+            w(direct.LEN.pack(len(c)))
+            w(c)
+        # the transport is not over its high-water mark (the kernel took most of it), so no
+        # resume_writing will come: ask the bus for more on the next loop turn
+        if not self._low_due and not s.write_paused:
+            self._low_due = True
+            self._loop.call_soon(self._low)
+        return not s.transport.is_closing()   # (a write error closes it at once)
 
     def _low(self) -> None:
         self._low_due = False

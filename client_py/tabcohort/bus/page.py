@@ -288,10 +288,11 @@ class PageChannel:
     def buffered_bytes(self) -> int:
         return self.unacked + self.page_buffered
 
-    def send(self, chunks: list[bytes]) -> None:
+    def send(self, chunks: list[bytes]) -> bool:
         self.unacked += sum(map(len, chunks))
         c = self.connector
         c.hub.port.rtc_send(c.link, self.peer, self.gen, chunks)
+        return True
 
     def signal(self, signal: dict) -> None:
         c = self.connector

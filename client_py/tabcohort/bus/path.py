@@ -156,13 +156,14 @@ class Path:
         :meth:`take` at its buffer, and again for as long as a send leaves nothing buffered (a
         direct TCP path whose kernel took the chunks). One :meth:`take` per loop turn would let
         work the rank queued meanwhile (its own bucket's compute, right after a round is posted)
-        hold back the rest of a frame the peer is waiting for."""
+        hold back the rest of a frame the peer is waiting for. A channel that took nothing onto
+        the wire (closing, dead, or deferring its send) is handed no more: what stays queued is
+        resent on the relay if the path falls back."""
         while True:
             chunks = self.take(channel.buffered_bytes(), high_water_bytes)
             if not chunks:
                 return
-            channel.send(chunks)
-            if channel.buffered_bytes():
+            if not channel.send(chunks) or channel.buffered_bytes():
                 return
 
     def unqueue(self) -> list[bytes]:

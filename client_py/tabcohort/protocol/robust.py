@@ -49,11 +49,12 @@ def l2_norm(v: Any) -> float:
         n = len(flat)
         tmp = np.empty(min(n, NORM_BLOCK), dtype=np.float64)
         total = 0.0
-        for a in range(0, n, NORM_BLOCK):
-            b = min(n, a + NORM_BLOCK)
-            t = tmp[:b - a]
-            t[...] = flat[a:b]
-            total += float(np.einsum("i,i->", t, t))
+        with np.errstate(invalid="ignore", over="ignore"):   # (a signalling NaN or inf: the sum says so)
+            for a in range(0, n, NORM_BLOCK):
+                b = min(n, a + NORM_BLOCK)
+                t = tmp[:b - a]
+                t[...] = flat[a:b]
+                total += float(np.einsum("i,i->", t, t))
         return math.sqrt(total)
     s = 0.0
     for x in v:

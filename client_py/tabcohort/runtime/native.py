@@ -366,7 +366,7 @@ class RankRun(RankSession):
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
-        self._printed_step: int | None = None        # the step of the last progress line
+        self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
@@ -505,8 +505,7 @@ class RankRun(RankSession):
                 return st
             st = await self.leave(machine, driver, bus, final_report=final_report,
                                   upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
-            if st["step"] != self._printed_step:   # (a line for this step was printed already)
-                self._print(time.monotonic() - t0, st)
+            self._print(time.monotonic() - t0, st, unless_same=True)
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}, digest {st['digest'][:16]}")
             await driver.close()
             await bus.aclose()
@@ -577,11 +576,16 @@ class RankRun(RankSession):
         st.update(path_report(driver.bus))
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
-    def _print(self, t: float, st: dict) -> None:
-        self._printed_step = st["step"]
+    def _print(self, t: float, st: dict, *, unless_same: bool = False) -> None:
+        """A progress line; with ``unless_same``, none when the last one had the same step,
+        leader, divergence count and fault (the stop's line after a periodic one)."""
         lead = st.get("leader")
         loss = st.get("loss")
         acc = st.get("accuracy")
+        key = (st["step"], lead, st.get("diverged"), st.get("fault"))
+        if unless_same and key == self._printed:
+            return
+        self._printed = key
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "

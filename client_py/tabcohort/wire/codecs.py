@@ -51,11 +51,13 @@ DEFAULT_INT8_BLOCK = 256
 
 
 class Encoded:
-    """One encoded array: codec id, flags, int8 block size (0 otherwise) and payload bytes."""
+    """One encoded array: codec id, flags, int8 block size (0 otherwise) and payload bytes
+    (bytes-like: f32 on the numpy path is a read-only view of the encoded array, valid while
+    that array is unchanged)."""
 
     __slots__ = ("code", "flags", "block", "data")
 
-    def __init__(self, code: int, flags: int, block: int, data: bytes) -> None:
+    def __init__(self, code: int, flags: int, block: int, data: Any) -> None:
         self.code, self.flags, self.block, self.data = code, flags, block, data
 
 
