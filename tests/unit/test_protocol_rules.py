@@ -642,6 +642,33 @@ def test_suspended_rank_clears_ready_and_rejoins():
     assert r.m.ready and r.m.step == 99 and list(r.w.params()) == [7.0] * 4
 
 
+def test_a_resumed_leader_hears_the_room_for_the_drop_window_before_it_bootstraps():
+    # the survivor took over (term 2) while this leader (term 1, the lower id) was frozen; its
+    # first beat reaches the resumed rank late (a loaded machine): the resumed rank must not
+    # bootstrap term 2 itself and win the tie by its lower id, rewinding the cohort
+    r = leader_rig([3], rank_id=1)
+    r.m.start(now_ms=0)
+    r.drain()
+    t = 400 + T.drop_ms + 1
+    r.m.on_timer(now_ms=t)                          # resumed after a long freeze: suspends
+    assert not r.m.ready
+    end = t + T.drop_ms - 1
+    while (d := r.m.next_deadline_ms()) is not None and d <= end:
+        r.m.on_timer(now_ms=d)                      # join attempts, nobody heard yet
+    assert not r.m.ready and not r.m.is_leader(end) and r.m.counters["bootstrap"] == 0
+    r.m.handle(beat(3, term=2), now_ms=end)         # the survivor, at last
+    r.m.handle(round_msg(3, 500, params=[7.0] * 4, term=2), now_ms=end + 1)
+    assert r.m.ready and r.m.step == 500 and r.m.term == 2 and r.m.counters["bootstrap"] == 0
+    # alone for good: it bootstraps once the window has passed
+    r = leader_rig([3], rank_id=1)
+    r.m.start(now_ms=0)
+    r.drain()
+    r.m.on_timer(now_ms=t)
+    while (d := r.m.next_deadline_ms()) is not None and d <= t + 2 * T.drop_ms and not r.m.ready:
+        r.m.on_timer(now_ms=d)
+    assert r.m.ready and r.m.counters["bootstrap"] == 1
+
+
 def test_resumed_leader_does_not_rewind_cohort():
     r = leader_rig([3], rank_id=1)
     r.m.start(now_ms=0)

@@ -355,6 +355,8 @@ class RankMachine:
         self.joining = False
         self._join_attempts = 0
         self._next_join_ms: float | None = None
+        # "Suspension": a rank back from a suspension bootstraps no lineage before this time
+        self._bootstrap_not_before_ms = -math.inf
 
         # Heartbeat ("Heartbeat and takeover")
         self._next_beat_ms = now_ms + self.policy.beat_ms
@@ -818,6 +820,10 @@ class RankMachine:
         self._pending = None
         self._adopt_seq += 1          # any bucket in flight is now stale
         self.roster.prune(now_ms, self.policy.drop_ms)
+        # its view of the room is as old as the suspension: it hears the room for policy.drop
+        # (several beats of any survivor) before it may bootstrap, lest it start the term a
+        # survivor's takeover started and win the tie by its lower id ("Suspension")
+        self._bootstrap_not_before_ms = now_ms + self.policy.drop_ms
         if self.running:
             self._begin_join(now_ms)
         self._announce()
@@ -975,7 +981,7 @@ class RankMachine:
         if any(m.ready and self.may_lead_rank(m.id) for m in live):
             return
         self._join_attempts += 1
-        if self._join_attempts >= 2 and self.may_lead and self.id == min(
+        if self._join_attempts >= 2 and self.may_lead and now_ms >= self._bootstrap_not_before_ms and self.id == min(
                 [self.id] + [m.id for m in live if m.running and self.may_lead_rank(m.id)]):
             self.counters["bootstrap"] += 1
             self.ready = True
