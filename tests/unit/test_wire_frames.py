@@ -76,6 +76,31 @@ def test_vector_messages_round_trip_chunked(use_numpy, prec, mmb):
     assert not r.drops and r.n_incomplete == 0
 
 
+@pytest.mark.parametrize("n_assigned", [0, 1, 2, 5])
+def test_a_reassembled_f32_vector_is_a_view_of_the_readers_own_buffer(n_assigned):
+    """A frame reassembled from several chunks is copied once, into the reader's buffer, and its
+    f32 vector (``round`` with any assignment, ``grad``) is an aligned, writable view of that
+    buffer; a single-chunk frame's vector (the transport's memory) is still a copy."""
+    np = pytest.importorskip("numpy")
+    xs = np.arange(5000, dtype=np.float32) - 2500.5
+    assign = {k + 1: 7 * k for k in range(n_assigned)}
+    shares = {k + 1: 3 for k in range(n_assigned)}
+    r = FrameReader(use_numpy=True)
+    for mmb, copied in ((1000, False), (1 << 16, True)):
+        w = FrameWriter(5, precision="f32", max_message_bytes=mmb, use_numpy=True)
+        for msg, key in ((round_msg(xs, assign=assign, shares=shares), "params"), (grad_msg(xs), "g")):
+            chunks = w.write(msg)
+            assert (len(chunks) == 1) == copied
+            (m,) = feed_all(r, chunks)
+            v = m[key]
+            assert same_bits(v, xs) and v.dtype == np.float32
+            assert v.flags.aligned and v.flags.writeable
+            assert v.flags.owndata == copied, (msg["t"], mmb)
+            v[0] = 1.0        # the vector is the message's own: the sender's array is untouched
+            assert xs[0] == -2500.5
+    assert not r.drops
+
+
 @pytest.mark.parametrize("use_numpy", PATHS)
 def test_empty_and_one_element_vectors(use_numpy):
     w = FrameWriter(1, precision="int8", use_numpy=use_numpy)

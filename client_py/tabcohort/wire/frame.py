@@ -27,7 +27,7 @@ from typing import Any, Callable
 from ..errors import LocalProtocolError, RemoteProtocolError
 from . import limits as L
 from .codecs import CODECS_BY_ID, FLAG_F32_FALLBACK, Codec
-from .vec import as_f32_np, as_f32_py
+from .vec import as_f32_np, as_f32_py, f32_view
 
 MSG_TYPES = {"hello": 1, "beat": 2, "round": 3, "grad": 4}
 MSG_NAMES = {v: k for k, v in MSG_TYPES.items()}
@@ -50,6 +50,13 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _TRIPLE = struct.Struct("<III")
 VEC_HEADER = struct.Struct("<BBII")
+#: Bytes a reader places before a body it reassembles into a buffer of its own, so that the
+#: float32 payloads of ``round`` and ``grad`` land 4-aligned there and decode as views of that
+#: buffer, without a copy (:func:`decode_body` with ``owned``). Both start at a body offset of
+#: 3 (mod 4): ``grad``'s after 1 + 4 x 8 bytes and the vector header; ``round``'s after
+#: 1 + 6 x 8 + 4 bytes, an ``assign`` of 4 + 12 x count and the header. A layout that moves
+#: them still decodes, with a copy.
+BODY_ALIGN_PAD = (-(1 + 4 * 8 + VEC_HEADER.size)) % 4
 
 
 def encode_body(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
@@ -130,11 +137,12 @@ def encode_parts(msg: dict, *, codec: Codec, block: int, use_numpy: bool,
 
 
 class _Cursor:
-    __slots__ = ("mv", "pos")
+    __slots__ = ("mv", "pos", "owned")
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, owned: bool = False) -> None:
         self.mv = memoryview(body)
         self.pos = 0
+        self.owned = owned
 
     def take(self, n: int, reason: str = L.TRUNCATED) -> memoryview:
         if n > len(self.mv) - self.pos:
@@ -147,18 +155,21 @@ class _Cursor:
         return st.unpack(self.take(st.size))
 
 
-def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool) -> dict:
+def decode_body(body: Any, *, limits: L.WireLimits, use_numpy: bool, owned: bool = False) -> dict:
     """Decode a frame body into a message dict (without ``from``/``to``).
 
     Args:
         body: bytes-like, the reassembled frame body.
         limits: bounds checked before any allocation.
         use_numpy: vectors come back as numpy float32 arrays (else ``array('f')``).
+        owned: ``body`` is writable memory that only the returned message will hold (a reader's
+            own reassembly buffer): an f32 vector there that is 4-aligned is returned as a view
+            of it instead of a copy (see :data:`BODY_ALIGN_PAD`).
 
     Raises:
         RemoteProtocolError: with ``reason`` one of :data:`tabcohort.wire.limits.DROP_REASONS`.
     """
-    c = _Cursor(body)
+    c = _Cursor(body, owned)
     (code,) = c.take(1)
     t = MSG_NAMES.get(code)
     if t is None:
@@ -231,5 +242,9 @@ def _decode_vec(c: _Cursor, limits: L.WireLimits, use_numpy: bool) -> Any:
     elif block != 0:
         raise RemoteProtocolError(L.BAD_VALUE, f"block {block} on {codec.name}")
     data = c.take(codec.data_len(n, flags, block), L.LENGTH_MISMATCH)
+    if c.owned and use_numpy and (codec.name == "f32" or flags & FLAG_F32_FALLBACK):
+        view = f32_view(data)
+        if view is not None:
+            return view
     return codec.decode(data, n, flags, block, use_numpy=use_numpy)
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from .._compat import np
 from ..errors import RemoteProtocolError
 from . import limits as L
 from .chunk import CHUNK_HEADER, Route, parse_route
-from .frame import decode_body
+from .frame import BODY_ALIGN_PAD, decode_body
 from .vec import resolve_numpy
 
 
@@ -143,9 +144,9 @@ class FrameReader:
                 return []
             return self._decode(r, payload)
         body = self._reassemble(r, payload, now_ms)
-        return [] if body is None else self._decode(r, body)
+        return [] if body is None else self._decode(r, body, owned=True)
 
-    def _reassemble(self, r: Route, payload: memoryview, now_ms: float) -> bytes | None:
+    def _reassemble(self, r: Route, payload: memoryview, now_ms: float) -> Any:
         key = (r.sender, r.frame_id)
         lim = self.limits
         p = self._partial.get(key)
@@ -183,11 +184,22 @@ class FrameReader:
         if p.n_bytes != r.frame_len:
             self._drop(L.LENGTH_MISMATCH)
             return None
-        return b"".join(p.parts[i] for i in range(r.count))
+        if not self.use_numpy:
+            return b"".join(p.parts[i] for i in range(r.count))
+        # One copy, into a buffer of this reader's own: its f32 vectors decode as views of it
+        # (frame.BODY_ALIGN_PAD puts them 4-aligned), not as a second copy.
+        buf = np.empty(BODY_ALIGN_PAD + r.frame_len, dtype=np.uint8)
+        body = memoryview(buf)[BODY_ALIGN_PAD:]
+        o = 0
+        for i in range(r.count):
+            part = p.parts[i]
+            body[o:o + len(part)] = part
+            o += len(part)
+        return body
 
-    def _decode(self, r: Route, body: Any) -> list[dict]:
+    def _decode(self, r: Route, body: Any, *, owned: bool = False) -> list[dict]:
         try:
-            msg = decode_body(body, limits=self.limits, use_numpy=self.use_numpy)
+            msg = decode_body(body, limits=self.limits, use_numpy=self.use_numpy, owned=owned)
         except RemoteProtocolError as e:
             self._drop(e.reason)
             return []

@@ -101,6 +101,17 @@ def from_le_bytes_py(typecode: str, data: Any) -> array.array:
     return a
 
 
+def f32_view(data: Any) -> Any:
+    """A writable numpy float32 view of little-endian float32 bytes, or ``None`` where a view
+    cannot stand for a decoded vector (no numpy, a big-endian machine, bytes not 4-aligned or
+    read-only). Only for bytes that nothing else holds or reuses (a reader's own reassembly
+    buffer): the vector and the buffer are then one."""
+    if np is None or not LITTLE_ENDIAN:
+        return None
+    a = np.frombuffer(data, dtype=np.float32)
+    return a if a.flags.aligned and a.flags.writeable else None
+
+
 def f32_vector(data: Any, use_numpy: bool) -> Any:
     """Decode little-endian float32 bytes into the vector type of the chosen path (a copy)."""
     if use_numpy:
