@@ -148,8 +148,12 @@ class FixedGradWorker:
         return {"name": self.model, "bucket_len": self.bucket_len}
 
 
-def ours_worker(url: str, link: str, out: str, max_s: float) -> None:
-    """One rank of our cohort (as bench/linkproc.py's ``rank``, with :class:`FixedGradWorker`)."""
+def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None:
+    """One rank of our cohort (as bench/linkproc.py's ``rank``, with :class:`FixedGradWorker`).
+    Only rounds that give every one of the ``world`` ranks a share are timed, as gloo's step
+    has every rank in it: the leader leaves a rank whose bucket would come last by a wide
+    margin out of a round (docs/PROTOCOL.md, "Shares"), and a round it computes alone moves
+    no data."""
     import asyncio
 
     from linkproc import _links, _stop_event, make_bus
@@ -170,7 +174,7 @@ def ours_worker(url: str, link: str, out: str, max_s: float) -> None:
 
         def timed_post(msg, **kw):
             if msg.get("t") == "round":
-                w.t_round = time.perf_counter()
+                w.t_round = time.perf_counter() if len(msg.get("shares") or ()) == world else None
             post(msg, **kw)
         bus.post = timed_post
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,
@@ -257,7 +261,7 @@ def ours(world: int, link: str, seconds: float, tmp: pathlib.Path, *, allocator:
         outs = [tmp / f"ours-{tag}-{i}.jsonl" for i in range(world)]
         for i, o in enumerate(outs):
             procs.procs.append((subprocess.Popen(
-                [sys.executable, __file__, "--worker", "ours", ws, link, str(o), str(seconds + 120)],
+                [sys.executable, __file__, "--worker", "ours", ws, link, str(o), str(seconds + 120), str(world)],
                 stdout=(fh_i := open(tmp / f"rank-{tag}-{i}.log", "wb")), stderr=subprocess.STDOUT,
                 env=penv, cwd=str(ROOT)), fh_i))
 
@@ -338,7 +342,7 @@ def label(o: dict) -> str:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker" and sys.argv[2] == "ours":
-        ours_worker(sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]))
+        ours_worker(sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]), int(sys.argv[7]))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         mode, rank, world, arg, steps, out = sys.argv[2:8]
