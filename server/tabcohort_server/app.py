@@ -663,7 +663,12 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
     """The star relay for one rank: register (first text message), then chunks and controls."""
     room = _room(request)
     limits = request.app[CONFIG].limits
-    ws = web.WebSocketResponse(heartbeat=limits.heartbeat_s, max_msg_size=limits.max_ws_message_bytes)
+    # compress=False: a browser offers permessage-deflate (RFC 7692) on every WebSocket and
+    # aiohttp accepts it by default; then each chunk to and from a tab would go through zlib at
+    # both ends. Chunks are float vectors (deflate barely shrinks them) and short controls, so
+    # it would only spend the relay's and the tab's CPU.
+    ws = web.WebSocketResponse(heartbeat=limits.heartbeat_s, max_msg_size=limits.max_ws_message_bytes,
+                               compress=False)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
     auth = request.app[AUTH]

@@ -142,7 +142,7 @@ async def _owner_middleware(request: web.Request, handler: Any) -> web.StreamRes
     ws = request.path.endswith("/ws") and request.headers.get("Upgrade", "").lower() == "websocket"
     node.counters["redirects"] += 1
     if ws:
-        sock = web.WebSocketResponse()
+        sock = web.WebSocketResponse(compress=False)   # (only a close follows)
         await sock.prepare(request)
         if url is None:
             await sock.close(code=CLOSE_TRY_AGAIN, message=b"no node owns the room right now; retry")

@@ -158,3 +158,15 @@ async def test_wrong_token_is_refused_with_a_clear_reason(client):
     assert (await client.get("/api/rooms/t/job")).status == 403
     assert (await client.get(f"/api/rooms/t/job?token={TOKEN}")).status == 200
     await ws2.close()
+
+
+async def test_the_relay_socket_refuses_per_message_compression(client):
+    """A browser offers permessage-deflate (RFC 7692) on every WebSocket; the relay declines it,
+    so no chunk to or from a tab goes through zlib (float vectors barely deflate)."""
+    ws = await client.ws_connect("/api/rooms/r/ws", compress=15)
+    try:
+        assert ws.compress == 0, "the relay accepted permessage-deflate"
+        await ws.send_str(json.dumps({"type": "register"}))
+        assert json.loads((await ws.receive(5)).data)["type"] == "welcome"
+    finally:
+        await ws.close()
