@@ -311,6 +311,46 @@ def test_a_rank_without_a_share_is_sent_rounds_at_most_every_follow_interval():
     assert r.m.counters["rounds_addressed"] > 0
 
 
+def test_the_follow_and_probe_intervals_stretch_with_the_round_size_up_to_a_quarter_of_takeover():
+    from tabcohort.protocol.shares import FOLLOW_BYTES_PER_S, FOLLOW_INTERVAL_MS, paced_interval_ms
+
+    assert paced_interval_ms(FOLLOW_INTERVAL_MS, 4 * 2_410, 3200.0) == FOLLOW_INTERVAL_MS     # digits
+    assert paced_interval_ms(PROBE_INTERVAL_MS, 4 * 2_410, 3200.0) == PROBE_INTERVAL_MS
+    big = 4 * 1_126_410                                                   # 64x1024x1024x10
+    assert paced_interval_ms(FOLLOW_INTERVAL_MS, big, 3200.0) == 1000.0 * big / FOLLOW_BYTES_PER_S
+    assert paced_interval_ms(PROBE_INTERVAL_MS, big, 3200.0) == 1000.0 * big / FOLLOW_BYTES_PER_S
+    assert paced_interval_ms(FOLLOW_INTERVAL_MS, 4 * 10**8, 3200.0) == 800.0   # never past takeover / 4
+    assert paced_interval_ms(PROBE_INTERVAL_MS, 4 * 10**8, 800.0) == PROBE_INTERVAL_MS
+
+
+def test_rounds_outside_the_shares_stay_within_the_byte_budget_for_a_large_model(monkeypatch):
+    # PROTOCOL.md "Shares": a round carries the parameters, so for a large model a rank without
+    # a share gets follow rounds and probes no faster than FOLLOW_BYTES_PER_S (a tab following a
+    # 1.1M-parameter cohort 20 times a second took the relay's and the tab's CPU and slowed the
+    # room to a third). The budget is scaled down here instead of the model up: 4 x 4 bytes a
+    # round at 40 bytes/s is one round outside the shares per 400 ms.
+    from tabcohort.protocol import shares as shares_mod
+
+    monkeypatch.setattr(shares_mod, "FOLLOW_BYTES_PER_S", 40)
+    r = leader_with([2, 3], global_batch=48)
+    assert r.w.bucket_len == 4
+    r.m.start(now_ms=0)
+    t, to_all, probes = 0.0, [], []
+    while t < 4000.0:
+        acts, end = _drive(r, t, late=(3,))
+        for p in r.posts(acts, "round"):
+            if p["shares"].get(3) == 1:
+                probes.append(t)
+            elif p.get("to") is None and t > 1000.0:
+                to_all.append(t)
+        t = end + 1.0
+        tick(r, t, peers=(2, 3))
+    assert r.m.shares.get(3) in (None, 1)                                   # excluded (or probed)
+    assert len(to_all) >= 3 and all(b - a >= 400.0 - 1.0 for a, b in zip(to_all, to_all[1:])), to_all
+    probes = sorted(set(p for p in probes if p > 1000.0))
+    assert len(probes) >= 2 and all(b - a >= 400.0 - 1.0 for a, b in zip(probes, probes[1:])), probes
+
+
 def test_rounds_are_broadcast_while_most_peers_hold_a_share_and_in_a_terms_first_round():
     r = leader_with([2, 3], global_batch=48)
     r.m.start(now_ms=0)

@@ -28,7 +28,8 @@ from .assign import windows
 from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
 from .robust import AGGREGATES, clip_to_median_norm, l2_norm, trimmed_mean
-from .shares import FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable, plan_shares
+from .shares import (FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
+                     paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
 from .roster import Roster
 
@@ -1181,7 +1182,7 @@ class RankMachine:
             shares = {k: int(batches[k]) for k in ids}
         else:
             # "Shares": the global batch in proportion to measured throughput, within caps
-            probe = self.step % PROBE_EVERY == 0 and now_ms - self._probe_ms >= PROBE_INTERVAL_MS
+            probe = self.step % PROBE_EVERY == 0 and now_ms - self._probe_ms >= self._paced_ms(PROBE_INTERVAL_MS)
             # a rank with no history is probed again while its probes are unanswered only after
             # PROBE_INTERVAL_MS, doubled for each one outstanding (a silent newcomer would get a
             # share every round; a slow one's answer must find its probe still kept)
@@ -1204,10 +1205,11 @@ class RankMachine:
                 # "Shares": ranks still being measured (or silent) hold the caps that would
                 # cover the rest; the round is smaller than the global batch, and says so
                 self.counters["rounds_below_global_batch"] += 1
+        probe_ms = self._paced_ms(PROBE_INTERVAL_MS)
         for k in sorted(held_back - self.quarantined.keys()):
             if self._probe_backing_off(k, now_ms):
                 continue                             # its last probes are unanswered: back off
-            if 0 <= now_ms - self._held_probe_ms.get(k, -PROBE_INTERVAL_MS) < PROBE_INTERVAL_MS:
+            if 0 <= now_ms - self._held_probe_ms.get(k, -probe_ms) < probe_ms:
                 continue                             # at most one probe per PROBE_INTERVAL_MS
             self._held_probe_ms[k] = now_ms
             shares[k] = 1
@@ -1295,6 +1297,11 @@ class RankMachine:
             return None
         return to_vector(self.opt_state) if self.opt_state is not None else _zeros(self.state_len)
 
+    def _paced_ms(self, base_ms: float) -> float:
+        """``base_ms`` stretched for this model's round size ("Shares": rounds to ranks outside
+        the shares stay within ``shares.FOLLOW_BYTES_PER_S``)."""
+        return paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len), self.policy.takeover_ms)
+
     def _round_recipients(self, shares: dict[int, int], now_ms: float) -> list[int] | None:
         """Who this round is sent to: ``None`` for everyone (a broadcast), else the ranks with
         a share, each addressed (PROTOCOL.md, "Shares": followers without a share).
@@ -1305,7 +1312,7 @@ class RankMachine:
         holders = sorted(k for k in shares if k != self.id)
         peers = [m.id for m in self.roster.live(now_ms, self.policy.drop_ms) if m.id != self.id]
         due = (self._broadcast_term != self.term
-               or now_ms - self._broadcast_ms >= FOLLOW_INTERVAL_MS or now_ms < self._broadcast_ms)
+               or now_ms - self._broadcast_ms >= self._paced_ms(FOLLOW_INTERVAL_MS) or now_ms < self._broadcast_ms)
         if due or not peers or 2 * len(holders) > len(peers):
             self._broadcast_ms = now_ms
             self._broadcast_term = self.term
@@ -1415,7 +1422,7 @@ class RankMachine:
         if not q:
             return False
         n = self._probes_outstanding.get(rank, 1)   # (at least 1 while any probe is kept)
-        return now_ms - q[-1][2] < PROBE_INTERVAL_MS * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP)
+        return now_ms - q[-1][2] < self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP)
 
     def _observe_turnaround(self, rank: int, term: int, step: int, samples: int, now_ms: float) -> None:
         """"Shares": a bucket of a round this rank drove arrived; fold its turnaround into the

@@ -36,6 +36,11 @@ PROBE_INTERVAL_MS = 250.0
 #: a rank with no share in a round is sent it only if the leader's last broadcast round is
 #: this old (milliseconds): it follows at most about 1000 / FOLLOW_INTERVAL_MS rounds per second
 FOLLOW_INTERVAL_MS = 50.0
+#: bytes per second of rounds the leader sends a rank outside the round's shares (its follow
+#: rounds and its probes), at most: the intervals above are stretched to this for a large model
+#: (at 4 bytes a parameter, 1.1M parameters: one round per 560 ms), up to a quarter of the
+#: takeover time (see :func:`paced_interval_ms`)
+FOLLOW_BYTES_PER_S = 8_000_000
 #: how many of a rank's lateness (RMS of its buckets' arrival after the predicted time) it is
 #: planned to finish before the others
 LATENESS_MARGIN = 1.0
@@ -252,3 +257,22 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
             shares[k] = 1
             probing.add(k)
     return shares, probing
+
+
+def paced_interval_ms(base_ms: float, round_bytes: int, takeover_ms: float) -> float:
+    """The interval between rounds sent to a rank outside the shares (PROTOCOL.md, "Shares":
+    followers without a share, probes): ``base_ms`` (:data:`FOLLOW_INTERVAL_MS`,
+    :data:`PROBE_INTERVAL_MS`), stretched so those rounds stay within
+    :data:`FOLLOW_BYTES_PER_S`, but never past ``takeover_ms / 4`` (a follower must see a round
+    well within the takeover time, or it would take over from a live leader).
+
+    Args:
+        base_ms: the interval for a small model, milliseconds.
+        round_bytes: the bytes of one round's vectors (4 per parameter and per optimizer-state
+            value: the f32 size, an upper bound at lower wire precisions).
+        takeover_ms: the policy's takeover time, milliseconds.
+
+    Returns:
+        Milliseconds, >= ``base_ms``.
+    """
+    return max(base_ms, min(takeover_ms / 4.0, 1000.0 * round_bytes / FOLLOW_BYTES_PER_S))
