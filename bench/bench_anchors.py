@@ -151,9 +151,9 @@ class FixedGradWorker:
 def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None:
     """One rank of our cohort (as bench/linkproc.py's ``rank``, with :class:`FixedGradWorker`).
     Only rounds that give every one of the ``world`` ranks a share are timed, as gloo's step
-    has every rank in it: the leader leaves a rank whose bucket would come last by a wide
-    margin out of a round (docs/PROTOCOL.md, "Shares"), and a round it computes alone moves
-    no data."""
+    has every rank in it: a round can leave a rank out (one held back after a missed bucket,
+    docs/PROTOCOL.md "Untrusted ranks"; or before the cohort formed), and a round the leader
+    computes alone moves no data."""
     import asyncio
 
     from linkproc import _links, _stop_event, make_bus
@@ -174,7 +174,7 @@ def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None
 
         def timed_post(msg, **kw):
             if msg.get("t") == "round":
-                w.t_round = time.perf_counter() if len(msg.get("shares") or ()) == world else None
+                w.t_round = time.perf_counter() if len(msg.get("shares") or ()) >= world else None
             post(msg, **kw)
         bus.post = timed_post
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,

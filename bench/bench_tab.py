@@ -22,7 +22,9 @@ server's default digits room), each cohort on a fresh server:
   whose native round takes >= 50 ms (``--big-global-batch``, 200000) the mixed cohort's applied
   samples/s against native-only + 0.8 x the tab's solo applied samples/s (the tab alone in a
   room of the same global batch, over whole rounds), with the tab's share and its part of the
-  applied samples (the leader's ``applied`` by rank). ``--shares-only`` runs just these.
+  applied samples (the leader's ``applied`` by rank); and a large model (``--hidden 1024,1024``,
+  4.5 MB rounds) with a js tab that gets no share, the mixed window against the native ones
+  around it (what a follower costs the room). ``--shares-only`` runs just these.
   The shares rows run with the cores split (``CoreSplit``): the native ranks on one core, the
   server and Chromium on the other, as if the tab were a volunteer's own machine (on 2 shared
   cores a tab can otherwise only take CPU from the native ranks); ``--no-split-cores`` turns
@@ -449,6 +451,51 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
     return out
 
 
+def large_model_cohort(chromium: Chromium, window_s: float, split: "CoreSplit") -> dict:
+    """The digits job on a large MLP (``--hidden 1024,1024``: 1.13M parameters, 4.5 MB rounds),
+    the room's default global batch: the 2 native ranks alone, with a js tab joined (too slow
+    for a share: it follows and is probed, docs/PROTOCOL.md "Shares"), and alone again; the mixed
+    window against the mean of the two around it."""
+    c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix="bench-tab-large-")))
+    page = None
+    out: dict = {"hidden": [1024, 1024]}
+
+    def natives_alone() -> dict:
+        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 120,
+                 "two native ranks in a cohort of 2")
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
+        return shares_window(c, window_s)
+
+    try:
+        url = split.serve(c, "--hidden", "1024,1024")
+        c.rank()
+        c.rank()
+        before = natives_alone()
+        page = open_tab(chromium, url, query="&backend=js")
+        split.repin()
+        wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
+        tab_hex = f"{tc(page)['id']:08x}"
+        s0 = c.state()["step"]
+        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab", interval_s=0.2)
+        mixed = shares_window(c, window_s, tab_hex)
+        lead = next(r for r in c.reports() if r.get("is_leader"))
+        out["tab_share"] = lead["shares"].get(tab_hex, 0)
+        chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+        page = None
+        after = natives_alone()
+        out.update(native_windows=[before, after], mixed=mixed,
+                   mixed_over_native_rounds=mixed["rounds_per_s"] / ((before["rounds_per_s"] + after["rounds_per_s"]) / 2))
+    finally:
+        if page is not None:
+            try:
+                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+            except Exception:
+                pass
+        c.close()
+    return out
+
+
 def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSplit", rounds: int = 2) -> dict:
     """The tab alone in a room of the same global batch: applied samples/s over whole rounds."""
     c = Cluster(pathlib.Path(tempfile.mkdtemp(prefix=f"bench-tab-solo-{global_batch}-")))
@@ -480,6 +527,7 @@ def shares_main(chromium: Chromium, a) -> dict:
         small = shares_cohort(chromium, a.small_global_batch, a.window, split, a.pairs)
         big = shares_cohort(chromium, a.big_global_batch, a.big_window, split)
         solo = tab_solo(chromium, a.big_global_batch, a.big_window, split)
+        large = large_model_cohort(chromium, a.window, split)
     small["mixed_over_native_rounds"] = statistics.median(small["mixed_over_native_rounds_paired"])
     for x in (small, big):
         x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
@@ -491,7 +539,7 @@ def shares_main(chromium: Chromium, a) -> dict:
     big["native_part_over_native_only"] = (big["mixed"]["applied_per_s"] - big["mixed"]["tab_applied_per_s"]) / \
         big["native"]["applied_per_s"]
     big["native_round_ms"] = 1000.0 / big["native"]["rounds_per_s"]
-    return {"small": small, "big": big, "cores": split.describe()}
+    return {"small": small, "big": big, "large_model": large, "cores": split.describe()}
 
 
 def print_shares(r: dict) -> None:
@@ -506,6 +554,11 @@ def print_shares(r: dict) -> None:
     print(f"| applied samples/s | {bg['global_batch']} | {bg['native']['applied_per_s']:.0f} | "
           f"{bg['mixed']['applied_per_s']:.0f} | {bg['mixed']['applied_per_s'] / bg['native']['applied_per_s']:.2f} | "
           f"{bg['tab_share']} |")
+    lg = r.get("large_model")
+    if lg:
+        nat = [w["rounds_per_s"] for w in lg["native_windows"]]
+        print(f"| rounds/s, a 1.13M-parameter MLP (64x1024x1024x10), js tab | 64 | {sum(nat) / len(nat):.1f} | "
+              f"{lg['mixed']['rounds_per_s']:.1f} | {lg['mixed_over_native_rounds']:.2f} | {lg['tab_share']} |")
     paired = sm["mixed_over_native_rounds_paired"]
     print(f"\nglobal batch {sm['global_batch']}: each window with the tab joined / the mean of the native-only windows "
           f"before and after it: {', '.join(f'{x:.3f}' for x in paired)} (median "

@@ -203,7 +203,8 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if any(m.ready and self.may_lead_rank(m.id) for m in live):\n            return', 'pass',
      [f"{U}::test_joiner_does_not_bootstrap_while_a_live_peer_is_ready"]),
     ("takeover after the takeover window", M,
-     'elif now_ms - self.last_open_ms > self.policy.takeover_ms + self._round_slack_ms(now_ms) \\\n'
+     'elif now_ms - self.last_open_ms > (self.policy.takeover_ms + self._round_slack_ms(now_ms)\n'
+     '                                               + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS) \\\n'
      '                    and self._may_take_lead(now_ms):',
      'elif self._may_take_lead(now_ms):',
      [f"{U}::test_a_takeover_starts_a_new_term_above_every_term_seen",
@@ -366,6 +367,10 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "        return paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len), self.policy.takeover_ms)",
      "        return base_ms",
      [f"{SH}::test_rounds_outside_the_shares_stay_within_the_byte_budget_for_a_large_model"]),
+    ("shares: a follower of a large model adds the follow stretch to its takeover window", M,
+     "                                               + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS) \\\n",
+     "                                               ) \\\n",
+     [f"{U}::test_a_follower_of_a_large_model_waits_the_follow_stretch_longer_before_it_takes_over"]),
     ("shares: rounds go to everyone while most peers hold a share", M,
      'if due or not peers or 2 * len(holders) > len(peers):', 'if due or not peers:',
      [f"{SH}::test_rounds_are_broadcast_while_most_peers_hold_a_share_and_in_a_terms_first_round"]),
@@ -385,8 +390,8 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'and False}',
      [f"{SH}::test_a_rank_without_history_is_not_awaited_so_a_silent_newcomer_never_holds_a_round"]),
     ("shares: the wait between unanswered probes doubles past the probes kept", M,
-     'return now_ms - q[-1][2] < self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP)',
-     'return now_ms - q[-1][2] < self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(len(q) - 1, _PROBE_BACKOFF_MAX_EXP)',
+     'wait_ms = min(self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP),',
+     'wait_ms = min(self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(len(q) - 1, _PROBE_BACKOFF_MAX_EXP),',
      [f"{SH}::test_a_newcomer_slower_than_two_seconds_a_probe_is_still_measured"]),
     ("contribute: a bucket superseded only by rounds without a share is still sent", M,
      'if seq != self._adopt_seq and self._pending is not None:', 'if seq != self._adopt_seq:',

@@ -287,6 +287,26 @@ def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():
     assert trusted_job_source({**info, "code_sha256": "0" * 64}, trust=True, local=None) is None
 
 
+def test_the_probe_computes_a_small_bucket_whatever_the_rooms_batch(monkeypatch):
+    """``serve --global-batch 200000`` probes the job before it serves: one bucket of at most
+    PROBE_SAMPLES samples, not the whole batch (which took a minute on the pure-Python path)."""
+    from tabcohort.jobs import BUILTIN, PROBE_SAMPLES
+    from tabcohort.jobs.worker import JobWorker
+    seen = []
+    real = JobWorker.grads_sync
+
+    def spy(self, offset, samples=None):
+        seen.append(samples)
+        return real(self, offset, samples)
+    monkeypatch.setattr(JobWorker, "grads_sync", spy)
+    job = load_job(BUILTIN, options={"dataset": "synthetic", "hidden": [16], "data_seed": 3})
+    w = probe(job, batch=200_000, seed=0, backend="python")
+    assert seen == [PROBE_SAMPLES] and w.batch == 200_000
+    seen.clear()
+    probe(job, batch=3, seed=0, backend="python")
+    assert seen == [3]
+
+
 def test_a_jobs_backends_spec_and_own_errors_are_checked(tmp_path):
     """``BACKENDS`` without ``auto``: auto picks numpy (when importable and listed), else python,
     else the first listed; ``BACKENDS`` that is not a tuple of names and a ``SPEC["options"]``

@@ -930,6 +930,31 @@ def test_a_takeover_starts_a_new_term_above_every_term_seen():
     assert rd["term"] == 2 and rd["step"] == 5 and r.m.term == 2
 
 
+def test_a_follower_of_a_large_model_waits_the_follow_stretch_longer_before_it_takes_over(monkeypatch):
+    # PROTOCOL.md "Shares": for a large model a rank without a share is sent rounds only every
+    # paced follow interval (up to takeover / 4), so its takeover window grows by as much; a
+    # small model keeps the plain window. The budget is scaled down instead of the model up.
+    from tabcohort.protocol import shares as shares_mod
+
+    def takeover_at() -> float:
+        r = follower_of(1, rank_id=2, peers=[3])
+        t = 0.0
+        while not r.m.looping:
+            t += 100
+            r.m.handle(beat(3, step=5, term=1), now_ms=t)     # 1 is silent; 2 and 3 are a majority
+            r.m.on_timer(now_ms=t)
+            assert t < 20_000
+        return t
+
+    small = takeover_at()
+    monkeypatch.setattr(shares_mod, "FOLLOW_BYTES_PER_S", 1)  # 16 bytes a round: capped at takeover / 4
+    large = takeover_at()
+    stretch = T.takeover_ms / 4 - shares_mod.FOLLOW_INTERVAL_MS
+    # (the takeover is decided on the beat timer, every beat_ms)
+    assert T.takeover_ms < small <= T.takeover_ms + T.beat_ms, small
+    assert T.takeover_ms + stretch < large <= T.takeover_ms + stretch + T.beat_ms, large
+
+
 def test_a_deposed_leader_that_returns_never_rewinds_the_new_lineage():
     # the state machine reproduction: 2 follows 1 at step 5; 1 goes silent; 2 takes over and
     # drives to step 10; 1 comes back and sends rounds 6..9 of its old term

@@ -331,11 +331,18 @@ def _finite(v: Any) -> bool:
     return all(math.isfinite(x) for x in v)
 
 
+#: samples of the bucket :func:`probe` computes (fewer when the batch is smaller): the checks
+#: need a bucket, not the room's whole batch (a server of ``--global-batch 200000`` spent about
+#: a minute on one pure-Python bucket before it served anything)
+PROBE_SAMPLES = 8
+
+
 def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
           worker: JobWorker | None = None) -> JobWorker:
     """The checks before any rank joins: build a worker (or take ``worker``), check
-    ``bucket_len`` against ``params()``, compute one bucket at offset 0 (its loss finite, its
-    gradient ``bucket_len`` long and finite), evaluate (a number in [0, 1]). Returns the worker.
+    ``bucket_len`` against ``params()``, compute one bucket of ``min(batch, PROBE_SAMPLES)``
+    samples at offset 0 (its loss finite, its gradient ``bucket_len`` long and finite), evaluate
+    (a number in [0, 1]). Returns the worker.
 
     Raises:
         JobError: naming the check that failed.
@@ -357,7 +364,7 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
         raise JobError(f"bucket_len {w.bucket_len} disagrees with params(), which has {len(p)} values", ref)
     if not _finite(p):
         raise JobError("the initial params() are not finite", ref)
-    loss, g = call("grads(0)", lambda: w.grads_sync(0, w.batch))
+    loss, g = call("grads(0)", lambda: w.grads_sync(0, max(1, min(w.batch, PROBE_SAMPLES))))
     if len(g) != w.bucket_len:
         raise JobError(f"grads(0) on a probe batch returned {len(g)} values, bucket_len is {w.bucket_len}", ref)
     if not math.isfinite(loss) or not _finite(g):

@@ -900,7 +900,8 @@ class RankMachine:
                 if self.has_majority(now_ms):         # a lead paused without a majority resumes
                     self.counters["lead_resumed"] += 1
                     self._maybe_start_loop(now_ms)
-            elif now_ms - self.last_open_ms > self.policy.takeover_ms + self._round_slack_ms(now_ms) \
+            elif now_ms - self.last_open_ms > (self.policy.takeover_ms + self._round_slack_ms(now_ms)
+                                               + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS) \
                     and self._may_take_lead(now_ms):
                 self.counters["takeover"] += 1
                 self._take_lead(now_ms)
@@ -1299,7 +1300,9 @@ class RankMachine:
 
     def _paced_ms(self, base_ms: float) -> float:
         """``base_ms`` stretched for this model's round size ("Shares": rounds to ranks outside
-        the shares stay within ``shares.FOLLOW_BYTES_PER_S``)."""
+        the shares stay within ``shares.FOLLOW_BYTES_PER_S``). A follower waits the stretch of
+        the follow interval longer before it takes over ("Heartbeat and takeover"): a rank
+        without a share may see no round for that much longer."""
         return paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len), self.policy.takeover_ms)
 
     def _round_recipients(self, shares: dict[int, int], now_ms: float) -> list[int] | None:
@@ -1422,7 +1425,9 @@ class RankMachine:
         if not q:
             return False
         n = self._probes_outstanding.get(rank, 1)   # (at least 1 while any probe is kept)
-        return now_ms - q[-1][2] < self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP)
+        wait_ms = min(self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP),
+                      PROBE_INTERVAL_MS * 2 ** _PROBE_BACKOFF_MAX_EXP)    # (8 s for any model)
+        return now_ms - q[-1][2] < wait_ms
 
     def _observe_turnaround(self, rank: int, term: int, step: int, samples: int, now_ms: float) -> None:
         """"Shares": a bucket of a round this rank drove arrived; fold its turnaround into the

@@ -54,8 +54,9 @@ VEC_HEADER = struct.Struct("<BBII")
 #: float32 payloads of ``round`` and ``grad`` land 4-aligned there and decode as views of that
 #: buffer, without a copy (:func:`decode_body` with ``owned``). Both start at a body offset of
 #: 3 (mod 4): ``grad``'s after 1 + 4 x 8 bytes and the vector header; ``round``'s after
-#: 1 + 6 x 8 + 4 bytes, an ``assign`` of 4 + 12 x count and the header. A layout that moves
-#: them still decodes, with a copy.
+#: 1 + 6 x 8 + 4 bytes, an ``assign`` of 4 + 12 x count and the header. A vector elsewhere (a
+#: round's ``opt``, after ``params``) lands unaligned and decodes with a copy, as would one of a
+#: layout that moved them. A ``params`` view keeps the whole body's buffer (its ``opt`` bytes too).
 BODY_ALIGN_PAD = (-(1 + 4 * 8 + VEC_HEADER.size)) % 4
 
 

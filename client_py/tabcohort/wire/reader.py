@@ -137,7 +137,8 @@ class FrameReader:
         except RemoteProtocolError as e:
             self._drop(e.reason)
             return []
-        payload = memoryview(chunk)[CHUNK_HEADER.size :]
+        mv = memoryview(chunk)
+        payload = (mv if mv.format == "B" else mv.cast("B"))[CHUNK_HEADER.size :]
         if r.count == 1:
             if len(payload) != r.frame_len:
                 self._drop(L.LENGTH_MISMATCH)
