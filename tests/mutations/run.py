@@ -364,8 +364,9 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if due or not peers or 2 * len(holders) > len(peers):', 'if True:',
      [f"{SH}::test_a_rank_without_a_share_is_sent_rounds_at_most_every_follow_interval"]),
     ("shares: rounds outside the shares stay within the byte budget (large models)", M,
-     "        return paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len), self.policy.takeover_ms)",
-     "        return base_ms",
+     "            v = self._paced[key] = paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len),\n"
+     "                                                     self.policy.takeover_ms)",
+     "            v = self._paced[key] = base_ms",
      [f"{SH}::test_rounds_outside_the_shares_stay_within_the_byte_budget_for_a_large_model"]),
     ("shares: a follower of a large model adds the follow stretch to its takeover window", M,
      "                                               + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS) \\\n",

@@ -346,6 +346,8 @@ class RankMachine:
         self._probe_sent: dict[int, list[tuple[int, int, float, int]]] = {}
         self._probes_outstanding: dict[int, int] = {}   # probes sent since the rank's last answer
         self._held_probe_ms: dict[int, float] = {}      # last probe to a held-back rank
+        #: _paced_ms by (base, policy.takeover_ms): asked for in every round
+        self._paced: dict[tuple[float, float], float] = {}
         self.diverged = 0                   # rounds whose update made the parameters non-finite
         self._round_params: Any = None      # the parameters of the round being driven
         self.last_open_ms = now_ms
@@ -1206,7 +1208,7 @@ class RankMachine:
                 # "Shares": ranks still being measured (or silent) hold the caps that would
                 # cover the rest; the round is smaller than the global batch, and says so
                 self.counters["rounds_below_global_batch"] += 1
-        probe_ms = self._paced_ms(PROBE_INTERVAL_MS)
+        probe_ms = self._paced_ms(PROBE_INTERVAL_MS) if held_back else 0.0
         for k in sorted(held_back - self.quarantined.keys()):
             if self._probe_backing_off(k, now_ms):
                 continue                             # its last probes are unanswered: back off
@@ -1303,7 +1305,12 @@ class RankMachine:
         the shares stay within ``shares.FOLLOW_BYTES_PER_S``). A follower waits the stretch of
         the follow interval longer before it takes over ("Heartbeat and takeover"): a rank
         without a share may see no round for that much longer."""
-        return paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len), self.policy.takeover_ms)
+        key = (base_ms, self.policy.takeover_ms)
+        v = self._paced.get(key)
+        if v is None:
+            v = self._paced[key] = paced_interval_ms(base_ms, 4 * (self.worker.bucket_len + self.state_len),
+                                                     self.policy.takeover_ms)
+        return v
 
     def _round_recipients(self, shares: dict[int, int], now_ms: float) -> list[int] | None:
         """Who this round is sent to: ``None`` for everyone (a broadcast), else the ranks with
