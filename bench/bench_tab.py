@@ -504,12 +504,15 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSp
         url = split.serve(c, "--global-batch", str(global_batch), "--any-rank-may-lead")   # (the tab leads itself)
         page = open_tab(chromium, url, query="&backend=python")
         split.repin()
-        wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, 300, "the tab alone, one round done")
+        # a round is the whole global batch in pure Python: at 200000 samples 2-5 minutes on these
+        # machines (about 770 samples/s on a loaded day), so each wait is bounded per round
+        round_bound_s = max(300.0, global_batch / 250.0)
+        wait_for(lambda: (s := tc(page)) and s["ready"] and s["step"] >= 1, round_bound_s, "the tab alone, one round done")
         s = tc(page)["step"]
-        wait_for(lambda: tc(page)["step"] > s, 300, "a round boundary", interval_s=0.02)
+        wait_for(lambda: tc(page)["step"] > s, round_bound_s, "a round boundary", interval_s=0.02)
         t0, s0 = time.monotonic(), tc(page)["step"]
-        wait_for(lambda: time.monotonic() - t0 >= min_s and tc(page)["step"] >= s0 + rounds, 600,
-                 "the tab's solo rounds", interval_s=0.02)
+        wait_for(lambda: time.monotonic() - t0 >= min_s and tc(page)["step"] >= s0 + rounds,
+                 max(600.0, (rounds + 1) * round_bound_s), "the tab's solo rounds", interval_s=0.02)
         dt, s1 = time.monotonic() - t0, tc(page)["step"]
         return {"rounds_per_s": (s1 - s0) / dt, "applied_per_s": (s1 - s0) * global_batch / dt,
                 "seconds": round(dt, 2)}
