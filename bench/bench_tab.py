@@ -219,10 +219,7 @@ def cohort(kind: str, window_s: float, warmup_rounds: int, chromium: Chromium, b
                 raise RuntimeError(f"{kind}: links not all on data channels: {paths}")
     finally:
         for p in pages:
-            try:
-                chromium.call("Target.closeTarget", {"targetId": p.target_id}, timeout_s=10)
-            except Exception:
-                pass
+            close_page(chromium, p)
         c.close()
     return out
 
@@ -312,11 +309,7 @@ def kernels_main(chromium: Chromium, seconds: float) -> dict:
             rows.append({"model": m["label"], "backends": tab})
         return {"rows": rows}
     finally:
-        if page is not None:
-            try:
-                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
-            except Exception:
-                pass
+        close_page(chromium, page)
         c.close()
 
 
@@ -379,6 +372,36 @@ def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None) -> di
     return out
 
 
+def close_page(chromium: Chromium, page) -> None:
+    """Close a tab if there is one (in a ``finally``: the browser may be gone already)."""
+    if page is None:
+        return
+    try:
+        chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
+    except Exception:
+        pass
+
+
+def natives_alone(c: Cluster, ready_s: float) -> None:
+    """Wait until the two native ranks are ready in a cohort of 2 and 10 rounds ran after it."""
+    wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, ready_s,
+             "two native ranks in a cohort of 2")
+    s0 = c.state()["step"]
+    wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
+
+
+def join_tab(chromium: Chromium, c: Cluster, url: str, backend: str, split: "CoreSplit", rounds: int):
+    """Open a tab on ``backend`` beside the two native ranks; return ``(page, its id in hex)``
+    once it is ready in a cohort of 3 and ``rounds`` rounds ran with it."""
+    page = open_tab(chromium, url, query=f"&backend={backend}")
+    split.repin()
+    wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
+    tab_hex = f"{tc(page)['id']:08x}"
+    s0 = c.state()["step"]
+    wait_for(lambda: c.state()["step"] >= s0 + rounds, 60, "rounds with the tab", interval_s=0.2)
+    return page, tab_hex
+
+
 def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split: "CoreSplit",
                   pairs: int = 1) -> dict:
     """One server, global batch fixed: the 2 native ranks alone, then ``pairs`` times: with a
@@ -391,26 +414,15 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
     page = None
     out: dict = {"global_batch": global_batch}
 
-    def natives_alone() -> None:
-        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 60,
-                 "two native ranks in a cohort of 2")
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
-
     try:
         url = split.serve(c, "--global-batch", str(global_batch))
         c.rank()
         c.rank()
-        natives_alone()
+        natives_alone(c, 60)
         natives = [shares_window(c, window_s)]
         mixeds = []
         for i in range(pairs):
-            page = open_tab(chromium, url, query="&backend=python")
-            split.repin()
-            wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
-            tab_hex = f"{tc(page)['id']:08x}"
-            s0 = c.state()["step"]
-            wait_for(lambda: c.state()["step"] >= s0 + 20, 60, "rounds with the tab", interval_s=0.2)
+            page, tab_hex = join_tab(chromium, c, url, "python", split, 20)
             mixed = shares_window(c, window_s, tab_hex)
             if i == 0:
                 lead = next(r for r in c.reports() if r.get("is_leader"))
@@ -432,7 +444,7 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
             mixeds.append(mixed)
             chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
             page = None
-            natives_alone()
+            natives_alone(c, 60)
             natives.append(shares_window(c, window_s))
         out["native_windows"], out["mixed_windows"] = natives, mixeds
         out["native"] = {k: sum(w[k] for w in natives) / len(natives) for k in natives[0]}
@@ -442,11 +454,7 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
             m["rounds_per_s"] / ((natives[i]["rounds_per_s"] + natives[i + 1]["rounds_per_s"]) / 2)
             for i, m in enumerate(mixeds)]
     finally:
-        if page is not None:
-            try:
-                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
-            except Exception:
-                pass
+        close_page(chromium, page)
         c.close()
     return out
 
@@ -460,38 +468,24 @@ def large_model_cohort(chromium: Chromium, window_s: float, split: "CoreSplit") 
     page = None
     out: dict = {"hidden": [1024, 1024]}
 
-    def natives_alone() -> dict:
-        wait_for(lambda: len([r for r in c.reports() if r.get("ready") and r.get("cohort") == 2]) == 2, 120,
-                 "two native ranks in a cohort of 2")
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds without the tab", interval_s=0.2)
-        return shares_window(c, window_s)
-
     try:
         url = split.serve(c, "--hidden", "1024,1024")
         c.rank()
         c.rank()
-        before = natives_alone()
-        page = open_tab(chromium, url, query="&backend=js")
-        split.repin()
-        wait_for(lambda: (s := tc(page)) and s["ready"] and s["cohort"] == 3, 180, "the tab ready in a cohort of 3")
-        tab_hex = f"{tc(page)['id']:08x}"
-        s0 = c.state()["step"]
-        wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab", interval_s=0.2)
+        natives_alone(c, 120)
+        before = shares_window(c, window_s)
+        page, tab_hex = join_tab(chromium, c, url, "js", split, 10)
         mixed = shares_window(c, window_s, tab_hex)
         lead = next(r for r in c.reports() if r.get("is_leader"))
         out["tab_share"] = lead["shares"].get(tab_hex, 0)
         chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
         page = None
-        after = natives_alone()
+        natives_alone(c, 120)
+        after = shares_window(c, window_s)
         out.update(native_windows=[before, after], mixed=mixed,
                    mixed_over_native_rounds=mixed["rounds_per_s"] / ((before["rounds_per_s"] + after["rounds_per_s"]) / 2))
     finally:
-        if page is not None:
-            try:
-                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
-            except Exception:
-                pass
+        close_page(chromium, page)
         c.close()
     return out
 
@@ -517,11 +511,7 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSp
         return {"rounds_per_s": (s1 - s0) / dt, "applied_per_s": (s1 - s0) * global_batch / dt,
                 "seconds": round(dt, 2)}
     finally:
-        if page is not None:
-            try:
-                chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
-            except Exception:
-                pass
+        close_page(chromium, page)
         c.close()
 
 

@@ -917,14 +917,21 @@ def test_a_lower_id_joiner_never_takes_the_lead_while_rounds_flow():
     assert not r.m.looping and r.m.leader_id(t) == 3 and r.m.counters["takeover"] == 0
 
 
-def test_a_takeover_starts_a_new_term_above_every_term_seen():
-    r = follower_of(1, rank_id=2, peers=[3])
+def _beats_until_takeover(r, every_ms: float, bound_ms: float) -> float:
+    """Rank 3 beats every ``every_ms`` while leader 1 is silent (2 and 3 are a majority):
+    the time at which rank 2 takes over, within ``bound_ms``."""
     t = 0.0
     while not r.m.looping:
-        t += 400
-        r.m.handle(beat(3, step=5, term=1), now_ms=t)     # 1 is silent; 2 and 3 are a majority
+        t += every_ms
+        r.m.handle(beat(3, step=5, term=1), now_ms=t)
         r.m.on_timer(now_ms=t)
-        assert t < 10_000
+        assert t < bound_ms
+    return t
+
+
+def test_a_takeover_starts_a_new_term_above_every_term_seen():
+    r = follower_of(1, rank_id=2, peers=[3])
+    t = _beats_until_takeover(r, 400, 10_000)
     assert t > T.takeover_ms and r.m.counters["takeover"] == 1
     rd = r.posts(t="round")[-1]
     assert rd["term"] == 2 and rd["step"] == 5 and r.m.term == 2
@@ -937,14 +944,7 @@ def test_a_follower_of_a_large_model_waits_the_follow_stretch_longer_before_it_t
     from tabcohort.protocol import shares as shares_mod
 
     def takeover_at() -> float:
-        r = follower_of(1, rank_id=2, peers=[3])
-        t = 0.0
-        while not r.m.looping:
-            t += 100
-            r.m.handle(beat(3, step=5, term=1), now_ms=t)     # 1 is silent; 2 and 3 are a majority
-            r.m.on_timer(now_ms=t)
-            assert t < 20_000
-        return t
+        return _beats_until_takeover(follower_of(1, rank_id=2, peers=[3]), 100, 20_000)
 
     small = takeover_at()
     monkeypatch.setattr(shares_mod, "FOLLOW_BYTES_PER_S", 1)  # 16 bytes a round: capped at takeover / 4
