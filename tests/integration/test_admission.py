@@ -17,7 +17,7 @@ from tabcohort_server import JobConfig, ServerConfig, ServerLimits, create_app
 from tabcohort_server.app import ROOMS
 from tabcohort_server.rooms import TokenBucket
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+pytestmark = pytest.mark.integration
 
 RATE_PER_S, BURST = 2.0, 3
 
@@ -44,6 +44,7 @@ def test_token_bucket_admits_a_burst_then_the_rate():
     assert [b.take(1, 100.0) for _ in range(4)] == [True, True, True, False]   # refilled to the burst only
 
 
+@pytest.mark.asyncio
 async def test_registrations_beyond_the_rate_are_told_to_retry_later(client):
     got = [await register(client) for _ in range(BURST + 2)]
     welcomed = [w for _, w in got if w is not None and w["type"] == "welcome"]
@@ -56,6 +57,7 @@ async def test_registrations_beyond_the_rate_are_told_to_retry_later(client):
         await ws.close()
 
 
+@pytest.mark.asyncio
 async def test_a_bus_refused_for_the_rate_backs_off_and_joins_when_the_bucket_refills(client):
     held = [await register(client) for _ in range(BURST)]          # the bucket is empty now
     loop = asyncio.get_running_loop()
