@@ -955,6 +955,24 @@ def test_a_follower_of_a_large_model_waits_the_follow_stretch_longer_before_it_t
     assert T.takeover_ms + stretch < large <= T.takeover_ms + stretch + T.beat_ms, large
 
 
+def test_a_follower_of_a_large_model_takes_over_within_a_beat_when_the_leader_left(monkeypatch):
+    # PROTOCOL.md "Membership and majority", the witness: a leader that left need not be waited
+    # out, and the follow stretch of a large model ("Shares") is no exception (the follower
+    # waited up to takeover / 4 more after the server said the leader was gone)
+    from tabcohort.protocol import shares as shares_mod
+    monkeypatch.setattr(shares_mod, "FOLLOW_BYTES_PER_S", 1)  # a large model's stretch
+    r = follower_of(1, rank_id=2, peers=[3])
+    t = 500.0
+    r.m.handle(beat(3, step=5, term=1), now_ms=t)
+    r.m.peer_left(1, now_ms=t)                               # the server saw 1's link close
+    while not r.m.looping:
+        t += 10
+        r.m.handle(beat(3, step=5, term=1), now_ms=t)
+        r.m.on_timer(now_ms=t)
+        assert t < 20_000
+    assert t - 500 <= T.beat_ms + 10, t
+
+
 def test_a_deposed_leader_that_returns_never_rewinds_the_new_lineage():
     # the state machine reproduction: 2 follows 1 at step 5; 1 goes silent; 2 takes over and
     # drives to step 10; 1 comes back and sends rounds 6..9 of its old term

@@ -559,7 +559,9 @@ class RankMachine:
         self._probation.pop(rank_id, None)
         self._silent.discard(rank_id)
         if self.following == rank_id and not self._leading:
-            self.last_open_ms = min(self.last_open_ms, now_ms - self.policy.takeover_ms)
+            # the whole window (its stretches too): the witness says the leader is gone, so no
+            # paced round of a large model is on its way ("Heartbeat and takeover")
+            self.last_open_ms = min(self.last_open_ms, now_ms - self._takeover_window_ms(now_ms))
         col = self._collection
         if col is not None and rank_id in col.wanted and rank_id not in col.received:
             # a round in flight no longer waits for a rank that left: without this every kill
@@ -902,9 +904,7 @@ class RankMachine:
                 if self.has_majority(now_ms):         # a lead paused without a majority resumes
                     self.counters["lead_resumed"] += 1
                     self._maybe_start_loop(now_ms)
-            elif now_ms - self.last_open_ms > (self.policy.takeover_ms + self._round_slack_ms(now_ms)
-                                               + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS) \
-                    and self._may_take_lead(now_ms):
+            elif now_ms - self.last_open_ms > self._takeover_window_ms(now_ms) and self._may_take_lead(now_ms):
                 self.counters["takeover"] += 1
                 self._take_lead(now_ms)
         self._report(now_ms)
@@ -918,6 +918,14 @@ class RankMachine:
         sample = (now_ms - last[0]) / (step - last[1])
         ewma = self.round_period_ms
         self.round_period_ms = sample if ewma is None else ewma + 0.3 * (sample - ewma)
+
+    def _takeover_window_ms(self, now_ms: float) -> float:
+        """How long a follower waits after its last adopted round before it takes over, ms
+        (PROTOCOL.md "Heartbeat and takeover"): ``policy.takeover``, plus the local-steps slack
+        ("Local steps"), plus the stretch of the follow interval for a large model ("Shares":
+        a rank without a share is sent a round only every paced follow interval)."""
+        return (self.policy.takeover_ms + self._round_slack_ms(now_ms)
+                + self._paced_ms(FOLLOW_INTERVAL_MS) - FOLLOW_INTERVAL_MS)
 
     def _round_slack_ms(self, now_ms: float) -> float:
         """How much longer than ``policy.takeover`` a follower waits for the next round with local
