@@ -167,10 +167,13 @@ class InprocCohort:
         probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
-        self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision)
+        self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision,
+                                     log=False)   # (nothing here reads it: it grew for the whole run)
         self.drivers: dict[int, RankDriver] = {}
         self.events: list[str] = []
         self._note: str | None = None
+        #: the two sides of the partition (--partition-at), once it began
+        self._sides: list[set[int]] = []
         #: seconds since the run began when its partition healed, or None
         self._healed_at_s: float | None = None
         self.job: str | None = None
@@ -254,7 +257,8 @@ class InprocCohort:
                 pending["partition"] = 0
                 ids = sorted(self.drivers)
                 half = len(ids) // 2
-                self.network.partition([set(ids[:half]), set(ids[half:])])
+                self._sides = [set(ids[:half]), set(ids[half:])]
+                self.network.partition(self._sides)
                 heal_at = now + cfg.heal_after_ms / 1000.0
                 self._event(f"step {step}: partitioned into {len(ids[:half])}+{len(ids) - half}")
             if heal_at is not None and now >= heal_at:
@@ -350,11 +354,14 @@ class InprocCohort:
             self.network.heal()
         for d in self.drivers.values():
             d.stop()
-        # wait (bounded) until the publish has reached every rank
+        # wait (bounded) until the publish has reached every rank it can reach: all of them, or
+        # inside a partition the last leader's side (the other side holds what it had)
+        reach = set(self.drivers)
+        if partitioned and ld is not None:
+            reach = next((g for g in self._sides if ld.machine.id in g), reach) & reach
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
-            ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
-            if len(set(ds.values())) <= (2 if partitioned else 1):   # (one model per side)
+            if len({digest(self.drivers[k].worker.params()) for k in reach}) == 1:
                 break
             await asyncio.sleep(0.05)
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
