@@ -778,7 +778,7 @@ class Room:
         if now - since[0] < DIVERGED_AFTER_S:
             return None
         if n - since[2] > step - since[1]:
-            return f"diverged at step {int(step)}: {str(lead.get('fault'))[:200]}"
+            return f"diverged at step {int(step)}: {str(lead.get('fault'))[:200].removeprefix('diverged: ')}"
         self._diverging = (now, step, n)     # training goes on: a new window
         return None
 

@@ -370,3 +370,56 @@ def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_pat
     finally:
         p.kill()
         p.wait(10)
+
+
+def _failing_later(how: str) -> str:
+    """GOOD, whose grads() goes bad after its 20th call: ``nan`` returns NaN gradients, ``raise``
+    raises (a job bug that a warm-up did not meet)."""
+    bad = {"nan": '            return LOSS, array("f", [math.nan] * GRAD_LEN)',
+           "raise": '            raise RuntimeError("boom in grads")'}[how]
+    return GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                        '        self.calls = getattr(self, "calls", 0) + 1\n'
+                        '        if self.calls > 20:\n' + bad + '\n'
+                        '        return LOSS, array("f", [0.0] * GRAD_LEN)')
+
+
+def test_a_job_whose_gradients_turn_nan_stops_the_room_diverged(cluster, tmp_path):
+    # README "Divergence": every bucket NaN (the leader's own dropped, counted in `diverged`):
+    # the room stopped with nothing but a drop counter rising, and a lone rank spun at a core
+    job = tmp_path / "nan_later.py"
+    job.write_text(_failing_later("nan"))
+    cluster.serve("--job", str(job))
+    ranks = [cluster.rank("--trust-job") for _ in range(2)]
+    st = wait_for(lambda: (s := cluster.state())["stopped"] and s, 60, "the room to stop")
+    assert st["stop_reason"].startswith("diverged at step") and "not finite" in st["stop_reason"], st["stop_reason"]
+    assert [p.p.wait(30) for p in ranks] == [1, 1], [p.text()[-1500:] for p in ranks]
+
+
+def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(cluster, tmp_path):
+    # a job that raises on every call retried for good: the ranks printed a warning every 0.4 s
+    # and never ended; now each rank stops after 3 failures in a row, naming the job's line
+    job = tmp_path / "raise_later.py"
+    job.write_text(_failing_later("raise"))
+    cluster.serve("--job", str(job))
+    ranks = [cluster.rank("--trust-job") for _ in range(2)]
+    codes = [p.p.wait(60) for p in ranks]
+    for p in ranks:
+        out = p.text()
+        assert "job failed: the job's compute failed 3 times in a row: RuntimeError: boom in grads" in out, out[-2000:]
+        assert re.search(r"raise_later\.py:\d+ in grads", out), out[-2000:]
+    assert codes == [1, 1]
+
+
+@pytest.mark.parametrize("how,expect", [
+    ("nan", r"training diverged at step \d+: .*NaN in the job's loss or gradients"),
+    ("raise", r"the job's compute failed 3 times in a row: RuntimeError: boom in grads \(at .*raise\.py:\d+ in grads\)"),
+])
+def test_simulate_ends_a_job_that_goes_bad_with_an_error(tmp_path, how, expect):
+    # simulate ran the raising job to --max-seconds and exited 0 with "bit-identical: yes"
+    job = tmp_path / f"{how}.py"
+    job.write_text(_failing_later(how))
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "simulate", "--job", str(job), "--ranks", "2",
+                        "--steps", "500", "--max-seconds", "60"],
+                       capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
+    assert r.returncode == 1, (r.stdout[-1500:], r.stderr[-1500:])
+    assert re.search(expect, r.stderr), r.stderr[-2000:]

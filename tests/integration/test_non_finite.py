@@ -144,7 +144,7 @@ def test_a_room_stops_as_diverged_only_while_the_leader_keeps_refusing_updates()
         _report(room, ps["peer"], t, step=44, diverged=k, fault=fault)
         if room.stopped:
             break
-    assert room.stopped and room.stop_reason.startswith("diverged at step 44: diverged: the update")
+    assert room.stopped and room.stop_reason.startswith("diverged at step 44: the update")
     assert DIVERGED_AFTER_S <= t <= DIVERGED_AFTER_S + 0.5
     assert room.summary(t)["diverged"] >= 20
     # one overflow long ago (fault kept), then the room pauses (no majority): not divergence

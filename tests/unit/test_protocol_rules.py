@@ -302,6 +302,9 @@ def test_nan_own_bucket_never_reaches_params_and_round_without_buckets_does_not_
     r.m.bucket_ready(own.token, 1.0, to_vector([math.nan] * 4), now_ms=1)
     assert list(r.w.params()) == before and r.m.step == 0
     assert r.m.counters["empty_round"] == 1
+    # counted as diverged, with a fault that says why: the room's divergence rule stops a room
+    # whose job gives NaN everywhere (it retried empty rounds for good)
+    assert r.m.diverged == 1 and "not finite" in r.m.fault and r.m.state(2)["diverged"] == 1
 
 
 def test_nan_own_bucket_is_dropped_and_peer_buckets_still_apply():

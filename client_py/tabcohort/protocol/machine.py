@@ -1343,6 +1343,13 @@ class RankMachine:
             return
         if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:
             self.drops["own_bucket_invalid"] += 1
+            if len(g) == self.worker.bucket_len and samples > 0:
+                # "Leader: driving one round", step 5: the job's own gradients or loss are not
+                # finite: counted as diverged, so a room whose every bucket is NaN stops with a
+                # reason instead of retrying empty rounds for good
+                self.diverged += 1
+                self.fault = (f"diverged: the leader's own bucket of step {self.step} is not finite "
+                              f"(the job's loss or gradients hold NaN or inf; lr {self.lr:g})")
         else:
             self._own_bucket = (loss, samples, g)
             self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pathlib
 import traceback
 from typing import Any, Callable
 
@@ -22,6 +23,22 @@ from ..protocol.actions import Compute, Post, Report
 from ..protocol.machine import RankMachine
 
 log = logging.getLogger("tabcohort.runtime")
+
+#: a rank whose compute raised this many times in a row (no bucket in between) gives up: the
+#: job has a bug that every retry meets, not a passing fault (README "Write your own job")
+COMPUTE_FAILURES_FATAL = 3
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1])
+
+
+def job_frame(exc: BaseException) -> str | None:
+    """``file.py:LINE in FUNC`` of the innermost frame of ``exc``'s traceback outside this
+    package (the job's code), else the innermost frame; None without a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    own = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
+    f = (own or frames)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
 
 
 class RankDriver:
@@ -32,6 +49,9 @@ class RankDriver:
         worker: the worker; ``await worker.grads(offset)`` returns ``(loss, vector)``.
         bus: the bus; the driver sets ``bus.on_message`` and calls ``bus.post``.
         on_report: optional callback receiving each state report dict.
+        on_compute_failed: optional callback, called once with the reason when the worker's
+            compute raised :data:`COMPUTE_FAILURES_FATAL` times in a row (the runtime stops the
+            rank with it: a job that fails every time must not retry for good).
         loop: the event loop (default: the running loop).
         yield_delay_ms: 0 (the default and the right choice) runs due deadlines through
             ``call_soon``. A positive value runs them through a timer of that delay instead:
@@ -40,12 +60,16 @@ class RankDriver:
 
     def __init__(self, machine: RankMachine, worker: Any, bus: Any, *,
                  on_report: Callable[[dict], None] | None = None,
+                 on_compute_failed: Callable[[str], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None, yield_delay_ms: float = 0.0) -> None:
         self.machine = machine
         self.yield_delay_ms = float(yield_delay_ms)
         self.worker = worker
         self.bus = bus
         self.on_report = on_report
+        self.on_compute_failed = on_compute_failed
+        #: the worker's compute raised this many times in a row
+        self.compute_failures = 0
         self.loop = loop or asyncio.get_running_loop()
         self.last_report: dict | None = None
         self.tasks: set[asyncio.Task] = set()
@@ -199,12 +223,18 @@ class RankDriver:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("rank %08x: compute failed: %r", self.machine.id, exc)
+            where = job_frame(exc)
+            error = f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            log.warning("rank %08x: compute failed: %s", self.machine.id, error)
             if not self._closed:
-                self.machine.bucket_failed(action.token, f"{type(exc).__name__}: {exc}",
-                                           now_ms=self.now_ms())
+                self.machine.bucket_failed(action.token, error, now_ms=self.now_ms())
                 self._flush()
+                self.compute_failures += 1
+                if self.compute_failures == COMPUTE_FAILURES_FATAL and self.on_compute_failed is not None:
+                    self.on_compute_failed(f"the job's compute failed {self.compute_failures} times in a row: "
+                                           f"{error}")
             return
+        self.compute_failures = 0
         if not self._closed:
             self.machine.bucket_ready(action.token, loss, g, now_ms=self.now_ms())
             self._flush()

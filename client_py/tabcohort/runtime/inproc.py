@@ -172,6 +172,8 @@ class InprocCohort:
         self.drivers: dict[int, RankDriver] = {}
         self.events: list[str] = []
         self._note: str | None = None
+        #: ranks whose job's compute failed every time, and why (the run ends with an error)
+        self._compute_failed: dict[int, str] = {}
         #: the two sides of the partition (--partition-at), once it began
         self._sides: list[set[int]] = []
         #: seconds since the run began when its partition healed, or None
@@ -204,7 +206,7 @@ class InprocCohort:
                         # leader, docs/PROTOCOL.md "Untrusted ranks") is the run's own lr, as
                         # `serve --lr-max` would be set for it
                         lr_max=max(LR_MAX, cfg.lr))
-        d = RankDriver(m, w, bus)
+        d = RankDriver(m, w, bus, on_compute_failed=lambda why, k=k: self._compute_failed.setdefault(k, why))
         self.drivers[k] = d
         d.start()
         return d
@@ -266,6 +268,11 @@ class InprocCohort:
                 self._healed_at_s = now
                 self.network.heal()
                 self._event(f"step {step}: healed the partition")
+            if self._compute_failed:
+                k, why = next(iter(self._compute_failed.items()))
+                for d in list(self.drivers.values()):
+                    await d.close()
+                raise TabcohortError(f"rank {k:08x} at step {step}: {why}")
             if step != last_step:
                 last_step, last_advance = step, now
             elif now - last_advance > DIVERGED_AFTER_S and self._non_finite() > 0:
@@ -274,7 +281,8 @@ class InprocCohort:
                 raise TabcohortError(
                     f"training diverged at step {step}: gradients or updates are no longer finite and "
                     f"no round has applied for {DIVERGED_AFTER_S:g} s (the parameters stay the last finite "
-                    f"ones: a NaN or infinity never reaches them); try a smaller --lr (now {cfg.lr})")
+                    f"ones: a NaN or infinity never reaches them); try a smaller --lr (now {cfg.lr}), or "
+                    f"look for a NaN in the job's loss or gradients")
             acc = self._accuracy()
             if now - last_print >= 1.0:
                 last_print = now
@@ -365,12 +373,15 @@ class InprocCohort:
                 break
             await asyncio.sleep(0.05)
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
-        any_d = next(iter(self.drivers.values()))
-        acc: float | None = float(any_d.worker.evaluate())
+        # the model the run reports: the last leader's, else the most advanced rank's (inside a
+        # partition the paused side's model is many steps behind; the first rank's was reported)
+        best = ld if ld is not None and ld.machine.id in self.drivers else max(
+            self.drivers.values(), key=lambda d: d.machine.step)
+        acc: float | None = float(best.worker.evaluate())
         if not 0.0 <= acc <= 1.0:
             acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
         steps = max(d.machine.step for d in self.drivers.values())
-        loss = any_d.machine.loss
+        loss = best.machine.loss
         for d in list(self.drivers.values()):
             await d.close()
         return InprocResult(steps=steps, accuracy=acc, loss=loss,

@@ -239,7 +239,10 @@ class RankSession:
         def at_limit(_state: dict) -> None:   # stopped at the job's step limit
             if machine.at_step_limit and not machine.running:
                 self.request_stop(f"step limit {machine.step_limit} reached")
-        self.driver = RankDriver(machine, worker, bus, on_report=at_limit)
+        def compute_failed(why: str) -> None:   # the job fails every time: this rank stops, exit 1
+            self.failed = why
+            self.request_stop(f"job failed: {why}")
+        self.driver = RankDriver(machine, worker, bus, on_report=at_limit, on_compute_failed=compute_failed)
         return machine, self.driver
 
     def rejoined(self, machine: Any) -> None:
