@@ -149,9 +149,21 @@ def _check_job_args(a: argparse.Namespace) -> dict:
     return dict(a.job_option)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a bad option reported like every other bad setting: one line naming it,
+    exit code 2 (argparse documents overriding ``error``; its default printed the whole usage
+    block above the one line that mattered)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: configuration error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tabcohort", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Help)
+    from .runtime.session import package_version
+
+    p = _Parser(prog="tabcohort", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Help)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands (tabcohort COMMAND --help lists its options)")
 
@@ -186,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partition-at", type=int, default=0, metavar="STEP",
                    help="split the ranks into two halves at STEP")
     g.add_argument("--heal-after-ms", type=float, default=3000.0, help="heal the partition after this long")
-    g.add_argument("--link-loss", type=float, default=0.0, help="per-message loss probability on every link")
+    g.add_argument("--link-loss", type=float, default=0.0, help="per-message loss probability on every link, in [0, 1)")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link")
     g.add_argument("--link-bandwidth", type=float, default=0.0, metavar="BYTES_PER_S",
                    help="capacity of every link, bytes/s (0 = unlimited)")

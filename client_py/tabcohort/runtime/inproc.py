@@ -114,6 +114,12 @@ class InprocConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
                     math.isinf(v) and hi != math.inf):
                 raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
+        if self.loss >= 1.0:
+            raise ConfigError("loss", self.loss, "must be below 1 (at 1 no message is delivered: each rank "
+                              "trains alone and the run ends on as many models as ranks)")
+        if self.partition_at_step and self.ranks < 2:
+            raise ConfigError("partition_at_step", self.partition_at_step,
+                              f"needs at least 2 ranks (--ranks {self.ranks}): one rank has no one to be cut off from")
         if self.max_seconds <= 0:
             raise ConfigError("max_seconds", self.max_seconds, "must be > 0 (the run's time bound)")
         if self.kill_leader_at_step and self.ranks < 2:

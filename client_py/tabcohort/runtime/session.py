@@ -49,9 +49,9 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
         if own is not None:
             return own
         if info.get("builtin") and not trust:
-            raise ConfigError("tabcohort", _version(), f"the room's built-in job {name!r} has code sha256 "
+            raise ConfigError("tabcohort", package_version(), f"the room's built-in job {name!r} has code sha256 "
                               f"{str(want)[:16]} and this tabcohort's differs: the server runs other "
-                              f"tabcohort code (this is tabcohort {_version()}); install the server's "
+                              f"tabcohort code (this is tabcohort {package_version()}); install the server's "
                               f"version (or pass {trust_var} to run the server's copy)")
     if local:
         src = find_source(local)
@@ -95,7 +95,8 @@ async def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int
     return worker, jh
 
 
-def _version() -> str:
+def package_version() -> str:
+    """The installed tabcohort distribution's version ("unknown" when run from a checkout)."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("tabcohort")
