@@ -191,3 +191,25 @@ def test_an_unknown_backend_is_named_before_connecting():
     with pytest.raises(ConfigError) as e:
         cfg({}, server="http://127.0.0.1:1", room="d", backend="foo").validate()
     assert e.value.variable == "--backend" and e.value.value == "foo" and "numpy" in e.value.reason
+
+
+def test_a_room_missing_on_the_server_and_a_server_that_is_not_tabcohort_are_told_apart(cluster):
+    # a rank pointed at some other HTTP server said "no such room on the server"
+    import http.server
+    import threading
+
+    cluster.serve()
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", "nope"],
+                       capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+    assert r.returncode == 2 and "--room='nope': no such room on the server" in r.stderr, r.stderr
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url, "--room", "digits"],
+                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert r.returncode == 2 and f"--server='{url}'" in r.stderr and "no tabcohort error" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -384,6 +384,12 @@ class RankRun(RankSession):
                                       "(--token or TABCOHORT_TOKEN)")
                 raise ConfigError(self.cfg._name("token"), "<hidden>", "the server rejected the room token")
             if r.status == 404 and path != "/checkpoint":
+                body = await r.text()
+                if r.content_type != "application/json" or '"error"' not in body:
+                    # not a tabcohort server's answer (its 404s are JSON: {"error": ...})
+                    raise ConfigError(self.cfg._name("server"), self.cfg.base_url,
+                                      f"answered {url} with HTTP 404 and no tabcohort error: is this the URL "
+                                      "`tabcohort serve` printed?")
                 raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
             if r.status == 404:
                 return None
