@@ -372,3 +372,11 @@ def test_the_code_hash_is_the_same_on_every_machine(tmp_path, monkeypatch):
     assert find_source(str(tmp_path / "crlf" / "constjob.py")).code_sha256 == lf.code_sha256
     with zipfile.ZipFile(io.BytesIO(lf.bundle)) as z:
         assert all(i.compress_type == zipfile.ZIP_STORED and i.create_system == 3 for i in z.infolist())
+
+
+def test_a_module_that_is_not_python_source_is_named_as_such():
+    # `--job os` said "no such file, package directory or importable module" (os is frozen)
+    with pytest.raises(JobError, match="importable but not from a .py file"):
+        find_source("sys")
+    with pytest.raises(JobError, match="no such file, package directory or importable module"):
+        find_source("no_such_module_anywhere_x")

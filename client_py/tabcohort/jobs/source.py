@@ -153,8 +153,11 @@ def find_source(ref: str) -> JobSource:
             spec = importlib.util.find_spec(target)
         except (ImportError, ValueError):
             spec = None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        if spec is None:
             raise JobError("no such file, package directory or importable module", ref)
+        if not spec.origin or not spec.origin.endswith(".py"):
+            raise JobError(f"the module is importable but not from a .py file (origin {spec.origin!r}: "
+                           "built-in, frozen or compiled); a job is read as Python source", ref)
         if spec.submodule_search_locations:
             return find_source(os.path.dirname(spec.origin) + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
         return find_source(spec.origin + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
