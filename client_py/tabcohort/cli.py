@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
     s.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     s.add_argument("--seed", type=int, default=0, help="seed of data shuffle, init and rank ids")
-    s.add_argument("--eval-every", type=int, default=10, help="leader evaluates every K steps")
+    s.add_argument("--eval-every", type=int, default=10, help="the leader evaluates held-out accuracy every K steps (0: never)")
     s.add_argument("--collect-rule", choices=("grace", "quorum"), default="grace",
                    help="how a leader ends a round's collection: grace (a short wait after the quorum, "
                         "docs/PROTOCOL-NOTES.md note 7) or quorum (finish at the quorum, as PROTOCOL.md); "

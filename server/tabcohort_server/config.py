@@ -146,6 +146,8 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
                 raise bad(name, f"must be a number in [{lo}, {hi}]")
+        if self.target_accuracy and not self.eval_every:
+            raise bad("target_accuracy", "needs evaluations: with eval_every 0 the accuracy is never measured")
         if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.hidden):
             if self.hidden != ():
                 raise bad("hidden", "layer widths must be positive integers")

@@ -28,7 +28,7 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
     (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
     (["--link-loss", "1"], "--link-loss=1.0"), (["--ranks", "1", "--partition-at", "10"], "--partition-at=10"),
-    (["--hidden", "0"], "--hidden='0'"), (["--job-option", "channels"], "--job-option='channels'"),
+    (["--target-accuracy", "0.9", "--eval-every", "0"], "--target-accuracy=0.9"), (["--hidden", "0"], "--hidden='0'"), (["--job-option", "channels"], "--job-option='channels'"),
     (["--job", "/no/such/job.py"], "--job='/no/such/job.py'"),
     # as serve bounds them: a batch over 2^24 failed every hello (u32) and hung; an infinite
     # delay delivered nothing

@@ -114,6 +114,9 @@ class InprocConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
                     math.isinf(v) and hi != math.inf):
                 raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
+        if self.target_accuracy and not self.eval_every:
+            raise ConfigError("target_accuracy", self.target_accuracy, "needs evaluations: with --eval-every 0 "
+                              "the accuracy is never measured and the run would never reach it")
         if self.loss >= 1.0:
             raise ConfigError("loss", self.loss, "must be below 1 (at 1 no message is delivered: each rank "
                               "trains alone and the run ends on as many models as ranks)")
