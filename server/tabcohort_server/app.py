@@ -105,6 +105,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
                               f"{a.checkpoint_bytes:,} bytes; a checkpoint is at most "
                               f"{limits.max_checkpoint_bytes:,} (max_checkpoint_bytes)")
         load_room_checkpoint(room, a, config.checkpoint_dir, keep=config.checkpoint_keep)
+        room.loss_ceiling = a.loss_ceiling
     app[ASSETS] = assets
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():

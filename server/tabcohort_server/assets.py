@@ -52,7 +52,7 @@ class RoomAssets:
         return 4 * (self.bucket_len + self.state_len)
 
     def _load_job(self, room: Room) -> None:
-        from tabcohort.jobs import BUILTIN, JobError, load_job, probe, resolve_backend
+        from tabcohort.jobs import BUILTIN, JobError, load_job, loss_ceiling, probe, resolve_backend
 
         job = room.job
         ref, options = job.job_ref()
@@ -77,6 +77,8 @@ class RoomAssets:
                 backends.append("python")
         self.loaded = loaded
         self.bucket_len = self.worker.bucket_len
+        #: the room's runaway-loss bound (README "Divergence"), or None
+        self.loss_ceiling = loss_ceiling(self.worker)
         from tabcohort.protocol.optim import TrainConfig
         train = TrainConfig.from_job(job)
         self.state_len = train.state_len(self.bucket_len)   # the leader's optimizer state

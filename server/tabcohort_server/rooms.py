@@ -203,6 +203,10 @@ class Room:
         self.secret_key: bytes | None = None
         self._released: set[int] = set()
         self._diverging: tuple[float, float, float] | None = None   # (since, step, diverged count)
+        #: the training loss above which the parameters ran away (10 x ln classes for a softmax
+        #: cross-entropy job, ``jobs.worker.loss_ceiling``; the app sets it), or None
+        self.loss_ceiling: float | None = None
+        self._loss_high_since: float | None = None
         self._pressure_sent = 0.0
         self._pressure_sent_at = -math.inf
         self._pressure_dirty = False      # a change not yet told (within pressure_report_s)
@@ -760,7 +764,7 @@ class Room:
         elif job.duration_s and self.started_at is not None and now - self.started_at >= job.duration_s:
             why = f"duration {job.duration_s} s reached"
         elif lead is not None:
-            why = self._diverged(lead, now)
+            why = self._diverged(lead, now) or self._ran_away(lead, now)
         if why is not None:
             self.stop(why)
         return self.stopped
@@ -781,6 +785,23 @@ class Room:
             return f"diverged at step {int(step)}: {str(lead.get('fault'))[:200].removeprefix('diverged: ')}"
         self._diverging = (now, step, n)     # training goes on: a new window
         return None
+
+    def _ran_away(self, lead: dict, now: float) -> str | None:
+        """``diverged ...`` once the leader's training loss has stayed above
+        :attr:`loss_ceiling` for ``DIVERGED_AFTER_S``; else None."""
+        loss = _num(lead.get("loss"))
+        if self.loss_ceiling is None or not math.isfinite(loss) or loss <= self.loss_ceiling:
+            self._loss_high_since = None
+            return None
+        if self._loss_high_since is None:
+            self._loss_high_since = now
+            return None
+        if now - self._loss_high_since < DIVERGED_AFTER_S:
+            return None
+        return (f"diverged at step {int(_num(lead.get('step')))}: the training loss has stayed above "
+                f"{self.loss_ceiling:.3g} (10x a uniform guess's) for {DIVERGED_AFTER_S:g} s, at "
+                f"{loss:.4g}: the gradients stayed finite but the parameters ran away; try a smaller --lr "
+                f"(now {self.job.lr:g})")
 
     def stop(self, reason: str) -> None:
         if self.stopped:

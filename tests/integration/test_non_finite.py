@@ -197,3 +197,37 @@ def test_a_diverging_cohort_stores_only_finite_checkpoints_and_ends_diverged(clu
     div = [ln for ln in metrics.splitlines() if ln.startswith("tabcohort_diverged_rounds{")]
     assert div and float(div[0].rsplit(" ", 1)[1]) > 0, div
     assert any(ln.startswith("tabcohort_term{") for ln in metrics.splitlines())
+
+
+def test_a_room_whose_loss_stays_far_above_a_guess_s_stops_as_diverged():
+    # a new user's `serve --lr 1e6 --lr-max 1e6` trained on at loss 529203 and 10.6 % accuracy
+    # with every gradient finite; simulate already ended such a run "diverged"
+    room, ps = _room_with_leader_reports()
+    room.loss_ceiling = 10 * math.log(10)
+    t = 0.0
+    for k in range(1, 40):                 # the loss stays high while steps advance
+        t = k * 0.25
+        _report(room, ps["peer"], t, step=44 + k, loss=5e5)
+        if room.stopped:
+            break
+    assert room.stopped and "the training loss has stayed above 23" in room.stop_reason, room.stop_reason
+    assert room.stop_reason.startswith("diverged at step") and DIVERGED_AFTER_S <= t <= DIVERGED_AFTER_S + 0.5
+    # high for a while, then back under: training goes on (each excursion starts a new window)
+    room, ps = _room_with_leader_reports()
+    room.loss_ceiling = 10 * math.log(10)
+    for k in range(80):
+        _report(room, ps["peer"], k * 0.25, step=44 + k, loss=5e5 if k % 16 < 12 else 1.0)
+    assert not room.stopped
+    # no ceiling (not a softmax classifier): never
+    room, ps = _room_with_leader_reports()
+    for k in range(80):
+        _report(room, ps["peer"], k * 0.25, step=44 + k, loss=5e5)
+    assert not room.stopped
+
+
+def test_serve_stops_a_room_whose_parameters_ran_away_and_the_ranks_exit_1(cluster):
+    cluster.serve("--lr", "1000000", "--lr-max", "1000000")
+    ranks = [cluster.rank() for _ in range(2)]
+    st = wait_for(lambda: (s := cluster.state())["stopped"] and s, 90, "the room to stop")
+    assert st["stop_reason"].startswith("diverged at step") and "loss has stayed above" in st["stop_reason"], st
+    assert [p.p.wait(30) for p in ranks] == [1, 1]

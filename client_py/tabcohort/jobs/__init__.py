@@ -47,11 +47,11 @@ from ..errors import ConfigError
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
                      source_bundle)
-from .worker import JobWorker, resolve_backend
+from .worker import JobWorker, loss_ceiling, resolve_backend
 
 __all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_job", "load_bundle",
            "find_source", "source_bundle", "probe", "resolve_backend", "NdArray", "DEFAULT_FACTORY",
-           "BUNDLE_MANIFEST", "BUILTIN", "shipped_source"]
+           "BUNDLE_MANIFEST", "BUILTIN", "shipped_source", "loss_ceiling"]
 
 #: The built-in job (``tabcohort serve`` without ``--job``): the MLP over a classification dataset.
 BUILTIN = "tabcohort.jobs.builtin_mlp"

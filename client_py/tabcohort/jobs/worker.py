@@ -210,6 +210,27 @@ class JobWorker:
         return float(f()) if f is not None else math.nan
 
 
+#: a classifier whose training loss is this many times a uniform guess's (ln of the classes) has
+#: diverged, although every gradient stayed finite (README "Divergence")
+LOSS_BLOWUP = 10.0
+
+
+def loss_ceiling(worker: Any) -> float | None:
+    """``LOSS_BLOWUP * ln(classes)`` for a softmax cross-entropy model (the job's model ``spec()``
+    has ``"loss": "softmax_xent"`` and ``layers``, the last being the classes), else None.
+
+    Args:
+        worker: a :class:`JobWorker` (its ``inner`` model is asked) or a model with ``spec()``.
+    """
+    inner = getattr(worker, "inner", worker)
+    spec = inner.spec() if callable(getattr(inner, "spec", None)) else None
+    layers = spec.get("layers") if isinstance(spec, dict) else None
+    if not layers or spec.get("loss") != "softmax_xent" or isinstance(layers[-1], bool) \
+            or not isinstance(layers[-1], int) or layers[-1] < 2:
+        return None
+    return LOSS_BLOWUP * math.log(layers[-1])
+
+
 def resolve_backend(backend: str) -> str:
     """``auto`` -> ``numpy`` when importable, else ``python``.
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..bus.memory import MemoryNetwork
 from ..errors import ConfigError, TabcohortError
+from ..jobs.worker import LOSS_BLOWUP, loss_ceiling
 from ..protocol import RankMachine, Timing
 from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
@@ -33,9 +34,6 @@ LR_MAX = 10.0
 MAX_DELAY_MS = 60_000.0
 #: A run whose step has not advanced for this long while buckets are non-finite has diverged.
 DIVERGED_AFTER_S = 5.0
-#: A classifier whose final training loss is this many times a uniform guess's (ln classes) has
-#: diverged too, although every gradient stayed finite.
-LOSS_BLOWUP = 10.0
 #: how often the run checks its fault triggers and stop conditions (seconds)
 FAULT_POLL_S = 0.005
 #: a partition healed less than this before the end (seconds) may explain ranks on two models
@@ -313,15 +311,13 @@ class InprocCohort:
         # (at the step limit no rank leads any more; every rank holds the last round's loss)
         ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
         last_loss = ld.machine.loss if ld is not None else None
-        inner = getattr(ld.worker, "inner", None) if ld is not None else None   # the job's own worker
-        spec = inner.spec() if callable(getattr(inner, "spec", None)) else {}
-        if spec.get("loss") == "softmax_xent" and spec.get("layers") and last_loss is not None \
-                and math.isfinite(last_loss) and last_loss > LOSS_BLOWUP * math.log(max(2, spec["layers"][-1])):
+        ceiling = loss_ceiling(ld.worker) if ld is not None else None
+        if ceiling is not None and last_loss is not None and math.isfinite(last_loss) and last_loss > ceiling:
             for d in list(self.drivers.values()):
                 await d.close()
             raise TabcohortError(
                 f"training diverged at step {last_step}: the training loss ended at {last_loss:.4g}, "
-                f"{LOSS_BLOWUP:g}x a guess's ({math.log(max(2, spec['layers'][-1])):.3g}: gradients stayed finite, "
+                f"{LOSS_BLOWUP:g}x a guess's ({ceiling / LOSS_BLOWUP:.3g}: gradients stayed finite, "
                 f"the parameters ran away); try a smaller --lr (now {cfg.lr})")
         return await self._finish(seconds, samples, leaders, partitioned=heal_at is not None)
 
