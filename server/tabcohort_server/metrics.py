@@ -35,8 +35,8 @@ class RoomCollector(Collector):
         loss = GaugeMetricFamily("tabcohort_loss", "Leader's last reduced loss", labels=["room"])
         acc = GaugeMetricFamily("tabcohort_accuracy", "Leader's held-out accuracy", labels=["room"])
         term = GaugeMetricFamily("tabcohort_term", "Leader's lineage term", labels=["room"])
-        div = GaugeMetricFamily("tabcohort_diverged_rounds", "Leader's rounds whose update overflowed "
-                                "(refused; parameters kept finite)", labels=["room"])
+        div = GaugeMetricFamily("tabcohort_diverged_rounds", "Leader's rounds refused: an update that "
+                                "overflowed, or a non-finite own bucket and no other (parameters kept finite)", labels=["room"])
         pres = GaugeMetricFamily("tabcohort_relay_pressure", "Max relay queue / high-water mark", labels=["room"])
         frames = CounterMetricFamily("tabcohort_frames_relayed", "Chunks written to relay queues", labels=["room"])
         nbytes = CounterMetricFamily("tabcohort_bytes_relayed", "Chunk bytes written to relay queues",

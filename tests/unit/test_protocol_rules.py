@@ -316,8 +316,25 @@ def test_nan_own_bucket_is_dropped_and_peer_buckets_still_apply():
     r.m.handle(grad(2, 1, 0, g=[0.5] * 4), now_ms=1)
     r.m.bucket_ready(own.token, 1.0, to_vector([math.nan] * 4), now_ms=2)
     assert r.m.drops["own_bucket_invalid"] == 1
-    tick(r, 2 + r.m.policy.collect_ms, peers=[2])      # quorum unreachable: the window ends it
+    # the round stops waiting for the leader's own bucket: the peer's applies at once (it
+    # waited the whole collect window), and a round that applied is not counted as diverged
     assert r.m.step == 1 and list(r.w.params()) == [-0.5] * 4
+    assert r.m.diverged == 0
+
+
+def test_a_round_left_empty_by_a_nan_own_bucket_is_diverged_and_the_next_waits_a_beat():
+    # "Leader: driving one round", step 5: a lone leader whose job gives NaN ran empty rounds
+    # as fast as it could (thousands of `diverged` a second), which tipped the room's
+    # divergence rule during a 1 s gap in an otherwise training cohort
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    t = 0.0
+    for _ in range(50):
+        for c in r.computes(r.drain()):
+            r.m.bucket_ready(c.token, 1.0, to_vector([math.nan] * 4), now_ms=t)
+        t += 10
+        r.m.on_timer(now_ms=t)
+    assert r.m.step == 0 and 1 <= r.m.diverged <= 500 / r.m.policy.beat_ms + 1, r.m.diverged
 
 
 def test_leader_paces_on_pressure_then_drives_anyway():

@@ -348,8 +348,10 @@ class RankMachine:
         self._held_probe_ms: dict[int, float] = {}      # last probe to a held-back rank
         #: _paced_ms by (base, policy.takeover_ms): asked for in every round
         self._paced: dict[tuple[float, float], float] = {}
-        self.diverged = 0                   # rounds whose update made the parameters non-finite
+        self.diverged = 0                   # rounds refused: an update that overflowed, or no
+                                            # bucket left but a non-finite own one (step 5)
         self._round_params: Any = None      # the parameters of the round being driven
+        self._own_non_finite = False        # this round's own bucket was not finite (step 5)
         self.last_open_ms = now_ms
         self.defer_until_ms = -math.inf
         self._last_input_ms = now_ms
@@ -1344,10 +1346,9 @@ class RankMachine:
         if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:
             self.drops["own_bucket_invalid"] += 1
             if len(g) == self.worker.bucket_len and samples > 0:
-                # "Leader: driving one round", step 5: the job's own gradients or loss are not
-                # finite: counted as diverged, so a room whose every bucket is NaN stops with a
-                # reason instead of retrying empty rounds for good
-                self.diverged += 1
+                # "Leader: driving one round", step 5: the job's own loss or gradients are not
+                # finite; a round this leaves with no bucket counts as diverged
+                self._own_non_finite = True
                 self.fault = (f"diverged: the leader's own bucket of step {self.step} is not finite "
                               f"(the job's loss or gradients hold NaN or inf; lr {self.lr:g})")
         else:
@@ -1361,10 +1362,17 @@ class RankMachine:
             col.received[self.id] = self._own_bucket
             self._keep_norm(col, self.id)
             _arrived(col, now_ms, self.id)
+        else:
+            # the leader's own bucket is not coming: the round waits only for the others'
+            col.wanted.discard(self.id)
+            col.awaited.discard(self.id)
+            col.quorum = max(1, min(col.quorum, len(col.awaited)))
         self._phase = Phase.COLLECT
         self._phase_deadline_ms = now_ms + self.policy.collect_ms
         col.window_end_ms = self._phase_deadline_ms
-        if len(col.received) >= col.quorum:
+        if not col.awaited:
+            self._finish_round(now_ms)
+        elif len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
 
     def _on_grad(self, msg: dict, now_ms: float) -> None:
@@ -1570,7 +1578,17 @@ class RankMachine:
             else:
                 self.counters["empty_round"] += 1
         except Exception as exc:
+            self._own_non_finite = False
             self._round_fault(f"{type(exc).__name__}: {exc}", now_ms)
+            return
+        own_non_finite, self._own_non_finite = self._own_non_finite, False
+        if own_non_finite and not buckets:
+            # "Leader: driving one round", step 5: nothing to apply because the leader's own
+            # bucket was not finite: counted as diverged (a room whose every bucket is NaN stops
+            # by the divergence rule), and the next round waits a beat instead of spinning
+            self.diverged += 1
+            self._phase = Phase.FAULT
+            self._phase_deadline_ms = now_ms + self.policy.beat_ms
             return
         # yield between rounds: due now, and the driver yields unclamped before on_timer
         self._phase = Phase.YIELD
