@@ -113,7 +113,7 @@ def test_a_run_that_ends_inside_its_partition_says_why_the_ranks_differ():
 def test_a_run_that_ends_inside_its_partition_reports_the_leading_side_s_model():
     # a new user's run reported 41 % accuracy at "1500 steps": the first rank's model, on the
     # paused side at step 5, while the leading side's was at 97 %
-    r = simulate("--ranks", "4", "--partition-at", "100", "--steps", "1500", "--json")
+    r = simulate("--ranks", "4", "--partition-at", "100", "--heal-after-ms", "600000", "--steps", "1500", "--json")
     res = json.loads(r.stdout)
     assert res["steps"] == 1500 and res["bit_identical"] is False, res
     assert res["accuracy"] >= 0.9, res

@@ -188,6 +188,8 @@ class LoadedJob:
         full = {"job": self.name, "code_sha256": self.source.code_sha256, "spec": self.spec}
         w = JobWorker(inner, backend=b, spec=full, model=self.name, batch=batch,
                       make_scratch=lambda: self._build(batch, seed, b))
+        # the job's own files: a compute error names its line in them (runtime.driver.job_frame)
+        w.job_files = {os.path.abspath(os.path.join(self.source.root, r)) for r in self.source.files}
         # the state report's epoch: the worker's own train_len, else the rows of the data's
         # training array by README's naming (y_train, x_train)
         n = getattr(inner, "train_len", None)

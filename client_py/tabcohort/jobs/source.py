@@ -155,6 +155,9 @@ def find_source(ref: str) -> JobSource:
             spec = None
         if spec is None:
             raise JobError("no such file, package directory or importable module", ref)
+        if not spec.origin and spec.submodule_search_locations:
+            raise JobError("the module is a namespace package (a directory without __init__.py); name "
+                           "the package's directory with an __init__.py, or a .py file", ref)
         if not spec.origin or not spec.origin.endswith(".py"):
             raise JobError(f"the module is importable but not from a .py file (origin {spec.origin!r}: "
                            "built-in, frozen or compiled); a job is read as Python source", ref)

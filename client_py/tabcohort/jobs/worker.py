@@ -43,6 +43,8 @@ class JobWorker:
         self.batch = int(getattr(inner, "batch", batch))
         self.bucket_len = int(inner.bucket_len)
         self._spec = spec
+        #: absolute paths of the job's files (set by the job loader), or None
+        self.job_files: set[str] | None = None
         self._async = inspect.iscoroutinefunction(getattr(inner, "grads", None))
         # a worker with its own grads_sync, or its own local steps (both local_grads, awaitable,
         # and local_grads_sync: tabcohort's MLP workers) is used for them as is

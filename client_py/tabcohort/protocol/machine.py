@@ -46,6 +46,8 @@ _PROBES_KEPT = 4
 #: "Untrusted ranks": a rank with this many probes outstanding, none answered, is silent
 _PROBES_SILENT = 3
 #: "Shares": the wait before a rank's next probe doubles per probe outstanding up to
+#: the state report's ``fault`` is cut to this many characters (PROTOCOL.md "State report")
+FAULT_MAX_CHARS = 240
 #: PROBE_INTERVAL_MS * 2 ** this (8 s)
 _PROBE_BACKOFF_MAX_EXP = 5
 #: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
@@ -773,7 +775,9 @@ class RankMachine:
             "peers": [{"id": k, "backend": m.backend} for k, m in sorted(live.items())],
             "bucket_len": self.worker.bucket_len, "batch": self.worker.batch,
             "model": self.worker.model, "backend": self.worker.backend, "precision": self.precision,
-            "lr": self.lr, "fault": self.fault, "term": self.term,
+            # (bounded: a report whose fault is longer than the server's 256 characters is
+            # dropped whole, and a job's exception message can be any length)
+            "lr": self.lr, "fault": None if self.fault is None else self.fault[:FAULT_MAX_CHARS], "term": self.term,
             "members": len(self.members(now_ms)), "majority": self.has_majority(now_ms),
             "flaps": {f"{k:08x}": v for k, v in sorted(self.flaps.items())},
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pathlib
+import sysconfig
 import traceback
 from typing import Any, Callable
 
@@ -27,18 +29,24 @@ log = logging.getLogger("tabcohort.runtime")
 #: a rank whose compute raised this many times in a row (no bucket in between) gives up: the
 #: job has a bug that every retry meets, not a passing fault (README "Write your own job")
 COMPUTE_FAILURES_FATAL = 3
-_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1])
+#: where a frame is not the job's: this package, the standard library, installed packages
+_NOT_JOB_DIRS = tuple({str(pathlib.Path(__file__).resolve().parents[1]) + os.sep,
+                       sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["purelib"] + os.sep,
+                       sysconfig.get_paths()["platlib"] + os.sep})
 
 
-def job_frame(exc: BaseException) -> str | None:
-    """``file.py:LINE in FUNC`` of the innermost frame of ``exc``'s traceback outside this
-    package (the job's code), else the innermost frame; None without a traceback."""
+def job_frame(exc: BaseException, job_files: "set[str] | None" = None) -> str | None:
+    """``file.py:LINE in FUNC`` (the file's base name) of the innermost frame of ``exc``'s
+    traceback in ``job_files`` (the job's own files, absolute paths), else outside this package
+    and the standard library and site-packages (a job's code), else the innermost frame; None
+    without a traceback."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return None
-    own = [f for f in frames if not f.filename.startswith(_PACKAGE_DIR)]
-    f = (own or frames)[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}"
+    mine = [f for f in frames if job_files and os.path.abspath(f.filename) in job_files]
+    theirs = [f for f in frames if not f.filename.startswith(_NOT_JOB_DIRS)]
+    f = (mine or theirs or frames)[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
 class RankDriver:
@@ -223,8 +231,8 @@ class RankDriver:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            where = job_frame(exc)
-            error = f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            where = job_frame(exc, getattr(self.worker, "job_files", None))
+            error = f"{type(exc).__name__}: {str(exc)[:160]}" + (f" (at {where})" if where else "")
             log.warning("rank %08x: compute failed: %s", self.machine.id, error)
             if not self._closed:
                 self.machine.bucket_failed(action.token, error, now_ms=self.now_ms())

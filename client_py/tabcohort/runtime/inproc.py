@@ -370,8 +370,11 @@ class InprocCohort:
         # wait (bounded) until the publish has reached every rank it can reach: all of them, or
         # inside a partition the last leader's side (the other side holds what it had)
         reach = set(self.drivers)
-        if partitioned and ld is not None:
-            reach = next((g for g in self._sides if ld.machine.id in g), reach) & reach
+        if partitioned and self.drivers:
+            # (no leader left: the most advanced rank's side)
+            anchor = ld if ld is not None and ld.machine.id in self.drivers else max(
+                self.drivers.values(), key=lambda d: d.machine.step)
+            reach = next((g for g in self._sides if anchor.machine.id in g), reach) & reach
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             if len({digest(self.drivers[k].worker.params()) for k in reach}) == 1:

@@ -384,8 +384,8 @@ class RankRun(RankSession):
                                       "(--token or TABCOHORT_TOKEN)")
                 raise ConfigError(self.cfg._name("token"), "<hidden>", "the server rejected the room token")
             if r.status == 404 and path != "/checkpoint":
-                body = await r.text()
-                if r.content_type != "application/json" or '"error"' not in body:
+                body = await r.read()
+                if r.content_type != "application/json" or b'"error"' not in body:
                     # not a tabcohort server's answer (its 404s are JSON: {"error": ...})
                     raise ConfigError(self.cfg._name("server"), self.cfg.base_url,
                                       f"answered {url} with HTTP 404 and no tabcohort error: is this the URL "
