@@ -387,6 +387,16 @@ def test_fault_in_round_is_recorded_and_loop_goes_on():
     assert len(r.posts(t="round")) == 1
 
 
+def test_a_long_fault_is_cut_in_the_state_report():
+    # the server drops a whole report whose fault is longer than 256 characters: one long job
+    # exception once left the room at step 0 while the rank trained on
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_failed(own.token, "RuntimeError: " + "x" * 1000, now_ms=1)
+    assert len(r.m.state(2)["fault"]) <= 240
+
+
 def test_apply_error_becomes_fault_not_exception():
     r = leader_rig()
     def boom(avg, lr):
