@@ -686,6 +686,18 @@ class Room:
             return
         fwd = {k: obj[k] for k in ("kind", "sdp", "candidate", "bytes", "addr", "key") if k in obj}
         fwd.update(type="signal", to=to, **{"from": p.id})
+        if kind == "backlog":
+            # as the backlog control: a claim adds at most backlog_max_pressure high-water marks
+            cap = int(self.limits.backlog_max_pressure * self.limits.queue_high_water_bytes)
+            n = fwd.get("bytes")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                self.drop("bad_signal")
+                p.charge("bad_signal")
+                return
+            if n > cap:
+                self.drop("backlog_clamped")
+                p.charge("backlog_clamped")
+                fwd["bytes"] = cap
         if to == 0:
             if self.on_server_signal is None:
                 self.drop("no_route")

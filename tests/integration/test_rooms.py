@@ -108,6 +108,24 @@ def test_a_consumer_that_does_not_read_is_dropped_not_waited_for():
     assert any(t["type"] == "pressure" and t["p"] > 1 for t in texts)
 
 
+def test_a_backlog_signal_to_a_peer_is_clamped_like_the_backlog_control():
+    # a rank of any role sent a peer {"kind": "backlog", "bytes": 2**62}: forwarded unchanged,
+    # it lifted the recipient's pressure far over 1 and stalled the room's leader
+    r = room(queue_high_water_bytes=1000, queue_max_bytes=50_000)
+    a, b = r.register(now=0), r.register(now=0)
+    drain(a), drain(b)
+    r.control(b, json.dumps({"type": "signal", "to": a.id, "kind": "backlog", "bytes": 2**62}), now=0)
+    got = [json.loads(x) for x in drain(a) if isinstance(x, str)]
+    assert {"type": "signal", "to": a.id, "from": b.id, "kind": "backlog", "bytes": 1000} in got, got
+    assert r.drops["backlog_clamped"] == 1 and b.charged["backlog_clamped"] == 1
+    r.control(b, json.dumps({"type": "signal", "to": a.id, "kind": "backlog", "bytes": 300}), now=0)
+    assert {"type": "signal", "to": a.id, "from": b.id, "kind": "backlog", "bytes": 300} in [
+        json.loads(x) for x in drain(a) if isinstance(x, str)]
+    r.control(b, json.dumps({"type": "signal", "to": a.id, "kind": "backlog", "bytes": -5}), now=0)
+    assert not [x for x in drain(a) if isinstance(x, str) and '"backlog"' in x]
+    assert b.charged["bad_signal"] >= 1
+
+
 def test_a_reported_receive_backlog_counts_in_the_pressure_every_sender_sees():
     # a tab cannot pause reading its socket: what its stalled worker holds it reports, and the
     # room counts it as it counts its own queue (PROTOCOL.md "Bus contract": pressure)

@@ -100,3 +100,13 @@ def test_a_late_tick_gives_no_idle_verdict():
     assert bus.path(2).state is PathState.DIRECT
     bus.supervise(t[0] + 250.0)
     assert bus.path(2).state is PathState.RELAY and "no bytes from the peer" in bus.path(2).why
+
+
+def test_a_peers_backlog_claim_alone_never_paces_this_rank():
+    # any rank could send {"kind": "backlog", "bytes": 2**62}: counted up to the queue bound,
+    # it lifted the pressure far over 1 and the leader paced (the room stalled)
+    bus, connector, t = _mesh(1, 2)
+    bus._on_signal({"type": "signal", "from": 2, "kind": "backlog", "bytes": 2**62})
+    p = bus.path(2)
+    assert p.remote_backlog == bus.high_water_bytes
+    assert p.buffered(bus.channel_buffered(2)) / bus.high_water_bytes <= 1.0   # its part of pressure()

@@ -580,7 +580,10 @@ class MeshBus:
             return
         p = self._ensure_path(frm)
         if kind == "backlog":
-            if not p.set_remote_backlog(obj.get("bytes"), self.max_queue_bytes):
+            # a peer's claim counts at most one high-water mark: alone it never lifts this
+            # rank's pressure over 1, so it paces nothing (a rank of any role could send a
+            # huge one and stall the room; the server caps its own backlog control the same way)
+            if not p.set_remote_backlog(obj.get("bytes"), self.high_water_bytes):
                 self._count("bad_signal")
             return
         if p.state is PathState.RELAY:
