@@ -51,6 +51,14 @@ def _ranks_map(values: dict) -> dict:
     return {"type": "object", "maxProperties": 4096, "propertyNames": RANK_HEX, "additionalProperties": values}
 
 
+def _links_map(values: dict) -> dict:
+    """A per-path map: one entry per peer (``%08x``) and the server's (``server``). Why not
+    :func:`_map`'s 64: 64 idle sockets from one address (the per-address seat limit) made every
+    honest rank's report too long, and the server dropped them all (its view of the room froze)."""
+    return {"type": "object", "maxProperties": 4097,
+            "propertyNames": {"pattern": "^([0-9a-f]{8}|server)$"}, "additionalProperties": values}
+
+
 #: The state report a rank sends about once a second (``{"type": "report", "state": {...}}``).
 #: Only these fields are kept; unknown fields are ignored (a newer client may send more).
 REPORT_STATE = {
@@ -77,7 +85,8 @@ REPORT_STATE = {
                    "additionalProperties": {"type": ["number", "string", "boolean", "null"], "maxLength": 64}},
         # drop and event counters by reason: non-negative integers
         "drops": _map(U63, REASON), "wire_drops": _map(U63, REASON), "counters": _map(U63, REASON),
-        "gaps": _map(NUM), "links": _map(STR), "link_bytes": _map(U63),
+        "gaps": _map(NUM), "links": _links_map(STR), "link_bytes": _map(U63),
+        "kind": {"enum": ["native", "tab"]},
         # per peer: chunk bytes on its own channel (rtc, tcp) and through the relay
         "pair_bytes": _ranks_map({"type": "object", "maxProperties": 4, "propertyNames": KEY,
                                   "additionalProperties": U63}),

@@ -200,6 +200,22 @@ def test_reports_drive_the_stop_condition():
     assert json.loads(drain(a)[-1]) == {"type": "stop", "reason": "steps 10 reached"}
 
 
+def test_a_report_with_a_path_to_every_one_of_hundreds_of_peers_is_kept_and_kind_is_checked():
+    # 64 idle sockets from one address made every honest rank's `links` longer than 64 entries,
+    # and the server dropped each of its reports (its view of the room froze); `kind` was kept
+    # whatever it held (a 60,000-character string went into every public room JSON)
+    r = room()
+    a = r.register(now=0, trainer=True)
+    drain(a)
+    links = {"server": "ws", **{f"{k:08x}": "relay" for k in range(1, 200)}}
+    r.control(a, json.dumps({"type": "report", "state": {"step": 5, "is_leader": True, "leader": a.id,
+                                                         "links": links, "kind": "native"}}), now=1)
+    assert a.report["step"] == 5 and len(a.report["links"]) == 200 and a.report["kind"] == "native"
+    r.control(a, json.dumps({"type": "report", "state": {"step": 6, "is_leader": True, "leader": a.id,
+                                                         "kind": "x" * 60_000}}), now=2)
+    assert a.report["step"] == 5 and r.drops["bad_report.kind"] == 1, r.drops
+
+
 def test_config_errors_name_the_setting():
     with pytest.raises(ConfigError, match="topology.*ring"):
         ServerConfig(rooms={"r": JobConfig(topology="ring")}).validate()
