@@ -462,11 +462,16 @@ async def set_room_lr(request: web.Request) -> web.Response:
     """Set the room's learning rate (the operator token only; README "Trust model"): broadcast an
     ``lr`` control; the leader applies it (``RankMachine.set_lr``) and its rounds carry it."""
     room = _operator_room(request)
-    body, _why = parse_json(await request.text())
+    # (the bytes: a body that is not UTF-8, or names an unknown charset, is a bad body, not a 500)
+    body, _why = parse_json(await request.read())
     lr = body.get("lr") if isinstance(body, dict) else None
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr <= MAX_LR:
+    # above the room's lr_max every follower drops the leader's rounds (PROTOCOL.md "Untrusted
+    # ranks"): this answered 200 and the learning rate silently stayed as it was
+    top = min(MAX_LR, room.job.lr_max)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr <= top:
         room.drop("bad_lr")
-        return _json({"error": f"lr must be a number in (0, {MAX_LR:g}]"}, status=400)
+        return _json({"error": f"lr must be a number in (0, {top:g}] (the room's lr_max: serve --lr-max)"},
+                     status=400)
     room.job.lr = float(lr)
     room.broadcast_control({"type": "lr", "lr": float(lr)})
     return _json({"lr": float(lr)})
