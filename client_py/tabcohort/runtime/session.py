@@ -274,8 +274,9 @@ class RankSession:
             # the operator's learning rate (the server sends it only on the operator's word):
             # applied by the leader, whose rounds carry it (PROTOCOL.md "Controls": set_lr)
             lr = obj.get("lr")
+            # (above the room's lr_max the machine refuses it: followers would drop the rounds)
             if (self.driver is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool)
-                    and math.isfinite(lr) and 0 < lr <= 1e6):
+                    and math.isfinite(lr) and 0 < lr <= min(1e6, self.driver.machine.lr_max)):
                 self.driver.set_lr(float(lr))
         elif t == "stop":
             reason = str(obj.get("reason"))
