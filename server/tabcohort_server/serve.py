@@ -12,6 +12,41 @@ from typing import Any, Callable
 from .config import ServerConfig
 
 
+class MalformedRequests(logging.Filter):
+    """On aiohttp's ``aiohttp.server`` logger: a request aiohttp could not parse (a bad URL, a bad
+    header: it already answered 400) is counted in ``refused`` (``malformed_http``, in /metrics)
+    and logged in one line at most every ``every_s`` seconds, not as an 11-line traceback each:
+    anyone could fill the log with them, without a token."""
+
+    def __init__(self, refused: Any, every_s: float = 10.0, clock: Callable[[], float] | None = None) -> None:
+        super().__init__()
+        self.refused = refused
+        self.every_s = every_s
+        self.clock = clock or __import__("time").monotonic
+        self._last = -float("inf")
+        self._since = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        self.refused["malformed_http"] += 1
+        self._since += 1
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return False
+        why = " ".join(str(getattr(exc, "message", "") or exc).split())[:200]
+        record.msg = "refused %d malformed HTTP request(s) (400, counted in /metrics as malformed_http); the last: %s"
+        record.args = (self._since, why)
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        self._last, self._since = now, 0
+        return True
+
+
 async def start_site(app, host: str, port: int):
     """Run ``app`` on ``host:port`` with the server's connection bounds: aiohttp's
     ``keepalive_timeout`` set to ``limits.header_timeout_s`` (a connection that has not sent a
@@ -28,6 +63,9 @@ async def start_site(app, host: str, port: int):
     from .guard import ConnectionGuard
 
     limits = app[CONFIG].limits
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+        server_log.addFilter(MalformedRequests(app[REFUSED]))
     runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
     ConnectionGuard(limits.max_connections_per_address, app[REFUSED]).install(runner.server)

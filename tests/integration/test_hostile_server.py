@@ -110,3 +110,23 @@ def test_poisoned_checkpoints_are_refused_and_the_history_keeps_the_good_ones(cl
     assert again["resumed_from"]["id"] == hist[0]["id"] and again["resumed_from"]["step"] == STEPS
     assert f"resumes from its checkpoint {hist[0]['id']} at step {STEPS}" in cluster.server.text()
     assert [c["id"] for c in again["checkpoints"]] == [c["id"] for c in hist]
+
+
+def test_malformed_http_requests_are_counted_and_logged_in_one_line_not_a_traceback_each(cluster):
+    # anyone, without a token, could fill the server's log: each request aiohttp cannot parse
+    # was an 11-line traceback
+    import socket
+
+    from .conftest import wait_for
+
+    cluster.serve()
+    host, port = cluster.url.removeprefix("http://").split(":")
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /api/rooms/r?token=\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(64).split(b" ")[1] == b"400"
+    got = wait_for(lambda: (m := urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5).read().decode())
+                   and 'reason="malformed_http"} 5.0' in m and m, 10, "the refusals counted")
+    assert got
+    log = cluster.server.text()
+    assert "Traceback" not in log and log.count("malformed HTTP request") == 1, log[-2000:]
