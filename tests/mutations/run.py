@@ -142,7 +142,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'if self.link.pressure() > 1 and self._pace_tries < _MAX_PACE_TRIES:', 'if self.link.pressure() > 1:',
      [f"{U}::test_leader_paces_on_pressure_then_drives_anyway"]),
     ("a fault in a round does not end the loop", M,
-     'self._phase = Phase.FAULT', 'self._phase = None',
+     'self._own_bucket = None\n        self._phase = Phase.FAULT', 'self._own_bucket = None\n        self._phase = None',
      [f"{U}::test_fault_in_round_is_recorded_and_loop_goes_on"]),
     ("unclamped yield between rounds (machine)", M,
      '''        self._phase = Phase.YIELD
