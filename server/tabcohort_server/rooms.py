@@ -825,12 +825,14 @@ class Room:
             f(self)
 
     def rank_drops(self) -> dict[str, dict[str, int]]:
-        """Drops the connected ranks report (validated reports), summed by reason:
+        """Drops the connected ranks that may lead report (validated reports), summed by reason:
         ``{"protocol": {...}, "wire": {...}}`` (e.g. ``pretender``, ``stale_round``,
-        ``grad_non_finite``; ``reassembly_timeout``)."""
+        ``grad_non_finite``; ``reassembly_timeout``). Every rank's own are in its row's report.
+        Why only those: a rank of no role could invent reasons or claim 2^63 of one, and each
+        reason is a metric label (up to 128 per connected rank)."""
         out: dict[str, dict[str, int]] = {"protocol": {}, "wire": {}}
         for p in self.connected.values():
-            if not p.report:
+            if not p.report or not p.may_lead:
                 continue
             for kind, key in (("protocol", "drops"), ("wire", "wire_drops")):
                 for reason, n in (p.report.get(key) or {}).items():

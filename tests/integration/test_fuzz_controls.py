@@ -186,10 +186,14 @@ def test_a_lead_claim_without_the_role_never_counts_whatever_its_term():
 
 def test_rank_drop_reasons_reach_the_room_json_and_metrics():
     r, _ = make_room()
-    a, b = r.register(now=0), r.register(now=0)
+    a, b = r.register(now=0, trainer=True), r.register(now=0, trainer=True)
     r.control(a, report(a, step=1, leader=a.id, drops={"pretender": 2, "stale_round": 1},
                         wire_drops={"reassembly_timeout": 4}), now=1)
     r.control(b, report(b, step=1, leader=a.id, drops={"grad_non_finite": 3, "stale_round": 2}), now=1)
+    # a rank of no role: its reasons are its own (its row), never the room's sum or labels
+    c = r.register(now=0)
+    r.control(c, report(c, step=1, leader=a.id, drops={"invented": 2**62, "stale_round": 2**62}), now=1)
+    assert c.report["drops"]["invented"] == 2**62
     rd = r.summary(1.0)["rank_drops"]
     assert rd == {"protocol": {"pretender": 2, "stale_round": 3, "grad_non_finite": 3},
                   "wire": {"reassembly_timeout": 4}}
