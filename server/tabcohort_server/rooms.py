@@ -688,7 +688,7 @@ class Room:
         fwd.update(type="signal", to=to, **{"from": p.id})
         if kind == "backlog":
             # as the backlog control: a claim adds at most backlog_max_pressure high-water marks
-            cap = int(self.limits.backlog_max_pressure * self.limits.queue_high_water_bytes)
+            cap = p.backlog_cap_bytes
             n = fwd.get("bytes")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 self.drop("bad_signal")

@@ -367,24 +367,20 @@ class InprocCohort:
             self.network.heal()
         for d in self.drivers.values():
             d.stop()
+        # the model the run reports: the last leader's, else the most advanced rank's (inside a
+        # partition the paused side's model is many steps behind; the first rank's was reported)
+        best = ld or max(self.drivers.values(), key=lambda d: d.machine.step)
         # wait (bounded) until the publish has reached every rank it can reach: all of them, or
-        # inside a partition the last leader's side (the other side holds what it had)
+        # inside a partition that model's side (the other side holds what it had)
         reach = set(self.drivers)
-        if partitioned and self.drivers:
-            # (no leader left: the most advanced rank's side)
-            anchor = ld if ld is not None and ld.machine.id in self.drivers else max(
-                self.drivers.values(), key=lambda d: d.machine.step)
-            reach = next((g for g in self._sides if anchor.machine.id in g), reach) & reach
+        if partitioned:
+            reach = next((g for g in self._sides if best.machine.id in g), reach) & reach
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             if len({digest(self.drivers[k].worker.params()) for k in reach}) == 1:
                 break
             await asyncio.sleep(0.05)
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
-        # the model the run reports: the last leader's, else the most advanced rank's (inside a
-        # partition the paused side's model is many steps behind; the first rank's was reported)
-        best = ld if ld is not None and ld.machine.id in self.drivers else max(
-            self.drivers.values(), key=lambda d: d.machine.step)
         acc: float | None = float(best.worker.evaluate())
         if not 0.0 <= acc <= 1.0:
             acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
