@@ -609,3 +609,50 @@ def test_a_held_back_rank_that_answers_at_once_is_probed_at_most_once_per_probe_
     probed = probed[1:]                                 # (the round start() drove came before)
     assert 2 <= len(probed) <= 400 / PROBE_INTERVAL_MS + 1, probed
     assert all(b - a >= PROBE_INTERVAL_MS for a, b in zip(probed, probed[1:])), probed
+
+
+def _minor_round():
+    """A leader (1), a native follower (2) and a slow rank (3) at global batch 2000, with the
+    shares a plan gives a rank 50x slower (set on the collection directly: the rule reads only
+    the round's shares and arrival times): 1000, 980, 20. The leader's own bucket and rank 2's
+    arrive 100 ms after the round was sent; returns the rig and the collection."""
+    r = leader_with([2, 3], global_batch=2000)
+    r.m.start(now_ms=0)
+    acts = r.drain()
+    col = r.m._collection
+    col.shares.update({1: 1000, 2: 1000 - 20, 3: 20})      # as a plan for a slow third rank
+    own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=100.0)
+    col.received[1] = (col.received[1][0], 1000, col.received[1][2])
+    r.m.handle(grad(2, col.term, col.step, samples=980), now_ms=100.0)
+    return r, col
+
+
+def test_a_minor_straggler_is_waited_for_in_proportion_to_its_samples():
+    # "Shares", minor stragglers: buckets holding 1 % of the round's samples are waited for
+    # twice 1 % of the round's time after the others, then the round finishes without them
+    r, col = _minor_round()
+    assert r.m.step == 0 and col.minor_until_ms == 100.0 + 2 * 100.0 * 20 / 2000
+    r.m.on_timer(now_ms=101.9)
+    assert r.m.step == 0                                     # still within the wait
+    r.m.on_timer(now_ms=102.0)
+    assert r.m.step == 1 and r.m.counters["minor_not_waited"] == 1
+    assert r.m.state(102.0)["held_ms"]["00000003"] == 2.0
+    # its bucket, late, is dropped and counted, never applied
+    r.m.handle(grad(3, col.term, col.step, samples=20), now_ms=150.0)
+    assert r.m.state(150.0)["applied"].get("00000003", 0) == 0
+
+
+def test_a_minor_straggler_in_time_counts_and_a_major_one_is_waited_for():
+    r, col = _minor_round()
+    r.m.handle(grad(3, col.term, col.step, samples=20), now_ms=101.5)
+    assert r.m.step == 1 and r.m.counters["minor_not_waited"] == 0
+    assert r.m.state(101.5)["applied"]["00000003"] == 20
+    # a share above MINOR_SHARE_FRACTION of the round's samples holds the round as before
+    r = leader_with([2, 3], global_batch=48)
+    r.m.start(now_ms=0)
+    col = r.m._collection
+    acts, end = _drive(r, 0.0, silent=(3,))
+    assert col.minor_until_ms is None and r.m.step == 0
+    r.m.on_timer(now_ms=end + 1000.0)
+    assert r.m.step == 0

@@ -45,11 +45,17 @@ _PROBATION_MAX = 24
 _PROBES_KEPT = 4
 #: "Untrusted ranks": a rank with this many probes outstanding, none answered, is silent
 _PROBES_SILENT = 3
-#: "Shares": the wait before a rank's next probe doubles per probe outstanding up to
 #: the state report's ``fault`` is cut to this many characters (PROTOCOL.md "State report")
 FAULT_MAX_CHARS = 240
+#: "Shares": the wait before a rank's next probe doubles per probe outstanding up to
 #: PROBE_INTERVAL_MS * 2 ** this (8 s)
 _PROBE_BACKOFF_MAX_EXP = 5
+#: "Shares", minor stragglers: buckets still missing whose shares are at most this fraction of
+#: the round's awaited samples are waited for in proportion to their samples, not to the end
+MINOR_SHARE_FRACTION = 1 / 8
+#: ... for at most this many times their part of the round's time (a dropped bucket costs its
+#: samples twice: this round's, and its rank's next bucket starts late)
+MINOR_WAIT_FACTOR = 2.0
 #: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
 #: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine
 _CLIP_WINDOW = 8
@@ -102,7 +108,8 @@ class _Collection:
     """The leader's collection state for one round ("Leader: driving one round", step 3)."""
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
-                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms", "norms")
+                 "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms", "norms",
+                 "minor_until_ms")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -121,6 +128,7 @@ class _Collection:
         self.window_end_ms: float | None = None  # the collect window's end, once it is armed
         self.arrived_ms: dict[int, float] = {}   # id -> when its accepted bucket arrived
         self.norms: dict[int, float] = {}        # id -> its bucket's L2 norm (the clip rule)
+        self.minor_until_ms: float | None = None  # "Shares": the wait for minor stragglers ends
 
 
 class _Spread:
@@ -574,8 +582,7 @@ class RankMachine:
             col.awaited.discard(rank_id)
             col.quorum = max(1, min(col.quorum, len(col.awaited)))
             self.counters["released_left"] += 1
-            if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
-                self._quorum_reached(col, now_ms)
+            self._collected(col, now_ms)
 
     def roll_call(self, connected: Iterable[int], *, now_ms: float) -> None:
         """The witness's roll call: a ``welcome`` from the server lists every other rank whose
@@ -1376,8 +1383,8 @@ class RankMachine:
         col.window_end_ms = self._phase_deadline_ms
         if not col.awaited:
             self._finish_round(now_ms)
-        elif len(col.received) >= col.quorum:
-            self._quorum_reached(col, now_ms)
+        else:
+            self._collected(col, now_ms)
 
     def _on_grad(self, msg: dict, now_ms: float) -> None:
         col = self._collection
@@ -1433,8 +1440,37 @@ class RankMachine:
                 self.counters["readmitted"] += 1
             else:
                 self._probation[sender] = owed - 1
-        if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
+        self._collected(col, now_ms)
+
+    def _collected(self, col: _Collection, now_ms: float) -> None:
+        """A bucket arrived or the awaited set shrank while collecting: finish at the quorum,
+        else wait for minor stragglers only as long as they are worth."""
+        if self._phase is not Phase.COLLECT:
+            return
+        if len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
+        else:
+            self._wait_for_minor(col, now_ms)
+
+    def _wait_for_minor(self, col: _Collection, now_ms: float) -> None:
+        """"Shares", minor stragglers: once the buckets still missing hold at most
+        MINOR_SHARE_FRACTION of the round's awaited samples (M of S), the round waits for them
+        at most ``MINOR_WAIT_FACTOR * e * M / S`` more, ``e`` the time since it was sent; then it
+        finishes without them (their buckets are dropped as late and still measure their
+        ranks). Waiting w ms delays the whole round by w / e of its time to gain M / S of its
+        samples, and a dropped bucket also delays its rank's next one."""
+        missing = col.awaited - col.received.keys()
+        if not missing or self.id in missing:
+            return
+        awaited_samples = sum(col.shares.get(k, 0) for k in col.awaited)
+        missing_samples = sum(col.shares.get(k, 0) for k in missing)
+        if awaited_samples <= 0 or missing_samples > MINOR_SHARE_FRACTION * awaited_samples:
+            return
+        until = now_ms + MINOR_WAIT_FACTOR * (now_ms - col.opened_ms) * missing_samples / awaited_samples
+        if col.minor_until_ms is None or until < col.minor_until_ms:
+            col.minor_until_ms = until
+        if self._phase_deadline_ms is None or until < self._phase_deadline_ms:
+            self._phase_deadline_ms = until
 
     def _rejected(self, col: _Collection, sender: int, now_ms: float) -> None:
         """"Untrusted ranks": a rank whose bucket for this round was rejected has no other in
@@ -1446,8 +1482,7 @@ class RankMachine:
             self._silent.add(sender)
             self._silences[sender] += 1
             self.counters["released_rejected"] += 1
-            if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
-                self._quorum_reached(col, now_ms)
+            self._collected(col, now_ms)
 
     def _probe_backing_off(self, rank: int, now_ms: float) -> bool:
         """"Shares", no history: True while ``rank``'s last probe is unanswered and younger than
@@ -1553,6 +1588,13 @@ class RankMachine:
                     self._silences[k] += 1
                     self.counters["silent_marked"] += 1
                     self.drops["bucket_missing"] += 1      # a share given, nothing delivered
+            elif col.minor_until_ms is not None and now_ms >= col.minor_until_ms:
+                # "Shares", minor stragglers: finished without them; the wait is charged to them
+                missing = sorted(col.awaited - col.received.keys() - {self.id})
+                self.counters["minor_not_waited"] += len(missing)
+                waited = now_ms - max(col.arrived_ms.values(), default=now_ms)
+                for k in missing:
+                    self.held_ms[k] = self.held_ms.get(k, 0.0) + waited / len(missing)
             received = self._robust(col, now_ms)
             buckets = list(received.values())
             for k in col.wanted & self._probation.keys():
