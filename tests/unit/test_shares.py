@@ -656,3 +656,54 @@ def test_a_minor_straggler_in_time_counts_and_a_major_one_is_waited_for():
     assert col.minor_until_ms is None and r.m.step == 0
     r.m.on_timer(now_ms=end + 1000.0)
     assert r.m.step == 0
+
+
+def test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_of_short_rounds():
+    # "Shares", minor stragglers: rounds finished without it do not wait for it, and one that
+    # delivers nothing for a whole collect window is silent (a probe share until it delivers),
+    # as if a round had held that window
+    r = leader_with([2, 3], global_batch=64)
+    for k, ms_per_sample in ((1, 0.01), (2, 0.01), (3, 0.2)):
+        for s in (10, 20):
+            r.m.speeds.observe(k, s, 0.05 + s * ms_per_sample)
+    r.m.start(now_ms=0)
+    t, shares3 = 0.0, []
+    while 3 not in r.m._silent and t < 3000:
+        col = r.m._collection
+        shares3.append(col.shares.get(3, 0) if col is not None and 3 in col.awaited else 0)
+        _, end = _drive(r, t, silent=(3,))
+        t = end
+        while r.m._collection is not None and r.m._collection is col:
+            t = max(t, r.m.next_deadline_ms())
+            r.m.on_timer(now_ms=t)
+        tick(r, t, peers=(2, 3))
+    assert 0 < shares3[0] <= 64 / 8 and r.m.counters["minor_not_waited"] >= 1
+    assert 3 in r.m._silent and r.m.counters["silent_marked"] == 1
+    assert T.collect_ms <= t < 2 * T.collect_ms and r.m.step > 1000, (t, r.m.step)   # short rounds
+    predicted = r.m.speeds.predicted_ms(3, 2)
+    assert predicted is not None and predicted > 0.05 + 2 * 0.2       # measured as slower
+
+
+def test_a_minor_straggler_rule_leaves_quorum_cohorts_and_rooms_without_a_global_batch_alone():
+    # above three ranks the quorum (and the grace rule) decide who is waited for; without a
+    # fixed global batch every rank's share is its cap, as in version 2
+    r = leader_with([2, 3, 4], global_batch=4000)
+    r.m.start(now_ms=0)
+    acts = r.drain()
+    col = r.m._collection
+    assert col.quorum == 3 and len(col.awaited) == 4
+    col.shares.update({1: 1000, 2: 2960, 3: 20, 4: 20})
+    own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=100.0)
+    col.received[1] = (col.received[1][0], 1000, col.received[1][2])
+    r.m.handle(grad(2, col.term, col.step, samples=2960), now_ms=100.0)
+    assert col.minor_until_ms is None and r.m.step == 0
+    r = rig(1, now=-T.beat_ms, ready=True, global_batch=None, batch=64)
+    for p in (2, 3):
+        r.m.handle(beat(p, batch=64 if p == 2 else 4), now_ms=-T.beat_ms)
+    r.m.on_timer(now_ms=0)
+    r.drain()
+    r.m.start(now_ms=0)
+    col = r.m._collection
+    _drive(r, 0.0, silent=(3,))
+    assert col.shares == {1: 64, 2: 64, 3: 4} and col.minor_until_ms is None and r.m.step == 0

@@ -284,6 +284,8 @@ class RankMachine:
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
         self._silences: Counter[int] = Counter()
+        # "Shares", minor stragglers: id -> when a run of rounds finished without its bucket began
+        self._minor_since: dict[int, float] = {}
         self._passed_over: dict[int, float] = {}   # takeover candidate -> since when it is owed a round
         self._skipped_leads: set[int] = set()      # candidates that never drove: not deferred to
         self.collect_rule = collect_rule
@@ -570,6 +572,7 @@ class RankMachine:
         self.roster.members.pop(rank_id, None)
         self._probation.pop(rank_id, None)
         self._silent.discard(rank_id)
+        self._minor_since.pop(rank_id, None)
         if self.following == rank_id and not self._leading:
             # the whole window (its stretches too): the witness says the leader is gone, so no
             # paced round of a large model is on its way ("Heartbeat and takeover")
@@ -1389,6 +1392,8 @@ class RankMachine:
     def _on_grad(self, msg: dict, now_ms: float) -> None:
         col = self._collection
         sender = msg["from"]
+        if self._minor_since:
+            self._minor_since.pop(sender, None)     # it delivers (in time or not): no run of misses
         if col is None:
             self._late_bucket(msg, now_ms)
             self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
@@ -1459,6 +1464,8 @@ class RankMachine:
         finishes without them (their buckets are dropped as late and still measure their
         ranks). Waiting w ms delays the whole round by w / e of its time to gain M / S of its
         samples, and a dropped bucket also delays its rank's next one."""
+        if self.global_batch is None or col.quorum < len(col.awaited):
+            return              # no fixed global batch, or a quorum (n > 3) decides: not this rule
         missing = col.awaited - col.received.keys()
         if not missing or self.id in missing:
             return
@@ -1575,26 +1582,45 @@ class RankMachine:
             (t1, last), (t2, _) = times
             self.held_ms[last] = self.held_ms.get(last, 0.0) + (t1 - t2)
 
+    def _mark_silent(self, k: int) -> None:
+        """"Untrusted ranks", silent members: an awaited rank that gave nothing for a whole
+        collect window is not waited for again until it delivers."""
+        if k not in self.roster.members:
+            return                                  # evicted meanwhile: "Flapping ranks" applies
+        self._minor_since.pop(k, None)
+        self._silent.add(k)
+        self._silences[k] += 1
+        self.counters["silent_marked"] += 1
+        self.drops["bucket_missing"] += 1           # a share given, nothing delivered
+
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection
         if col is not None:
-            if col.window_end_ms is not None and now_ms >= col.window_end_ms:
+            minor: list[int] = []
+            minor_wait_ms = 0.0
+            by_minor = (col.minor_until_ms is not None and now_ms >= col.minor_until_ms
+                        and (col.window_end_ms is None or col.minor_until_ms < col.window_end_ms))
+            if col.window_end_ms is not None and now_ms >= col.window_end_ms and not by_minor:
                 # "Untrusted ranks": an awaited rank that gave nothing in a whole collect window
                 # is not waited for again until it delivers (every rule, every cohort size)
                 for k in sorted(col.awaited - col.received.keys() - {self.id}):
-                    if k not in self.roster.members:
-                        continue                     # evicted meanwhile: "Flapping ranks" applies
-                    self._silent.add(k)
-                    self._silences[k] += 1
-                    self.counters["silent_marked"] += 1
-                    self.drops["bucket_missing"] += 1      # a share given, nothing delivered
-            elif col.minor_until_ms is not None and now_ms >= col.minor_until_ms:
-                # "Shares", minor stragglers: finished without them; the wait is charged to them
-                missing = sorted(col.awaited - col.received.keys() - {self.id})
-                self.counters["minor_not_waited"] += len(missing)
-                waited = now_ms - max(col.arrived_ms.values(), default=now_ms)
-                for k in missing:
-                    self.held_ms[k] = self.held_ms.get(k, 0.0) + waited / len(missing)
+                    self._mark_silent(k)
+            elif by_minor:
+                # "Shares", minor stragglers: finished without them. One slower than its model
+                # said is measured at the time waited (a lower bound): a follower drops a bucket
+                # a newer round made stale, so the late one may never come to tell it. One that
+                # delivered nothing for a collect window is silent, as if it had held one.
+                minor = sorted(col.awaited - col.received.keys() - {self.id})
+                self.counters["minor_not_waited"] += len(minor)
+                waited_ms = now_ms - col.opened_ms
+                for k in minor:
+                    predicted = self.speeds.predicted_ms(k, col.shares[k])
+                    if predicted is not None and waited_ms > predicted:
+                        self.speeds.observe(k, col.shares[k], waited_ms)
+                    if now_ms - self._minor_since.setdefault(k, now_ms) >= self.policy.collect_ms:
+                        self._mark_silent(k)
+                minor_wait_ms = now_ms - max((t for k, t in col.arrived_ms.items() if k in col.awaited),
+                                             default=now_ms)
             received = self._robust(col, now_ms)
             buckets = list(received.values())
             for k in col.wanted & self._probation.keys():
@@ -1621,6 +1647,8 @@ class RankMachine:
                         self.applied_by[k] = self.applied_by.get(k, 0) + n
                     if col is not None:
                         self._charge_hold(col)
+                        for k in minor:            # the wait for them, shared among them
+                            self.held_ms[k] = self.held_ms.get(k, 0.0) + minor_wait_ms / len(minor)
             else:
                 self.counters["empty_round"] += 1
         except Exception as exc:
