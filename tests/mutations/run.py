@@ -91,13 +91,13 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'self._phase_deadline_ms = now_ms + self.policy.collect_ms', 'self._phase_deadline_ms = None',
      [f"{U}::test_collect_window_arms_after_own_bucket_and_finishes_at_window_end"]),
     ("quorum reached during collect finishes", M,
-     '''        if self._phase is Phase.COLLECT and len(col.received) >= col.quorum:
+     '''        if len(col.received) >= col.quorum:
             self._quorum_reached(col, now_ms)
-
-    def _rejected''', '''        if False:
+        else:
+            self._wait_for_minor(col, now_ms)''', '''        if False:
             self._quorum_reached(col, now_ms)
-
-    def _rejected''',
+        else:
+            self._wait_for_minor(col, now_ms)''',
      [f"{U}::test_grad_reaching_quorum_during_collect_finishes"]),
     ("reduce is sample-weighted", M,
      'weights = [s / total for _, s, _ in buckets]', 'weights = [1 / len(buckets) for _ in buckets]',
@@ -338,6 +338,18 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "                    if now_ms - self._minor_since.setdefault(k, now_ms) >= self.policy.collect_ms:",
      "                    if False:",
      [f"{SH}::test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_of_short_rounds"]),
+    ("shares: only a bucket covering a share ends a minor straggler's run of misses", M,
+     '        col = self._collection\n        sender = msg["from"]\n',
+     '        col = self._collection\n        sender = msg["from"]\n        self._minor_since.pop(sender, None)\n',
+     [f"{SH}::test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_of_short_rounds"]),
+    ("shares: a round finished without a minor straggler counts as below the global batch", M,
+     '                self.counters["rounds_below_global_batch"] += 1     # "Shares": never silent\n', "",
+     [f"{SH}::test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_of_short_rounds"]),
+    ("shares: an evicted rank's run of minor misses is forgotten", M,
+     "            self._silent.discard(k)                  # it returns under the flapping rule\n"
+     "            self._minor_since.pop(k, None)\n",
+     "            self._silent.discard(k)                  # it returns under the flapping rule\n",
+     [f"{SH}::test_a_minor_straggler_evicted_by_the_roster_leaves_no_run_of_misses_behind"]),
     ("shares: the report charges the rank whose bucket held the round", M,
      "times = heapq.nlargest(2, ((t, k) for k, t in col.arrived_ms.items() if k in col.awaited))",
      "times = heapq.nlargest(1, ((t, k) for k, t in col.arrived_ms.items() if k in col.awaited))",
@@ -490,7 +502,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'keep = order[cut:n - cut]', 'keep = order',
      [f"{R}::test_trimmed_mean_drops_the_extremes_per_coordinate"]),
     ("untrusted: a silent member is not awaited again until it delivers", M,
-     '                    self._silent.add(k)\n', '',
+     '        self._minor_since.pop(k, None)\n        self._silent.add(k)\n', '        self._minor_since.pop(k, None)\n',
      [f"{R}::test_a_silent_member_is_waited_for_once_then_only_probed_until_it_delivers"]),
     ("untrusted: a candidate that never drives is skipped after a takeover window", M,
      'if now_ms - since <= self.policy.takeover_ms:\n                return False',

@@ -673,12 +673,16 @@ def test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_
         shares3.append(col.shares.get(3, 0) if col is not None and 3 in col.awaited else 0)
         _, end = _drive(r, t, silent=(3,))
         t = end
+        if col is not None:                 # junk from it (a step it never had) changes nothing
+            r.m.handle(grad(3, col.term, 10**12, samples=1), now_ms=t)
         while r.m._collection is not None and r.m._collection is col:
             t = max(t, r.m.next_deadline_ms())
             r.m.on_timer(now_ms=t)
         tick(r, t, peers=(2, 3))
     assert 0 < shares3[0] <= 64 / 8 and r.m.counters["minor_not_waited"] >= 1
     assert 3 in r.m._silent and r.m.counters["silent_marked"] == 1
+    # each round finished without its share covered less than the global batch, and says so
+    assert r.m.counters["rounds_below_global_batch"] >= r.m.counters["minor_not_waited"]
     assert T.collect_ms <= t < 2 * T.collect_ms and r.m.step > 1000, (t, r.m.step)   # short rounds
     predicted = r.m.speeds.predicted_ms(3, 2)
     assert predicted is not None and predicted > 0.05 + 2 * 0.2       # measured as slower
@@ -707,3 +711,11 @@ def test_a_minor_straggler_rule_leaves_quorum_cohorts_and_rooms_without_a_global
     col = r.m._collection
     _drive(r, 0.0, silent=(3,))
     assert col.shares == {1: 64, 2: 64, 3: 4} and col.minor_until_ms is None and r.m.step == 0
+
+
+def test_a_minor_straggler_evicted_by_the_roster_leaves_no_run_of_misses_behind():
+    r, col = _minor_round()
+    r.m.on_timer(now_ms=102.0)
+    assert r.m.counters["minor_not_waited"] == 1 and 3 in r.m._minor_since
+    tick(r, 102.0 + 3 * T.drop_ms, peers=(2,))              # rank 3 stops beating: evicted
+    assert 3 not in r.m.roster.members and 3 not in r.m._minor_since

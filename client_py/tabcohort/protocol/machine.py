@@ -908,6 +908,7 @@ class RankMachine:
             if k in self.membership:
                 self.flaps[k] += 1                   # evicted without leaving ("Flapping ranks")
             self._silent.discard(k)                  # it returns under the flapping rule
+            self._minor_since.pop(k, None)
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
             self._probation.pop(k, None)
@@ -1392,8 +1393,6 @@ class RankMachine:
     def _on_grad(self, msg: dict, now_ms: float) -> None:
         col = self._collection
         sender = msg["from"]
-        if self._minor_since:
-            self._minor_since.pop(sender, None)     # it delivers (in time or not): no run of misses
         if col is None:
             self._late_bucket(msg, now_ms)
             self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
@@ -1518,6 +1517,10 @@ class RankMachine:
         share = sent[1].get(rank)
         if share is None or self.train.local_steps * share != samples:
             return
+        if self._minor_since and pr is None:
+            # a bucket covering a share of a round (in time or late): no run of misses; a probe
+            # or any other grad (a step it never had, a wrong term or size) does not count
+            self._minor_since.pop(rank, None)
         if pr is not None:                       # answered: this rank's earlier probes are moot
             del q[:q.index(pr) + 1]
             if not q:
@@ -1612,6 +1615,7 @@ class RankMachine:
                 # delivered nothing for a collect window is silent, as if it had held one.
                 minor = sorted(col.awaited - col.received.keys() - {self.id})
                 self.counters["minor_not_waited"] += len(minor)
+                self.counters["rounds_below_global_batch"] += 1     # "Shares": never silent
                 waited_ms = now_ms - col.opened_ms
                 for k in minor:
                     predicted = self.speeds.predicted_ms(k, col.shares[k])
