@@ -159,8 +159,11 @@ class JobConfig:
         if self.aggregate not in AGGREGATES:
             raise bad("aggregate", f"expected one of {AGGREGATES}")
         v = self.lr_max
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not self.lr <= v <= 1e6 or v <= 0:
-            raise bad("lr_max", f"must be a number in [lr ({self.lr:g}), 1e6], > 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 1e6:
+            raise bad("lr_max", "must be a number in (0, 1e6]")
+        if self.lr > v:
+            # name the value the user most likely set: the lr, against the bound it passed
+            raise bad("lr", f"above the room's lr_max ({v:g}): lower the lr or raise lr_max")
         from tabcohort.protocol.optim import TrainConfig
         TrainConfig.from_job(self)          # ConfigError naming --local-steps etc.
         from tabcohort.wire import get_codec

@@ -222,6 +222,11 @@ def test_config_errors_name_the_setting():
     ServerConfig(rooms={"r": JobConfig(topology="mesh")}).validate()  # mesh is implemented
     with pytest.raises(ConfigError, match="max_ranks_per_room"):
         ServerLimits(max_ranks_per_room=100)
+    # an lr above the bound names the lr the user set (it named lr_max, which they had not)
+    with pytest.raises(ConfigError, match=r"lr=20.0: above the room's lr_max \(10\)") as e:
+        ServerConfig(rooms={"r": JobConfig(lr=20.0)}).validate()
+    with pytest.raises(ConfigError, match="lr_max"):
+        ServerConfig(rooms={"r": JobConfig(lr_max=0.0)}).validate()
 
 
 def test_a_rank_that_stopped_reading_does_not_pace_the_room():
