@@ -52,7 +52,7 @@ class RoomAssets:
         return 4 * (self.bucket_len + self.state_len)
 
     def _load_job(self, room: Room) -> None:
-        from tabcohort.jobs import BUILTIN, JobError, load_job, loss_ceiling, probe, resolve_backend
+        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, JobError, load_job, loss_ceiling, probe, resolve_backend
 
         job = room.job
         ref, options = job.job_ref()
@@ -61,7 +61,7 @@ class RoomAssets:
             options = canonical(options)
         loaded = load_job(ref, options=options)
         batch = job.batch or job.global_batch
-        self.worker = probe(loaded, batch=batch, seed=job.seed)
+        self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S)
         backends = [resolve_backend("auto")]
         if resolve_backend("auto") != "python":   # the path a tab without numpy takes
             try:
@@ -70,7 +70,7 @@ class RoomAssets:
                 py = None
                 log.warning("job %s: no pure-Python path (tabs without numpy cannot run it): %s", ref, e.reason)
             if py is not None:      # a pure-Python path is checked as strictly as the numpy one
-                probe(loaded, batch=batch, seed=job.seed, worker=py)
+                probe(loaded, batch=batch, seed=job.seed, worker=py, timeout_s=PROBE_TIMEOUT_S)
                 if py.bucket_len != self.worker.bucket_len:
                     raise JobError(f"bucket_len {py.bucket_len} on the python backend, "
                                    f"{self.worker.bucket_len} on {self.worker.backend}", ref)

@@ -339,21 +339,57 @@ def _finite(v: Any) -> bool:
 PROBE_SAMPLES = 8
 
 
+#: seconds the start-up checks may take in all (a job whose grads() never returns must not hang
+#: ``serve`` or ``simulate`` before they say anything)
+PROBE_TIMEOUT_S = 120.0
+
+
 def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
-          worker: JobWorker | None = None) -> JobWorker:
+          worker: JobWorker | None = None, timeout_s: float | None = None) -> JobWorker:
     """The checks before any rank joins: build a worker (or take ``worker``), check
     ``bucket_len`` against ``params()``, compute one bucket of ``min(batch, PROBE_SAMPLES)``
     samples at offset 0 (its loss finite, its gradient ``bucket_len`` long and finite), evaluate
     (a number in [0, 1]). Returns the worker.
 
+    Args:
+        timeout_s: with a number, the checks run on a daemon thread and a check still running
+            after that many seconds fails them (the thread is left behind: the caller is
+            expected to exit). ``None``: inline, unbounded (Pyodide has no threads).
+
     Raises:
-        JobError: naming the check that failed.
+        JobError: naming the check that failed, or the one still running at the timeout.
     """
+    if timeout_s is None:
+        return _probe(job, batch, seed, backend, worker, [""])
+    import threading
+    doing, out = ["building the worker"], []
+
+    def run() -> None:
+        try:
+            out.append(_probe(job, batch, seed, backend, worker, doing))
+        except BaseException as e:       # handed to the caller's thread
+            out.append(e)
+    t = threading.Thread(target=run, name="job-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not out:
+        raise JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
+                       f"returned (a job's calls must return; a slow first call can be warmed up in the factory)",
+                       job.source.ref)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorker | None,
+           doing: list[str]) -> JobWorker:
+    """:func:`probe`'s checks; ``doing[0]`` names the call in progress."""
     w = worker if worker is not None else job.make_worker(batch=batch, seed=seed, backend=backend)
     ref = job.source.ref
     files = {os.path.abspath(os.path.join(job.source.root, r)) for r in job.source.files}
 
     def call(what: str, f: Callable[[], Any]) -> Any:
+        doing[0] = what
         try:
             return f()
         except JobError as e:        # the worker contract broken (a bad return): said as is
