@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranks", type=int, default=4, help="number of ranks")
     _job_args(s, "default: the built-in MLP job")
     s.add_argument("--batch", type=int, default=32,
-                   help="samples per rank per round when --global-batch is not given (the global batch is "
-                        "then ranks x batch); with --global-batch it is unused: any rank here may take a whole round")
+                   help="sets the global batch to ranks x batch when --global-batch is 0; not a per-rank "
+                        "limit: any rank here may take a whole round, the shares follow measured speed")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
