@@ -597,6 +597,7 @@ class RankRun(RankSession):
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else "")
+                      + _below_global_batch(st)
                       + ("  (waiting for a rank that may lead: start one with --trainer-token, which "
                          "`tabcohort serve` prints at start, and keeps in CHECKPOINT_DIR/.trainer-token when "
                          "it has a --checkpoint-dir; README \"Roles\")"
@@ -615,6 +616,19 @@ class RankRun(RankSession):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
         except Exception as e:  # a failed upload must not stop training
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+def _below_global_batch(st: dict) -> str:
+    """A leader's note when its last round covered less than the global batch (PROTOCOL.md
+    "Shares": the ranks' caps, or ranks still being measured); empty otherwise."""
+    gb, shares = st.get("global_batch"), st.get("shares") or {}
+    if not st.get("is_leader") or not gb or not shares:
+        return ""
+    covered = sum(v for v in shares.values() if isinstance(v, int))
+    if covered >= gb:
+        return ""
+    return (f"  (rounds cover {covered} of the global batch {gb}: the ranks' --batch caps sum to less, or "
+            f"ranks are still being measured; README \"Shares\")")
 
 
 def _acc_text(acc: float | None, st: dict) -> str:
