@@ -370,7 +370,10 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
         except BaseException as e:       # handed to the caller's thread
             out.append(e)
     t = threading.Thread(target=run, name="job-probe", daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:                 # no threads here (Pyodide): inline, unbounded
+        return _probe(job, batch, seed, backend, worker, doing)
     t.join(timeout_s)
     if not out:
         raise JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
