@@ -7,7 +7,10 @@ stranger in an open room) unless ``--trainer-token`` is given. Attacks (the numb
 hostile-rank threat list in docs/PROTOCOL.md, "Roles"):
 
 1. ``poison``: answer every round assigned to it with 1e30 in every element;
-   ``poison_samples``: 0.05 everywhere but claiming ``samples = 2**62``.
+   ``poison_samples``: 0.05 everywhere but claiming ``samples = 2**62``;
+   ``flip``: declare the global batch as its cap, answer every round at once (so the leader
+   measures it as by far the fastest rank) with the room's last step reversed: three times
+   ``(new - old parameters) / lr``, a bucket as long as an honest one and pointing uphill.
 2. ``lead_nan`` / ``lead_lr`` / ``lead_beats``: reconnect until its id is the lowest in the
    room, announce ready and running with a high term, then send rounds with NaN parameters,
    or the last parameters it saw with lr 10000, or only beats (never leading).
@@ -34,7 +37,9 @@ import sys
 import time
 from typing import Any
 
-ATTACKS = ("poison", "poison_samples", "lead_nan", "lead_lr", "lead_beats", "silent", "backlog",
+import numpy as np
+
+ATTACKS = ("poison", "poison_samples", "flip", "lead_nan", "lead_lr", "lead_beats", "silent", "backlog",
            "report_step", "checkpoint")
 LEAD = frozenset(("lead_nan", "lead_lr", "lead_beats"))
 
@@ -48,6 +53,8 @@ class Hostile:
         self.job: dict = {}
         self.last_params: Any = None
         self.last_round: dict | None = None
+        self.prev_round: dict | None = None
+        self.max_share = 0
         self.n_answered = 0
         self.term = 2**62
 
@@ -103,12 +110,13 @@ class Hostile:
         self.bus = bus
 
     def _state_fields(self) -> dict:
-        return {"batch": self.job["batch"], "ready": True, "running": True,
+        batch = self.job["global_batch"] if "flip" in self.attacks else self.job["batch"]
+        return {"batch": batch, "ready": True, "running": True,
                 "step": 0 if self.last_round is None else int(self.last_round["step"]), "backend": "python"}
 
     async def _announce(self) -> None:
         """hello once, then beats: ready and running (every attack that joins the cohort)."""
-        if not self.attacks & {"poison", "poison_samples", "silent", *LEAD}:
+        if not self.attacks & {"poison", "poison_samples", "flip", "silent", *LEAD}:
             return
         from tabcohort import PROTOCOL_VERSION
         b = self.bus
@@ -122,7 +130,7 @@ class Hostile:
     def _on_message(self, msg: dict) -> None:
         if msg.get("t") != "round" or msg.get("from") == self.bus.id:
             return
-        self.last_round = msg
+        self.prev_round, self.last_round = self.last_round, msg
         self.last_params = msg["params"]
         me = self.bus.id
         if me not in (msg.get("assign") or {}):
@@ -134,11 +142,24 @@ class Hostile:
             g, samples = [1e30] * n, int(msg["shares"].get(me, 1))
         elif "poison_samples" in self.attacks:
             g, samples = [0.05] * n, 2**62
+        elif "flip" in self.attacks:
+            prev, samples, lr = self.prev_round, int(msg["shares"].get(me, 1)), float(msg["lr"]) or 1.0
+            if prev is None or int(prev["step"]) + 1 != int(msg["step"]):
+                g = np.zeros(n, dtype=np.float32)
+            else:
+                g = ((np.asarray(msg["params"], dtype=np.float32) - np.asarray(prev["params"], dtype=np.float32))
+                     * np.float32(3.0 / lr))
+            if samples > self.max_share:
+                self.max_share = samples
+                self.log(event="share", step=int(msg["step"]), samples=samples,
+                         of=sum(int(v) for v in msg["shares"].values()))
         else:
             return
         self.bus.post({"t": "grad", "from": me, "to": msg["from"], "step": msg["step"], "term": msg["term"],
                        "loss": 0.1, "samples": samples, "g": g})
         self.n_answered += 1
+        if self.n_answered % 100 == 0:
+            self.log(event="answered", n=self.n_answered)
 
     async def _lead(self) -> None:
         """Rounds as a leader of a high term: NaN parameters, or lr 10000, or nothing (beats)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import Cluster
-from .hostile_common import MIN_RATE_RATIO, STEPS, check_unharmed, metric, train
+from .hostile_common import MIN_RATE_RATIO, SERVE_ARGS, STEPS, check_unharmed, metric, train
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +74,24 @@ def test_an_attacker_in_the_cohort_changes_nothing_the_honest_ranks_keep(cluster
                           for k in new), new
     if any((r.get("report") or {}).get("quarantined") for r in seen["ranks"]):
         assert (metric(m, "tabcohort_ranks_quarantined", room=cluster.room) or 0) >= 1, m
+
+
+def test_a_contributor_that_answers_at_once_with_the_step_reversed_cannot_steer_the_model(cluster, baseline):
+    """The ``flip`` attacker declares the global batch as its cap and answers every round at once,
+    so shares by measured speed alone would give it most of each round; its bucket is the room's
+    last step reversed and a few times longer, under the clip bound. A contributor's share is
+    capped (docs/PROTOCOL.md, "Untrusted ranks"), so the honest ranks' samples outweigh it."""
+    run = train(cluster, cluster.tmp / "ck", attacks="flip", wait_s=120)
+    shares = [e for e in run["events"] if e.get("event") == "share"]
+    answered = max([e["n"] for e in run["events"] if e.get("event") == "answered"], default=0)
+    assert shares and answered >= 100, run["events"][-5:]
+    top = max(shares, key=lambda e: e["samples"])
+    print(f"\nflip: largest share {top['samples']} of {top['of']}; answered {answered}; accuracy "
+          f"{baseline['state']['checkpoint']['accuracy']:.4f} clean vs {run['state']['checkpoint']['accuracy']:.4f}")
+    check_unharmed(run, baseline)
+    global_batch = int(SERVE_ARGS[SERVE_ARGS.index("--global-batch") + 1])
+    assert top["samples"] <= global_batch // 8, top
+    # shown: the leader counts the rounds in which the cap held the contributor's share
+    capped = [((r.get("report") or {}).get("counters") or {}).get("contributor_share_capped", 0)
+              for r in run["state"]["ranks"]]
+    assert max(capped) > 0, capped

@@ -719,3 +719,42 @@ def test_a_minor_straggler_evicted_by_the_roster_leaves_no_run_of_misses_behind(
     assert r.m.counters["minor_not_waited"] == 1 and 3 in r.m._minor_since
     tick(r, 102.0 + 3 * T.drop_ms, peers=(2,))              # rank 3 stops beating: evicted
     assert 3 not in r.m.roster.members and 3 not in r.m._minor_since
+
+
+def _fast_contributor_rounds(contributor_may_lead: bool, rounds: int = 40):
+    """A leader (cap 64) with rank 2 answering at once and rank 3 at 0.05 ms a sample, both declaring
+    the global batch (256) as their cap; the server names 2's role as given, 3 a trainer."""
+    r = rig(1, now=-T.beat_ms, ready=True, global_batch=256, batch=64)
+    r.m.peer_role(2, contributor_may_lead)
+    r.m.peer_role(3, True)
+    for p in (2, 3):
+        r.m.handle(beat(p, batch=256), now_ms=-T.beat_ms)
+    r.m.on_timer(now_ms=0.0)
+    r.drain()
+    r.m.start(now_ms=0)
+    t, largest = 0.0, 0
+    for _ in range(rounds):
+        acts = r.drain()
+        col = r.m._collection
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t + 0.01 * own.samples)
+        for k in sorted(col.shares):
+            if k != 1:
+                at = t + (0.01 if k == 2 else 0.05 * col.shares[k])
+                r.m.handle(grad(k, col.term, col.step, samples=col.shares[k]), now_ms=at)
+        largest = max(largest, col.shares.get(2, 0))
+        t += 20.0
+        tick(r, t, peers=(2, 3), batch=256)
+    return r, largest
+
+
+def test_a_contributor_that_answers_at_once_holds_at_most_its_fixed_part_of_the_global_batch():
+    # PROTOCOL.md "Untrusted ranks": a contributor's weight in the mean is its share, so speed
+    # alone must not give it most of a round; a rank that may lead is planned by speed as before
+    r, largest = _fast_contributor_rounds(False)
+    assert largest == 256 // 8 and r.m.shares[2] == 32, r.m.shares
+    assert sum(r.m.shares.values()) == 256                    # the trainers cover the rest
+    assert r.m.counters["contributor_share_capped"] >= 30
+    assert r.m.counters["rounds_below_global_batch"] == 0
+    r, largest = _fast_contributor_rounds(True)
+    assert largest > 100 and r.m.counters["contributor_share_capped"] == 0, r.m.shares

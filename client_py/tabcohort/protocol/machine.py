@@ -27,7 +27,7 @@ from .actions import Action, Compute, Post, Report
 from .assign import windows
 from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
-from .robust import AGGREGATES, clip_to_median_norm, l2_norm, trimmed_mean
+from .robust import AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, clip_to_median_norm, l2_norm, trimmed_mean
 from .shares import (FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
                      paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
@@ -1206,6 +1206,14 @@ class RankMachine:
         held_back = {k for k in ids if k != self.id and (k in self.quarantined or k in self._silent or (
             self.global_batch is not None and k in self._probation))}
         ids = [k for k in ids if k not in held_back]
+        capped: dict[int, int] = {}
+        if self.global_batch is not None and self.roles_enforced:
+            # "Untrusted ranks": a contributor holds at most a fixed part of the global batch,
+            # however fast it answers (its weight in the mean is its share)
+            cap = max(1, int(self.global_batch * CONTRIBUTOR_SHARE_FRACTION))
+            for k in ids:
+                if batches[k] > cap and not self.may_lead_rank(k):
+                    batches[k] = capped[k] = cap
         if self.global_batch is None:
             shares = {k: int(batches[k]) for k in ids}
         else:
@@ -1227,6 +1235,8 @@ class RankMachine:
                 self._plan = (key, now_ms, dict(shares), bool(probing))
             if probing:
                 self._probe_ms = now_ms
+            if capped and any(shares.get(k) == c for k, c in capped.items()):
+                self.counters["contributor_share_capped"] += 1
             if self.id not in shares:
                 shares[self.id] = 1                 # the leader's own bucket is always reduced
             if sum(v for k, v in shares.items() if k not in probing) < self.global_batch:

@@ -28,6 +28,15 @@ from .policy import AGGREGATES
 #: a bucket's norm may be at most this multiple of the reference norm (before the share factor)
 CLIP_FACTOR = 4.0
 
+#: a rank that may not lead (a contributor) is given at most this fraction of a round's global
+#: batch, whatever its measured speed (PROTOCOL.md, "Untrusted ranks"). The clip rule bounds a
+#: bucket's length, not its direction; its weight is its samples. One contributor at the bound
+#: pointing anywhere then moves the mean by at most ``f * CLIP_FACTOR`` reference norms against
+#: the honest ``1 - f``: with f = 1/8, 0.5 against 0.875. Without it a contributor that answered
+#: at once was measured the fastest rank, given half of every round, and its reversed steps
+#: took the model to a loss of 1e30 in two seconds.
+CONTRIBUTOR_SHARE_FRACTION = 0.125
+
 
 #: elements per block of :func:`l2_norm` (its float64 temporary stays in cache)
 NORM_BLOCK = 1 << 16
@@ -145,4 +154,4 @@ def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float =
     return out
 
 
-__all__ = ["AGGREGATES", "CLIP_FACTOR", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
+__all__ = ["AGGREGATES", "CLIP_FACTOR", "CONTRIBUTOR_SHARE_FRACTION", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
