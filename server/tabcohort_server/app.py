@@ -464,6 +464,12 @@ async def set_room_lr(request: web.Request) -> web.Response:
     room = _operator_room(request)
     # (the bytes: a body that is not UTF-8, or names an unknown charset, is a bad body, not a 500)
     body, _why = parse_json(await request.read())
+    extra = sorted(str(k)[:40] for k in body) if isinstance(body, dict) else []
+    extra = [k for k in extra if k != "lr"]
+    if extra:          # (a typo such as {"lr": 0.1, "momentum": 0.9} must not pass as applied)
+        room.drop("bad_lr")
+        return _json({"error": f"unknown field(s) {', '.join(map(repr, extra[:8]))}: the body is "
+                               '{"lr": x}'}, status=400)
     lr = body.get("lr") if isinstance(body, dict) else None
     # above the room's lr_max every follower drops the leader's rounds (PROTOCOL.md "Untrusted
     # ranks"): this answered 200 and the learning rate silently stayed as it was
