@@ -187,6 +187,18 @@ def test_a_bad_trainer_token_is_named_and_never_shown():
     assert ok.trainer_token == "a-long-enough-trainer-token"
 
 
+def test_a_room_token_too_short_is_named_before_connecting():
+    # (it was refused by the server after the job download, as "the server rejected the room token")
+    with pytest.raises(ConfigError) as e:
+        cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_TOKEN": "short"}).validate()
+    assert e.value.variable == "TABCOHORT_TOKEN" and e.value.value == "<hidden>" and "16..256" in e.value.reason
+    with pytest.raises(ConfigError) as e:
+        cfg({}, server="http://127.0.0.1:1", room="d", token="has a space in it!").validate()
+    assert e.value.variable == "--token"
+    for ok in ("", "a-long-enough-room-token"):
+        cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_TOKEN": ok}).validate()
+
+
 def test_an_unknown_backend_is_named_before_connecting():
     with pytest.raises(ConfigError) as e:
         cfg({}, server="http://127.0.0.1:1", room="d", backend="foo").validate()

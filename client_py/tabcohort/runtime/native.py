@@ -170,6 +170,14 @@ class RankConfig:
             self.batch = b
         if self.link not in LINKS:
             raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
+        if self.token:            # ("" is no token, as the request headers treat it)
+            t = self.token
+            # (the server would refuse it after the job download, as "the server rejected the
+            # room token"; a room token is 16..256 printable ASCII characters, serve --token)
+            if not isinstance(t, str) or not 16 <= len(t) <= 256 or not all(33 <= ord(c) < 127 for c in t):
+                raise ConfigError(self._name("token"), "<hidden>",
+                                  "must be 16..256 printable ASCII characters (the room token serve was "
+                                  "started with, --token)")
         if self.trainer_token is not None:
             t = self.trainer_token
             if not isinstance(t, str) or not 16 <= len(t) <= 256 or not all(33 <= ord(c) < 127 for c in t):
