@@ -10,7 +10,10 @@ hostile-rank threat list in docs/PROTOCOL.md, "Roles"):
    ``poison_samples``: 0.05 everywhere but claiming ``samples = 2**62``;
    ``flip``: declare the global batch as its cap, answer every round at once (so the leader
    measures it as by far the fastest rank) with the room's last step reversed: three times
-   ``(new - old parameters) / lr``, a bucket as long as an honest one and pointing uphill.
+   ``(new - old parameters) / lr``, a bucket as long as an honest one and pointing uphill;
+   ``steer``: as ``flip``, but every bucket points one fixed random way, ``--scale`` (4) times
+   as long as the room's last step over lr: clipped onto its bound in every round, never far
+   enough past it to count toward the clip rule's quarantine.
 2. ``lead_nan`` / ``lead_lr`` / ``lead_beats``: reconnect until its id is the lowest in the
    room, announce ready and running with a high term, then send rounds with NaN parameters,
    or the last parameters it saw with lr 10000, or only beats (never leading).
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-ATTACKS = ("poison", "poison_samples", "flip", "lead_nan", "lead_lr", "lead_beats", "silent", "backlog",
+ATTACKS = ("poison", "poison_samples", "flip", "steer", "lead_nan", "lead_lr", "lead_beats", "silent", "backlog",
            "report_step", "checkpoint")
 LEAD = frozenset(("lead_nan", "lead_lr", "lead_beats"))
 
@@ -55,6 +58,7 @@ class Hostile:
         self.last_round: dict | None = None
         self.prev_round: dict | None = None
         self.max_share = 0
+        self.direction: Any = None
         self.n_answered = 0
         self.term = 2**62
 
@@ -110,13 +114,13 @@ class Hostile:
         self.bus = bus
 
     def _state_fields(self) -> dict:
-        batch = self.job["global_batch"] if "flip" in self.attacks else self.job["batch"]
+        batch = self.job["global_batch"] if self.attacks & {"flip", "steer"} else self.job["batch"]
         return {"batch": batch, "ready": True, "running": True,
                 "step": 0 if self.last_round is None else int(self.last_round["step"]), "backend": "python"}
 
     async def _announce(self) -> None:
         """hello once, then beats: ready and running (every attack that joins the cohort)."""
-        if not self.attacks & {"poison", "poison_samples", "flip", "silent", *LEAD}:
+        if not self.attacks & {"poison", "poison_samples", "flip", "steer", "silent", *LEAD}:
             return
         from tabcohort import PROTOCOL_VERSION
         b = self.bus
@@ -142,13 +146,18 @@ class Hostile:
             g, samples = [1e30] * n, int(msg["shares"].get(me, 1))
         elif "poison_samples" in self.attacks:
             g, samples = [0.05] * n, 2**62
-        elif "flip" in self.attacks:
+        elif self.attacks & {"flip", "steer"}:
             prev, samples, lr = self.prev_round, int(msg["shares"].get(me, 1)), float(msg["lr"]) or 1.0
             if prev is None or int(prev["step"]) + 1 != int(msg["step"]):
                 g = np.zeros(n, dtype=np.float32)
             else:
                 g = ((np.asarray(msg["params"], dtype=np.float32) - np.asarray(prev["params"], dtype=np.float32))
                      * np.float32(3.0 / lr))
+                if "steer" in self.attacks:
+                    if self.direction is None:
+                        v = np.random.default_rng(self.a.seed).standard_normal(n)
+                        self.direction = (v / np.linalg.norm(v)).astype(np.float32)
+                    g = self.direction * np.float32(self.a.scale / 3.0 * float(np.linalg.norm(g)))
             if samples > self.max_share:
                 self.max_share = samples
                 self.log(event="share", step=int(msg["step"]), samples=samples,
@@ -158,7 +167,7 @@ class Hostile:
         self.bus.post({"t": "grad", "from": me, "to": msg["from"], "step": msg["step"], "term": msg["term"],
                        "loss": 0.1, "samples": samples, "g": g})
         self.n_answered += 1
-        if self.n_answered % 100 == 0:
+        if self.n_answered % 25 == 0:
             self.log(event="answered", n=self.n_answered)
 
     async def _lead(self) -> None:
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--trainer-token", default=None)
+    p.add_argument("--scale", type=float, default=4.0, help="steer: the bucket's length over the last step's / lr")
     a = p.parse_args(argv)
     attacks = [x.strip() for x in a.attack.split(",") if x.strip()]
     if "random" in attacks:

@@ -95,3 +95,27 @@ def test_a_contributor_that_answers_at_once_with_the_step_reversed_cannot_steer_
     capped = [((r.get("report") or {}).get("counters") or {}).get("contributor_share_capped", 0)
               for r in run["state"]["ranks"]]
     assert max(capped) > 0, capped
+
+
+@pytest.mark.parametrize("scale", [4, 20])
+def test_a_contributor_that_pushes_one_way_is_quarantined(cluster, baseline, scale):
+    """The ``steer`` attacker (one stranger, the fastest rank by its answers) sends one fixed
+    direction in every bucket. At ``--scale 20`` it took the digits model from 97.2 % to 94.7 %
+    before the rules below (clipped onto a bound of 4 x the median in every round, never ten
+    times past it); a contributor's bound is now the median itself, so that bucket is ten times
+    past it and the clip rule quarantines it. At ``--scale 4`` it stays within ten times its
+    bound, and the leader's comparison of each contributor's buckets with the trainers'
+    (docs/PROTOCOL.md, "Untrusted ranks": a steady push) quarantines it."""
+    run = train(cluster, cluster.tmp / "ck", attacks="steer", visible=_shown(baseline), wait_s=120,
+                hostile_extra=("--scale", str(scale)))
+    answered = max([e["n"] for e in run["events"] if e.get("event") == "answered"], default=0)
+    counters = [(r.get("report") or {}).get("counters") or {} for r in run["state"]["ranks"]]
+    pushed = max(c.get("quarantined_for_push", 0) for c in counters)
+    quarantined = max(c.get("quarantined", 0) for c in counters)
+    print(f"\nsteer x{scale}: answered {answered}; quarantined {quarantined} time(s), {pushed} for a push; "
+          f"accuracy {baseline['state']['checkpoint']['accuracy']:.4f} clean vs "
+          f"{run['state']['checkpoint']['accuracy']:.4f}")
+    assert any(e.get("event") == "share" for e in run["events"]) and quarantined >= 1, counters
+    if scale == 4:        # (at 20 the clip rule quarantines it within a few buckets)
+        assert answered >= 25 and pushed >= 1, (answered, counters)
+    check_unharmed(run, baseline)

@@ -4,11 +4,13 @@ validated by followers, roles bound by the server, silent members and squatting 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from tabcohort.protocol import Compute, Timing
-from tabcohort.protocol.robust import CLIP_FACTOR, clip_to_median_norm, l2_norm, trimmed_mean
+from tabcohort.protocol.robust import (BIAS_MIN_BUCKETS, CLIP_FACTOR, BiasMonitor, clip_to_median_norm, l2_norm,
+                                      trimmed_mean)
 from tabcohort.vec import to_vector
 
 from .machine_helpers import beat, grad, rig, round_msg
@@ -98,10 +100,13 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     assert math.isclose(got[1], (10.0 + 11.0 + 10.0) / 3, rel_tol=1e-6)
 
 
-def _lead_rounds(bucket_of, rounds: int = 12):
+def _lead_rounds(bucket_of, rounds: int = 12, roles=None, **kw):
     """A clip-rule leader with followers 2 and 3 driven for ``rounds`` rounds; ``bucket_of(k, col,
-    g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing."""
-    r = leader([2, 3], aggregate="clip")
+    g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing.
+    ``roles``: follower -> may lead, as the server names them (none: roles not enforced)."""
+    r = leader([2, 3], aggregate="clip", **kw)
+    for k, may in (roles or {}).items():
+        r.m.peer_role(k, may)
     r.m.start(now_ms=0)
     t = 0.0
     for _ in range(rounds):
@@ -156,6 +161,82 @@ def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined
         return [scale * x for x in g]
     r, st = _lead_rounds(bucket_of)
     assert r.m.clipped[3] >= 4 and not st["quarantined"] and 3 in r.m.shares
+
+
+def test_a_contributors_bound_is_the_median_itself_and_a_trainers_four_times_it():
+    own = to_vector([0.1, -0.2, 0.3, 0.1])
+    twice = to_vector([0.2, -0.4, 0.6, 0.2])
+    buckets = {1: (1.0, 8, own), 2: (1.0, 8, twice), 3: (1.0, 8, twice)}
+    out, clipped = clip_to_median_norm(buckets, own=1, contributors={3})
+    # (the reference: the median of |own| twice and |2 own| twice, 1.5 |own|)
+    assert set(clipped) == {3} and math.isclose(clipped[3], 2.0 / 1.5, rel_tol=1e-5)
+    assert out[2][2] is twice and math.isclose(l2_norm(out[3][2]), 1.5 * l2_norm(own), rel_tol=1e-5)
+
+
+def _unit(n, seed):
+    rng = random.Random(seed)
+    v = [rng.gauss(0.0, 1.0) for _ in range(n)]
+    norm = math.sqrt(sum(x * x for x in v))
+    return [x / norm for x in v]
+
+
+@pytest.mark.parametrize("kind", ["array", "numpy"])
+def test_a_steady_push_is_told_from_noise_by_its_mean_residual(kind):
+    # docs/PROTOCOL.md "Untrusted ranks": an honest contributor's residual is zero-mean noise,
+    # whatever its scale from round to round (shares differ); a push as long as the noise's RMS,
+    # always the same way, is told apart within a few dozen buckets
+    if kind == "numpy":
+        np = pytest.importorskip("numpy")
+        vec = lambda xs: np.asarray(xs, dtype=np.float32)      # noqa: E731
+    else:
+        vec = to_vector
+    rng, d = random.Random(7), 200
+    zero, u = vec([0.0] * d), _unit(d, 8)
+    mon = BiasMonitor()
+    ratios = []
+    for _ in range(1500):
+        scale = rng.choice((0.25, 1.0, 4.0))
+        ratios.append(mon.observe(1, vec([rng.gauss(0.0, scale) for _ in range(d)]), zero))
+        assert not mon.biased(ratios[-1]), ratios[-1]
+    assert ratios[BIAS_MIN_BUCKETS - 2] is None and max(r for r in ratios if r is not None) < 0.35
+    first = None
+    for i in range(200):
+        noise = [rng.gauss(0.0, 1.0) for _ in range(d)]
+        push = math.sqrt(d)                              # as long as the noise's RMS
+        ratio = mon.observe(2, vec([e + push * x for e, x in zip(noise, u)]), zero)
+        if mon.biased(ratio):
+            first = i
+            break
+    assert first is not None and first <= 2 * BIAS_MIN_BUCKETS, first
+    mon.forget(2)
+    assert mon.observe(2, zero, zero) is None and 2 in mon.ranks()
+
+
+def _pushing_rounds(push: float, seed: int):
+    """Followers 2 (may lead) and 3 (contributes) answer the leader's own gradient plus noise;
+    3 adds ``push`` along one fixed direction."""
+    rng, n = random.Random(seed), 32
+    u = _unit(n, seed + 1)
+
+    def bucket_of(k, col, g, _own_samples):
+        if k not in col.shares:
+            return None
+        b = [x + rng.gauss(0.0, 0.3) for x in g]
+        return [x + push * y for x, y in zip(b, u)] if k == 3 else b
+    return _lead_rounds(bucket_of, rounds=160, roles={2: True, 3: False}, bucket_len=n)
+
+
+def test_a_contributor_that_pushes_one_way_is_quarantined_and_an_honest_one_is_not():
+    for seed in (1, 2, 3):
+        r, st = _pushing_rounds(0.0, seed)
+        assert not st["quarantined"] and r.m.counters["quarantined_for_push"] == 0, (seed, st["quarantined"])
+        assert 3 in r.m.shares
+    r, st = _pushing_rounds(2.0, 4)
+    assert r.m.counters["quarantined_for_push"] == 1 and f"{3:08x}" in st["quarantined"]
+    assert 3 not in r.m.shares and r.m.counters["quarantined"] == 1   # (not the clip rule's)
+    # a trainer is never judged against the others: its buckets are the reference
+    r, st = _pushing_rounds(0.0, 5)
+    assert set(r.m._bias.ranks()) == {3}
 
 
 # ---------------------------------------------------------------- followers validate rounds

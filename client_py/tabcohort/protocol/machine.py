@@ -27,7 +27,8 @@ from .actions import Action, Compute, Post, Report
 from .assign import windows
 from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
-from .robust import AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, clip_to_median_norm, l2_norm, trimmed_mean
+from .robust import (AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, BiasMonitor, clip_to_median_norm, l2_norm,
+                     trimmed_mean)
 from .shares import (FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
                      paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
@@ -280,6 +281,7 @@ class RankMachine:
         self.aggregate = aggregate
         self.clipped: Counter[int] = Counter()             # rank -> buckets clipped
         self._clip_recent: dict[int, deque[bool]] = {}
+        self._bias = BiasMonitor()                          # "Untrusted ranks": steady pushes
         self.quarantined: dict[int, float] = {}            # rank -> quarantined until (ms)
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
@@ -573,6 +575,8 @@ class RankMachine:
         self._probation.pop(rank_id, None)
         self._silent.discard(rank_id)
         self._minor_since.pop(rank_id, None)
+        self._bias.forget(rank_id)
+        self._clip_recent.pop(rank_id, None)
         if self.following == rank_id and not self._leading:
             # the whole window (its stretches too): the witness says the leader is gone, so no
             # paced round of a large model is on its way ("Heartbeat and takeover")
@@ -909,6 +913,7 @@ class RankMachine:
                 self.flaps[k] += 1                   # evicted without leaving ("Flapping ranks")
             self._silent.discard(k)                  # it returns under the flapping rule
             self._minor_since.pop(k, None)
+            self._bias.forget(k)
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
             self._probation.pop(k, None)
@@ -1699,7 +1704,11 @@ class RankMachine:
         received = col.received
         if self.aggregate != "clip" or len(received) < 2:
             return received
-        out, clipped = clip_to_median_norm(received, self.id, norms=col.norms)
+        contributors = ({k for k in received if k != self.id and not self.may_lead_rank(k)}
+                        if self.roles_enforced else set())
+        out, clipped = clip_to_median_norm(received, self.id, norms=col.norms, contributors=contributors)
+        if contributors:
+            self._watch_pushes(out, contributors, now_ms)
         for k in received:
             if k == self.id:
                 continue
@@ -1714,6 +1723,24 @@ class RankMachine:
                 self.counters["quarantined"] += 1
                 hist.clear()
         return out
+
+    def _watch_pushes(self, out: dict[int, tuple[float, int, Any]], contributors: set[int], now_ms: float) -> None:
+        """"Untrusted ranks", a contributor's steady push: each contributor's clipped bucket
+        against the round's trusted mean (the buckets of the ranks that may lead); a rank whose
+        mean residual stays long against its own RMS is quarantined (robust.BiasMonitor)."""
+        trusted = [b for k, b in out.items() if k not in contributors]
+        total = sum(s for _, s, _ in trusted)
+        if not trusted or total <= 0:
+            return
+        mean = weighted_mean([g for _, _, g in trusted], [s / total for _, s, _ in trusted])
+        for k in sorted(contributors):
+            ratio = self._bias.observe(k, out[k][2], mean)
+            if self._bias.biased(ratio) and k not in self.quarantined:
+                self._quarantines[k] += 1
+                self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
+                self.counters["quarantined"] += 1
+                self.counters["quarantined_for_push"] += 1
+                self._bias.forget(k)
 
     def _reduce_and_apply(self, buckets: list[tuple[float, int, Any]], now_ms: float) -> None:
         total = sum(s for _, s, _ in buckets)

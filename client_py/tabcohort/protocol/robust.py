@@ -20,13 +20,30 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from .._compat import np
 from .policy import AGGREGATES
 
 #: a bucket's norm may be at most this multiple of the reference norm (before the share factor)
 CLIP_FACTOR = 4.0
+
+#: a contributor's bucket norm may be at most this multiple of the reference norm (before the
+#: share factor): the median, not CLIP_FACTOR times it. A bucket at its bound moves the mean by
+#: its weight times the bound in every round; a contributor is no trainer, and an honest one's
+#: bucket is rarely much longer than the median (a small share's noise has the share factor)
+CONTRIBUTOR_CLIP_FACTOR = 1.0
+
+#: "Untrusted ranks", a contributor's steady push: weight of the newest bucket in the EWMA of a
+#: contributor's residual (its clipped bucket minus the round's trusted mean)
+BIAS_ALPHA = 1.0 / 32
+#: buckets a contributor gives before its residual is judged (the EWMA's warm-up)
+BIAS_MIN_BUCKETS = 32
+#: the ratio ``|EWMA(r)| / sqrt(EWMA(|r|^2))`` above which a contributor is quarantined. For an
+#: honest one the residual is zero-mean noise (it samples the same data at the same parameters
+#: as the trainers), and the ratio settles near ``sqrt(alpha / (2 - alpha))`` = 0.13 in many
+#: dimensions; a contributor that pushes one way round after round keeps it near 1.
+BIAS_RATIO = 0.6
 
 #: a rank that may not lead (a contributor) is given at most this fraction of a round's global
 #: batch, whatever its measured speed (PROTOCOL.md, "Untrusted ranks"). The clip rule bounds a
@@ -85,7 +102,10 @@ def _scaled(v: Any, c: float) -> Any:
 
 def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
                         factor: float = CLIP_FACTOR,
-                        norms: dict[int, float] | None = None) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
+                        norms: dict[int, float] | None = None,
+                        contributors: Collection[int] = (),
+                        contributor_factor: float = CONTRIBUTOR_CLIP_FACTOR,
+                        ) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
     """Bound each bucket's norm relative to the cohort's.
 
     Args:
@@ -96,6 +116,8 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
         factor: the bound as a multiple of the reference norm (> 0).
         norms: rank id -> :func:`l2_norm` of its ``g``, already computed (the leader measures
             each bucket as it arrives); the others are computed here.
+        contributors: ranks that may not lead: their bound is ``contributor_factor`` (not
+            ``factor``) x the reference, times the share factor.
 
     Returns:
         ``(buckets, clipped)``: the buckets with every over-long ``g`` scaled down onto its
@@ -112,7 +134,7 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
     out: dict[int, tuple[float, int, Any]] = {}
     clipped: dict[int, float] = {}
     for k, (loss, s, g) in buckets.items():
-        bound = factor * ref * max(1.0, math.sqrt(s0 / max(1, s)))
+        bound = (contributor_factor if k in contributors else factor) * ref * max(1.0, math.sqrt(s0 / max(1, s)))
         n = norms[k]
         if k != own and (not math.isfinite(n) or n > bound):
             clipped[k] = n / bound if math.isfinite(n) else math.inf
@@ -120,6 +142,73 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
         else:
             out[k] = (loss, s, g)
     return out, clipped
+
+
+class BiasMonitor:
+    """Each contributor's steady push, from its residuals (PROTOCOL.md, "Untrusted ranks").
+
+    The clip rule bounds a bucket's length, not the direction it keeps taking: a contributor
+    whose buckets point the same way round after round moves the model by its weight times its
+    bound in every round, and honest buckets, mostly noise, do not hold it back. The residual
+    ``r = g_k - m`` of a contributor's (clipped) bucket against the round's trusted mean ``m`` (the
+    buckets of the ranks that may lead, sample-weighted) is zero-mean noise for an honest rank:
+    both estimate the same gradient at the same parameters from the same data. The monitor keeps
+    EWMAs of ``r`` and ``|r|^2`` per contributor; a mean residual long against its own RMS is a
+    push. This is the "learning from history" idea of centered clipping (Karimireddy, He and
+    Jaggi, ICML 2021) turned into a test per rank.
+
+    Pure state, float64 vectors (numpy or lists); no clock reads.
+    """
+
+    def __init__(self, *, alpha: float = BIAS_ALPHA, min_buckets: int = BIAS_MIN_BUCKETS,
+                 ratio: float = BIAS_RATIO) -> None:
+        self.alpha, self.min_buckets, self.ratio = float(alpha), int(min_buckets), float(ratio)
+        self._mean: dict[int, Any] = {}       # rank -> EWMA of r, float64, shape (bucket_len,)
+        self._ms: dict[int, float] = {}       # rank -> EWMA of |r|^2
+        self._n: dict[int, int] = {}          # rank -> residuals seen
+
+    def observe(self, k: int, g: Any, trusted_mean: Any) -> float | None:
+        """Feed contributor ``k``'s bucket ``g`` (float32, shape ``(bucket_len,)``, finite) and
+        the round's trusted mean (same shape). Returns the ratio ``|EWMA(r)| /
+        sqrt(EWMA(|r|^2))`` once ``k`` has given ``min_buckets`` residuals, else ``None``."""
+        a = self.alpha
+        if np is not None and isinstance(g, np.ndarray):
+            r = g.astype(np.float64) - np.asarray(trusted_mean, dtype=np.float64).reshape(g.shape)
+            rr = float(np.dot(r, r))
+            m = self._mean.get(k)
+            if m is None or len(m) != len(r):
+                m = self._mean[k] = np.zeros(len(r), dtype=np.float64)
+                self._ms[k], self._n[k] = 0.0, 0
+            m *= 1.0 - a
+            m += a * r
+            mm = float(np.dot(m, m))
+        else:
+            r = [float(x) - float(y) for x, y in zip(g, trusted_mean)]
+            rr = sum(x * x for x in r)
+            m = self._mean.get(k)
+            if m is None or len(m) != len(r):
+                m = [0.0] * len(r)
+                self._ms[k], self._n[k] = 0.0, 0
+            m = self._mean[k] = [(1.0 - a) * x + a * y for x, y in zip(m, r)]
+            mm = sum(x * x for x in m)
+        self._ms[k] += a * (rr - self._ms[k])
+        self._n[k] += 1
+        if self._n[k] < self.min_buckets or not self._ms[k] > 0:
+            return None
+        return math.sqrt(mm / self._ms[k])
+
+    def biased(self, ratio: float | None) -> bool:
+        """Whether a ratio :meth:`observe` returned says the rank pushes one way."""
+        return ratio is not None and ratio > self.ratio
+
+    def forget(self, k: int) -> None:
+        """Drop ``k``'s history (it left, or was quarantined: it starts afresh)."""
+        self._mean.pop(k, None)
+        self._ms.pop(k, None)
+        self._n.pop(k, None)
+
+    def ranks(self) -> list[int]:
+        return list(self._n)
 
 
 def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float = 0.2) -> Any:
@@ -154,4 +243,5 @@ def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float =
     return out
 
 
-__all__ = ["AGGREGATES", "CLIP_FACTOR", "CONTRIBUTOR_SHARE_FRACTION", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
+__all__ = ["AGGREGATES", "BIAS_ALPHA", "BIAS_MIN_BUCKETS", "BIAS_RATIO", "BiasMonitor", "CLIP_FACTOR",
+           "CONTRIBUTOR_CLIP_FACTOR", "CONTRIBUTOR_SHARE_FRACTION", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
