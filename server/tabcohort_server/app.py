@@ -54,7 +54,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tabcohort.errors import ConfigError
 
 from . import checkpoint as ckpt
-from .config import ServerConfig
+from .config import ServerConfig, same_secret
 from .guard import AuthLimiter, origin_allowed
 from .metrics import RoomCollector
 from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, Peer, Room,
@@ -290,8 +290,7 @@ def _room(request: web.Request) -> Room:
     return room
 
 
-def _same(want: str, given: object) -> bool:
-    return isinstance(given, str) and secrets.compare_digest(want.encode(), given.encode())
+_same = same_secret
 
 
 def _token_ok(room: Room, given: str | None, operator: str | None = None) -> bool:
@@ -302,7 +301,7 @@ def _token_ok(room: Room, given: str | None, operator: str | None = None) -> boo
 
 def _request_token(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer "):
+    if auth[:7].lower() == "bearer ":        # (the scheme is case-insensitive: RFC 7235, 2.1)
         return auth[7:]
     return request.query.get("token")
 

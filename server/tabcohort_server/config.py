@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,6 +20,16 @@ ROOM_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z", re.ASCII)
 #: Shortest room or operator token accepted (a guessable token is no protection).
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 256
+
+
+def same_secret(want: str, given: object) -> bool:
+    """Constant-time comparison of a secret (a token, a rank's secret) with what a client sent.
+
+    ``given`` is untrusted: anything but a string is no match, and a string of any code points
+    (an HTTP header's undecodable bytes come in as surrogate escapes, a JSON string may hold a
+    lone surrogate) is compared as UTF-8 bytes with surrogates passed through, never raising."""
+    return isinstance(given, str) and secrets.compare_digest(
+        want.encode("utf-8", "surrogatepass"), given.encode("utf-8", "surrogatepass"))
 
 
 def check_token(name: str, value: object) -> None:

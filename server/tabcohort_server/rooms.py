@@ -32,7 +32,6 @@ import random
 import hashlib
 import heapq
 import hmac
-import secrets
 import struct
 import time
 from collections import Counter
@@ -41,7 +40,7 @@ from typing import Any, Callable
 from tabcohort.errors import RemoteProtocolError
 from tabcohort.wire import WireLimits, parse_route
 
-from .config import JobConfig, ServerLimits
+from .config import JobConfig, ServerLimits, same_secret
 from .fairness import SERVER, FairQueue, TokenBucket
 from .schema import parse_control
 
@@ -259,8 +258,7 @@ class Room:
                     raise RoomError(CLOSE_ROOM_FULL, f"room full ({self.limits.max_ranks_per_room} ranks)")
                 self._check_address(address, now)
                 p = self.peers[resume_id] = Peer(resume_id, self._secret(resume_id), address)
-            if p is None or not isinstance(resume_secret, str) or not secrets.compare_digest(
-                    p.secret, resume_secret):
+            if p is None or not same_secret(p.secret, resume_secret):
                 raise RoomError(CLOSE_UNKNOWN_ID, "unknown rank id or secret (grace expired, or the server "
                                                  "restarted without its checkpoint dir?)")
             if p.connected:  # the old socket is half-dead: the new one replaces it
@@ -302,8 +300,8 @@ class Room:
 
     def _adoptable(self, k: int, secret: object) -> bool:
         """A resume for an id this process never seated (the server restarted) with a valid secret."""
-        return (self.secret_key is not None and isinstance(secret, str) and 0 < k < 1 << 32
-                and k not in self._released and secrets.compare_digest(self._secret(k), secret))
+        return (self.secret_key is not None and 0 < k < 1 << 32
+                and k not in self._released and same_secret(self._secret(k), secret))
 
     def welcome(self, p: Peer, *, resumed: bool) -> dict:
         """The ``welcome`` control: the rank's id, secret and role (``may_lead``), the peers
