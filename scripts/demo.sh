@@ -29,7 +29,15 @@ INSTALL="${INSTALL:-1}"
 for v in PORT RANKS STEPS; do
   if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then echo "[demo] $v='${!v}': expected a whole number" >&2; exit 2; fi
 done
-if [ "$FRESH" != 0 ] && [ "$FRESH" != 1 ]; then echo "[demo] FRESH='$FRESH': expected 1 or 0" >&2; exit 2; fi
+for v in FRESH INSTALL; do
+  if [ "${!v}" != 0 ] && [ "${!v}" != 1 ]; then echo "[demo] $v='${!v}': expected 1 or 0" >&2; exit 2; fi
+done
+# another process on the port would answer the health check below for this demo's server (which
+# then fails to listen), and the ranks would join that one
+if "$PY" -c "import socket, sys; s = socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(('127.0.0.1', $PORT)) == 0 else 1)"; then
+  echo "[demo] PORT=$PORT: something already listens on 127.0.0.1:$PORT (another demo or serve?); stop it or choose another PORT" >&2
+  exit 1
+fi
 mkdir -p .cache "$CKPT"
 if [ "$INSTALL" = 1 ]; then
   echo "[demo] installing (pip, npm; log: .cache/install.log)..."

@@ -104,3 +104,21 @@ def test_sigint_to_the_server_alone_stops_its_ranks_first_and_keeps_their_final_
     assert meta is not None and meta["final"] is True, meta
     assert meta["step"] == max(_stopped_step(p.text()) for p in ranks), meta
     assert f"final checkpoint at step {meta['step']}" in cluster.server.text()
+
+
+def test_the_demo_refuses_a_port_something_else_listens_on(tmp_path):
+    # another server on PORT answered the demo's health check: it printed its URL, started ranks
+    # that joined the other server (and failed on its trainer token) and exited 0
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        env = _env() | {"PORT": str(port), "CKPT": str(tmp_path / "ckpt"), "INSTALL": "0",
+                        "PYTHON": sys.executable}
+        p = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, cwd=str(ROOT),
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and f"PORT={port}" in p.stderr and "already listens" in p.stderr, (p.stdout, p.stderr)
+    assert "Open http://" not in p.stdout and "[rank" not in p.stdout
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env | {"INSTALL": "maybe"},
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "INSTALL='maybe'" in bad.stderr, bad.stderr
