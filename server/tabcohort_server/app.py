@@ -149,16 +149,19 @@ def _trainer_token(directory: str | None) -> str:
     (``DIR/.trainer-token``, mode 0600) or generated (and written there, so a restarted server
     and the operator's scripts use the same one); tabs never carry it."""
     import os
-    from .config import MIN_TOKEN_CHARS
+    from .config import check_token
     if directory:
         path = os.path.join(directory, ".trainer-token")
         try:
-            with open(path, encoding="ascii") as f:
-                tok = f.read().strip()
-            if len(tok) >= MIN_TOKEN_CHARS:
-                return tok
-        except (FileNotFoundError, UnicodeDecodeError):
+            with open(path, "rb") as f:
+                tok = f.read().decode("utf-8", "replace").strip()
+        except FileNotFoundError:
             pass
+        else:
+            # (one an operator wrote must be one a rank accepts, or no rank could ever lead; it
+            # was served as given, or silently replaced when short)
+            check_token(path, tok)
+            return tok
     tok = secrets.token_urlsafe(24)
     if directory:
         os.makedirs(directory, exist_ok=True)

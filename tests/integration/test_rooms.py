@@ -229,6 +229,18 @@ def test_config_errors_name_the_setting():
         ServerConfig(rooms={"r": JobConfig(lr_max=0.0)}).validate()
 
 
+@pytest.mark.parametrize("content", [b"abc def ghi jkl mno pqr\n", b"x", b"", b"\xff" * 20])
+def test_a_trainer_token_file_no_rank_would_accept_is_a_configuration_error(tmp_path, content):
+    # serve printed a token with spaces as the trainer token (every rank refused it, so none
+    # could lead) and silently replaced a short one the operator had written
+    from tabcohort_server.app import create_app
+    (tmp_path / ".trainer-token").write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        create_app(ServerConfig(rooms={"r": JobConfig(dataset="synthetic")}, checkpoint_dir=str(tmp_path)))
+    assert e.value.variable == str(tmp_path / ".trainer-token") and "16..256" in e.value.reason
+    assert "abc" not in str(e.value) and (tmp_path / ".trainer-token").read_bytes() == content
+
+
 def test_a_rank_that_stopped_reading_does_not_pace_the_room():
     # a frozen tab or a stopped process: its socket accepts no write; after pressure_stall_s it
     # no longer counts in the pressure every leader paces on (the others keep their rate)
