@@ -391,7 +391,12 @@ def _simulate(a: argparse.Namespace) -> int:
     print(f"tabcohort simulate: {cfg.ranks} ranks, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
-    res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
+    try:
+        res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
+    except TabcohortError as exc:
+        if a.json:   # (stdout is still one JSON document: a script reading it learns why)
+            print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
+        raise
     if a.json:
         print(json.dumps(res.__dict__, default=str, indent=2))
     else:

@@ -56,6 +56,11 @@ def test_diverging_run_stops_with_a_clear_error():
     r = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60")
     assert r.returncode == 1
     assert "diverged" in r.stderr and "--lr" in r.stderr
+    # under --json stdout is still one JSON document (it was empty): a script learns why
+    j = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60",
+                 "--json")
+    doc = json.loads(j.stdout)
+    assert j.returncode == 1 and doc["ok"] is False and "diverged" in doc["error"], (j.stdout, j.stderr[-500:])
 
 
 def test_a_run_whose_loss_runs_away_with_finite_gradients_is_diverged_too():
