@@ -122,3 +122,22 @@ def test_the_demo_refuses_a_port_something_else_listens_on(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env | {"INSTALL": "maybe"},
                          cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "INSTALL='maybe'" in bad.stderr, bad.stderr
+
+
+def test_a_follower_stopped_alone_leaves_at_once_while_the_leader_trains_on(cluster):
+    # its own Ctrl-C took 5.2 s every time: it waited for a publication from a leader that was
+    # not stopping (the wait is for a room that stops)
+    cluster.serve()
+    ranks = [cluster.rank(), cluster.rank(), cluster.rank()]
+    st = wait_for(lambda: (s := cluster.state())["step"] >= 50 and s["n_connected"] == 3 and s, 60, "3 ranks training")
+    leader = st["leader"]
+    reps = {r["id"]: r for r in cluster.reports()}
+    follower = next(p for p in ranks if any(f"rank {k:08x} joined" in p.text() for k in reps if k != leader))
+    t0 = time.monotonic()
+    follower.p.send_signal(signal.SIGINT)
+    assert follower.p.wait(30) == 0, follower.text()[-2000:]
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    step = cluster.state()["step"]
+    wait_for(lambda: cluster.state()["step"] >= step + 50, 30, "the others to train on")
+    print(f"\na follower's own SIGINT: exited in {took:.2f} s")

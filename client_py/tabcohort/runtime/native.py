@@ -465,6 +465,7 @@ class RankRun(RankSession):
                         k = msg["from"]
                         if msg.get("assign"):
                             self.round_gaps.record(time.monotonic(), time.time())
+                            self.rounds_seen += 1
                         if not self.leaders or self.leaders[-1][0] != k:
                             self.leaders.append([k, time.time(), int(msg["step"])])
                             del self.leaders[:-20]

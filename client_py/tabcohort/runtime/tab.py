@@ -152,8 +152,11 @@ class TabRun(RankSession):
                 if self._last_recv_ms is not None:
                     self.gaps["recv_max_ms"] = max(self.gaps["recv_max_ms"], now - self._last_recv_ms)
                 self._last_recv_ms = now
-                if msg.get("t") == "round" and not msg.get("assign"):
-                    self.publish_seen = True
+                if msg.get("t") == "round":
+                    if not msg.get("assign"):
+                        self.publish_seen = True
+                    else:
+                        self.rounds_seen += 1
                 inner(msg)
             bus.on_message = tap
             bus_post = bus.post
