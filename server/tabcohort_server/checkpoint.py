@@ -206,14 +206,19 @@ class CheckpointStore:
         #: readable checkpoint files of this room that ``accept`` refused (another job's), and the
         #: newest of their steps: serve says why the room does not resume from them
         self.n_refused, self.refused_step = 0, None
+        #: this room's checkpoint files that could not be read (truncated, damaged): serve says so
+        self.unreadable: list[str] = []
         if directory:
             seen: dict[str, tuple[dict, bytes]] = {}
             refused: dict[str, int] = {}
             for path in _scan(directory, room):
                 got = _read(path)
-                if got is not None and (accept is None or accept(*got)):
+                if got is None:
+                    if os.path.exists(path):
+                        self.unreadable.append(os.path.basename(path))
+                elif accept is None or accept(*got):
                     seen.setdefault(got[0]["id"], got)
-                elif got is not None:
+                else:
                     refused[got[0]["id"]] = got[0]["step"]
             self.n_refused, self.refused_step = len(refused), max(refused.values(), default=None)
             for meta, data in sorted(seen.values(), key=lambda g: g[0]["step"]):

@@ -124,6 +124,11 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
             progress(f"  room {name} starts from scratch: the {room.store.n_refused} checkpoint(s) in "
                      f"{config.checkpoint_dir} (newest at step {room.store.refused_step}) are of another job "
                      f"(another model, data or training setting, e.g. --hidden); they are left as they are")
+        if room is not None and room.store is not None and room.store.unreadable:
+            bad = room.store.unreadable
+            progress(f"  room {name}: {len(bad)} checkpoint file(s) in {config.checkpoint_dir} could not be read "
+                     f"(truncated or damaged; not resumed from, and a newer upload may replace them): "
+                     + ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
         if room is not None and room.stopped:
             progress(f"  room {name} is already finished ({room.stop_reason}): ranks that join are told "
                      f"to stop; raise --steps or use a fresh --checkpoint-dir to train on")
