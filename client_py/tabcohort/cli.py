@@ -354,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--advertise-interfaces", default=None, metavar="IPS",
                    help="IPv4 interface addresses to advertise on, comma-separated (default: --host's, "
                         "or all interfaces when listening on 0.0.0.0)")
+    p.commands = sub.choices     # (command name -> its parser: main names it in an error)
     return p
 
 
@@ -412,6 +413,18 @@ def _simulate(a: argparse.Namespace) -> int:
         if res.note:
             print(f"  ({res.note})")
     return 0 if res.bit_identical else 1
+
+
+def _ip_list(flag: str, value: str) -> list[str]:
+    """Comma-separated IP address literals; a ConfigError naming ``flag`` otherwise."""
+    import ipaddress
+    out = [h.strip() for h in value.split(",") if h.strip()]
+    for h in out:
+        try:
+            ipaddress.ip_address(h)
+        except ValueError:
+            raise ConfigError(flag, value, f"{h!r} is not an IP address literal; expected e.g. 127.0.0.1") from None
+    return out
 
 
 def _rank(a: argparse.Namespace) -> int:
@@ -576,8 +589,8 @@ def _serve_checked(a: argparse.Namespace) -> int:
                        checkpoint_keep=a.checkpoint_keep,
                        limits=ServerLimits(resume_grace_s=a.grace, max_ranks_per_address=a.max_ranks_per_address,
                                            max_connections_per_address=a.max_connections_per_address),
-                       rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers)),
-                       rtc_host_addresses=None if not a.rtc_hosts else [h.strip() for h in a.rtc_hosts.split(",")])
+                       rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers, "--ice-servers")),
+                       rtc_host_addresses=None if not a.rtc_hosts else _ip_list("--rtc-hosts", a.rtc_hosts))
     redis_url = a.redis or os.environ.get("TABCOHORT_REDIS") or None
     if redis_url:
         import secrets
@@ -635,7 +648,9 @@ def _serve_checked(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a, extra = parser.parse_known_args(argv)
+    if extra:   # (named by the command's parser: "see tabcohort serve --help", not "tabcohort --help")
+        parser.commands[a.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

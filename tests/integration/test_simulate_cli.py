@@ -134,3 +134,21 @@ def test_a_lossy_run_whose_ranks_differ_says_which_missed_the_final_publish():
             return
         assert r.returncode == 0 and "bit-identical parameters on all 4 ranks: yes" in r.stdout, r.stdout[-1500:]
     # (no seed lost the final publish this time: each ended bit-identical, as checked above)
+
+
+@pytest.mark.parametrize("command,args,env,named", [
+    # (each named something the user never typed: "rtc host address", "ice server", or the
+    # top-level "see tabcohort --help" for a bad option of a command)
+    ("serve", ["--rtc-hosts", "zzz.."], {}, "--rtc-hosts='zzz..'"),
+    ("serve", ["--ice-servers", "http://x"], {}, "--ice-servers='http://x'"),
+    ("rank", ["--server", "http://127.0.0.1:1", "--room", "d", "--ice-servers", "http://x"], {},
+     "--ice-servers='http://x'"),
+    ("rank", ["--server", "http://127.0.0.1:1", "--room", "d"], {"TABCOHORT_ICE_SERVERS": "http://x"},
+     "TABCOHORT_ICE_SERVERS='http://x'"),
+    ("serve", ["--bogus"], {}, "see tabcohort serve --help"),
+])
+def test_every_command_names_the_option_or_variable_it_refuses(command, args, env, named):
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "client_py"), str(REPO / "server")]), **env)
+    r = subprocess.run([sys.executable, "-m", "tabcohort", command, *args], capture_output=True, text=True,
+                       timeout=60, env=e, cwd=REPO)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr

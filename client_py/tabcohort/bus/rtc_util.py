@@ -56,13 +56,14 @@ def set_host_addresses(addresses: Sequence[str] | None) -> None:
         _patched = True
 
 
-def parse_ice_servers(urls: Sequence[str] | str | None) -> list[str]:
+def parse_ice_servers(urls: Sequence[str] | str | None, name: str = "ice server") -> list[str]:
     """``"stun:h:3478,turn:u:p@h:3478"`` or a list -> validated URL list (empty = none).
 
     A TURN URL may carry credentials as ``turn:user:password@host:port``.
 
     Raises:
-        ConfigError: a URL whose scheme is not stun/stuns/turn/turns.
+        ConfigError: a URL whose scheme is not stun/stuns/turn/turns (naming ``name``, the
+            option or variable it came from).
     """
     if urls is None:
         return []
@@ -71,7 +72,7 @@ def parse_ice_servers(urls: Sequence[str] | str | None) -> list[str]:
     out = []
     for u in urls:
         if u.split(":", 1)[0] not in ("stun", "stuns", "turn", "turns"):
-            raise ConfigError("ice server", u, "expected stun:, stuns:, turn: or turns: URL")
+            raise ConfigError(name, u, "expected stun:, stuns:, turn: or turns: URL")
         out.append(u)
     return out
 

@@ -185,7 +185,7 @@ class RankConfig:
                                   "must be 16..256 printable ASCII characters (the one serve printed or "
                                   "wrote to its checkpoint directory's .trainer-token)")
         from ..bus.rtc_util import parse_ice_servers, set_host_addresses  # noqa: F401
-        parse_ice_servers(self.ice_servers)
+        parse_ice_servers(self.ice_servers, self._name("ice_servers"))
         if self.rtc_hosts is not None:
             import ipaddress
             for a in str(self.rtc_hosts).split(","):
