@@ -60,6 +60,9 @@ BAD = [
      "negative labels"),
     ("one sample", dict(X=np.zeros((1, 2)), y=np.zeros(1, int)) if np else {},
      "at least 2 samples"),
+    # (ids as labels: a 66M-parameter model built in silence until memory ran out)
+    ("label ids", dict(X=np.zeros((4, 2)), y=np.array([0, 7, 2_000_000, 3])) if np else {},
+     "2,000,001 classes for 4 samples"),
 ]
 
 

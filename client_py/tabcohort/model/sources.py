@@ -173,6 +173,11 @@ def npz(path: str, *, n_classes: int | None = None) -> Source:
         raise bad(f"label {top} too large")
     if n_classes is None:
         n_classes = max(2, top + 1)
+        if n_classes > n:
+            # (labels up to 2,000,000 on a few thousand rows built a 66M-parameter model and ran
+            # out of memory without a word: labels are class indices, not ids)
+            raise bad(f"labels go up to {top}, so {n_classes:,} classes for {n:,} samples: labels must be "
+                      f"class indices 0..K-1 (remap them, e.g. numpy.unique(y, return_inverse=True)[1])")
     elif not isinstance(n_classes, int) or isinstance(n_classes, bool) or n_classes < 2:
         raise ConfigError("n_classes", n_classes, "expected an integer >= 2")
     if top >= n_classes:
