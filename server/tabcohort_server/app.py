@@ -464,6 +464,9 @@ async def set_room_lr(request: web.Request) -> web.Response:
     """Set the room's learning rate (the operator token only; README "Trust model"): broadcast an
     ``lr`` control; the leader applies it (``RankMachine.set_lr``) and its rounds carry it."""
     room = _operator_room(request)
+    if room.stopped:     # (it answered 200, and no rank was left to apply it)
+        return _json({"error": f"the room has stopped ({room.stop_reason}); its learning rate no longer "
+                               "applies"}, status=409)
     # (the bytes: a body that is not UTF-8, or names an unknown charset, is a bad body, not a 500)
     body, _why = parse_json(await request.read())
     extra = sorted(str(k)[:40] for k in body) if isinstance(body, dict) else []

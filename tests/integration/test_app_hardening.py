@@ -372,6 +372,10 @@ async def test_only_the_operator_sets_the_rooms_learning_rate(client):
             told.append(msg["lr"])
     assert told == [0.4, 0.25]
     await ws.close()
+    # a stopped room: 409, the lr unchanged (it answered 200 with no rank left to apply it)
+    assert (await client.post("/api/rooms/r/stop", headers=bearer(OP))).status == 200
+    r = await client.post("/api/rooms/r/lr", json={"lr": 0.125}, headers=bearer(OP))
+    assert r.status == 409 and "stopped" in (await r.json())["error"] and room.job.lr == 0.25
 
 
 async def _raw_get(client, path: str, auth: bytes) -> bytes:
