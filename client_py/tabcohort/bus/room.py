@@ -156,6 +156,7 @@ class RoomClient:
         self._resuming = False
         self._attempt = 0
         self._give_up_ms: float | None = None
+        self._lost_at_ms = 0.0            # when the link was lost (the give-up message says how long ago)
         self._backlog_sent = 0
 
     # ------------------------------------------------------------------ registration
@@ -314,6 +315,7 @@ class RoomClient:
         if first:
             self._resuming, self._attempt = True, 0
             self._give_up_ms = now_ms + self.reconnect_max_ms
+            self._lost_at_ms = now_ms
         if code in FATAL_CLOSE:
             # a resume the server refuses (4004: the grace expired, or it restarted without its
             # checkpoint directory) lets the runtime join again as a new rank
@@ -321,7 +323,10 @@ class RoomClient:
             return None
         at = now_ms + self._next_delay_ms()
         if self._give_up_ms is not None and at > self._give_up_ms:
-            self.fail(f"gave up reconnecting after {self.reconnect_max_ms / 1000.0:g} s")
+            # (it said "after 30 s" 22 s after the link was lost: the next attempt would pass it)
+            away_s = (now_ms - self._lost_at_ms) / 1000.0
+            self.fail(f"gave up reconnecting after {away_s:.0f} s without the server (the next attempt "
+                      f"would pass the {self.reconnect_max_ms / 1000.0:g} s bound)")
             return None
         return at
 
