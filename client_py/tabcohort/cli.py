@@ -489,7 +489,7 @@ def _evaluate(a: argparse.Namespace) -> int:
     if not ref:   # the built-in job (or another that ships with tabcohort): this install's own copy
         own = shipped_source(info.get("code_sha256"))
         if own is None:
-            raise ConfigError("--job", None, f"the model was trained as the job {info.get('name')!r}: "
+            raise ConfigError("--job", "(not given)", f"the model was trained as the job {info.get('name')!r}: "
                               "give --job PATH naming it")
         ref = os.path.join(own.root, own.module + ".py")
     elif find_source(ref).code_sha256 != info.get("code_sha256"):
@@ -500,11 +500,20 @@ def _evaluate(a: argparse.Namespace) -> int:
         if not info.get("builtin") or not str((options or {}).get("dataset", "")).startswith("npz:"):
             raise ConfigError("--dataset", a.dataset, "only for a model of the built-in job trained on an .npz file")
         options = {**options, "dataset_path": a.dataset}
-    loaded = load_job(ref, options=options)
+    try:
+        loaded = load_job(ref, options=options)
+    except ConfigError as exc:
+        if a.dataset is not None and exc.variable in ("dataset", "dataset_path"):
+            raise ConfigError("--dataset", a.dataset, exc.reason) from None   # (the file the user gave)
+        raise
     worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
     from .protocol.optim import TrainConfig
     jh = loaded.job_hash(worker, TrainConfig.from_job(job).spec())
     if jh != job["job_hash"]:
+        if a.dataset is not None and not a.job:
+            # (it blamed --job=.../builtin_mlp.py, which the user never gave: the data differ)
+            raise ConfigError("--dataset", a.dataset, f"not the data the model was trained on (job hash {jh} "
+                              f"is not the model's {job['job_hash']})")
         raise ConfigError("--job", a.job or ref, f"its job hash {jh} is not the model's "
                           f"{job['job_hash']} (other code, data or spec)")
     worker.set_params(params.data)

@@ -423,3 +423,36 @@ def test_simulate_ends_a_job_that_goes_bad_with_an_error(tmp_path, how, expect):
                        capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
     assert r.returncode == 1, (r.stdout[-1500:], r.stderr[-1500:])
     assert re.search(expect, r.stderr), r.stderr[-2000:]
+
+
+def test_evaluate_names_the_dataset_it_was_given(cluster, tmp_path):
+    """A model of the built-in job trained on an .npz, evaluated on a missing file or on other
+    data under the same name: the error names --dataset (it said ``dataset=...``, and blamed a
+    ``--job=.../builtin_mlp.py`` the user never gave)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    data = tmp_path / "train" / "rows.npz"
+    data.parent.mkdir()
+    np.savez(data, X=x, y=y)
+    cluster.serve("--dataset", str(data), "--steps", "30", "--checkpoint-interval", "1")
+    p = cluster.rank()
+    assert p.p.wait(120) == 0, p.text()
+    wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 20, "the final checkpoint")
+    model = tmp_path / "m.npz"
+    model.write_bytes(_fetch(cluster, "/model"))
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(model), *args],
+                              capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
+    ok = evaluate("--dataset", str(data))
+    assert ok.returncode == 0, ok.stderr
+    missing = evaluate("--dataset", str(tmp_path / "none.npz"))
+    assert missing.returncode == 2 and f"--dataset='{tmp_path / 'none.npz'}'" in missing.stderr, missing.stderr
+    other = tmp_path / "other" / "rows.npz"
+    other.parent.mkdir()
+    np.savez(other, X=-x, y=y)
+    bad = evaluate("--dataset", str(other))
+    assert bad.returncode == 2 and "--dataset=" in bad.stderr and "not the data" in bad.stderr, bad.stderr
+    assert "--job" not in bad.stderr
