@@ -124,6 +124,17 @@ def from_options(*, local_steps: Any = 1, inner_optimizer: str = "sgd", inner_lr
         name, the_lr = "--lr", (lr if lr is not None else (DILOCO_OUTER_LR if h > 1 else default_lr))
     if not _number_in(the_lr, 0.0, 1e6) or the_lr <= 0:
         raise ConfigError(name, the_lr, "must be a finite number in (0, 1e6]")
+    # (each was accepted and silently did nothing: at H = 1 a bucket is the gradient itself, and
+    # SGD has no momentum)
+    if h == 1 and inner_optimizer != "sgd":
+        raise ConfigError("--inner-optimizer", inner_optimizer, "applies only with --local-steps H > 1 (at H = 1 "
+                                                                "the bucket is the gradient itself)")
+    if h == 1 and inner_lr is not None:
+        raise ConfigError("--inner-lr", inner_lr, "applies only with --local-steps H > 1 (at H = 1 the bucket is "
+                                                  "the gradient itself; the step's lr is --lr)")
+    if outer_momentum is not None and outer == "sgd":
+        raise ConfigError("--outer-momentum", outer_momentum, "applies only with --outer-optimizer nesterov "
+                                                              "(the default for --local-steps H > 1)")
     if inner_lr is None:
         inner_lr = 0.001 if inner_optimizer == "adam" else 0.1
     cfg = TrainConfig(local_steps=h, inner_optimizer=inner_optimizer, inner_lr=inner_lr, outer_optimizer=outer,
