@@ -212,6 +212,24 @@ def test_a_steady_push_is_told_from_noise_by_its_mean_residual(kind):
     assert mon.observe(2, zero, zero) is None and 2 in mon.ranks()
 
 
+@pytest.mark.needs_numpy
+def test_a_long_residual_is_judged_in_a_small_sketch_that_still_tells_a_push_from_noise():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(3)
+    d = 50_000
+    mon = BiasMonitor()
+    zero = np.zeros(d, dtype=np.float32)
+    for _ in range(300):
+        r = mon.observe(1, rng.standard_normal(d).astype(np.float32) * rng.choice((0.5, 2.0)), zero)
+        assert not mon.biased(r), r
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    first = next((i for i in range(200) if mon.biased(mon.observe(
+        2, (rng.standard_normal(d) + np.sqrt(d) * u).astype(np.float32), zero))), None)
+    assert first is not None and first <= 2 * BIAS_MIN_BUCKETS, first
+    assert all(len(v) == mon.sketch_dim for v in mon._mean.values())     # the state stays small
+
+
 def _pushing_rounds(push: float, seed: int):
     """Followers 2 (may lead) and 3 (contributes) answer the leader's own gradient plus noise;
     3 adds ``push`` along one fixed direction."""

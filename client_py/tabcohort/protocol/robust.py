@@ -44,6 +44,10 @@ BIAS_MIN_BUCKETS = 32
 #: as the trainers), and the ratio settles near ``sqrt(alpha / (2 - alpha))`` = 0.13 in many
 #: dimensions; a contributor that pushes one way round after round keeps it near 1.
 BIAS_RATIO = 0.6
+#: residuals longer than this are judged in a count sketch of this many dimensions (numpy): a
+#: fixed random sign and slot per coordinate, which keeps lengths in expectation and maps a
+#: push to a push, so the leader keeps 32 KiB per contributor, not 8 bytes per parameter
+BIAS_SKETCH_DIM = 4096
 
 #: a rank that may not lead (a contributor) is given at most this fraction of a round's global
 #: batch, whatever its measured speed (PROTOCOL.md, "Untrusted ranks"). The clip rule bounds a
@@ -157,12 +161,17 @@ class BiasMonitor:
     push. This is the "learning from history" idea of centered clipping (Karimireddy, He and
     Jaggi, ICML 2021) turned into a test per rank.
 
-    Pure state, float64 vectors (numpy or lists); no clock reads.
+    Pure state, float64 vectors (numpy or lists); no clock reads. With numpy, a residual longer
+    than ``sketch_dim`` is judged in a count sketch of that many dimensions (Charikar, Chen and
+    Farach-Colton, "Finding frequent items in data streams", ICALP 2002): the state per
+    contributor stays small whatever the model's size.
     """
 
     def __init__(self, *, alpha: float = BIAS_ALPHA, min_buckets: int = BIAS_MIN_BUCKETS,
-                 ratio: float = BIAS_RATIO) -> None:
+                 ratio: float = BIAS_RATIO, sketch_dim: int = BIAS_SKETCH_DIM) -> None:
         self.alpha, self.min_buckets, self.ratio = float(alpha), int(min_buckets), float(ratio)
+        self.sketch_dim = int(sketch_dim)
+        self._sketch: tuple[int, Any, Any] | None = None   # (bucket_len, slot per coordinate, sign)
         self._mean: dict[int, Any] = {}       # rank -> EWMA of r, float64, shape (bucket_len,)
         self._ms: dict[int, float] = {}       # rank -> EWMA of |r|^2
         self._n: dict[int, int] = {}          # rank -> residuals seen
@@ -173,7 +182,9 @@ class BiasMonitor:
         sqrt(EWMA(|r|^2))`` once ``k`` has given ``min_buckets`` residuals, else ``None``."""
         a = self.alpha
         if np is not None and isinstance(g, np.ndarray):
-            r = g.astype(np.float64) - np.asarray(trusted_mean, dtype=np.float64).reshape(g.shape)
+            r = g.astype(np.float64).reshape(-1) - np.asarray(trusted_mean, dtype=np.float64).reshape(-1)
+            if len(r) > self.sketch_dim:
+                r = self._sketched(r)
             rr = float(np.dot(r, r))
             m = self._mean.get(k)
             if m is None or len(m) != len(r):
@@ -196,6 +207,14 @@ class BiasMonitor:
         if self._n[k] < self.min_buckets or not self._ms[k] > 0:
             return None
         return math.sqrt(mm / self._ms[k])
+
+    def _sketched(self, r: Any) -> Any:
+        n = len(r)
+        if self._sketch is None or self._sketch[0] != n:
+            rng = np.random.default_rng(n)          # (fixed: the same sketch in every round)
+            self._sketch = (n, rng.integers(0, self.sketch_dim, n), rng.choice((-1.0, 1.0), n))
+        _, slot, sign = self._sketch
+        return np.bincount(slot, weights=sign * r, minlength=self.sketch_dim)
 
     def biased(self, ratio: float | None) -> bool:
         """Whether a ratio :meth:`observe` returned says the rank pushes one way."""
@@ -243,5 +262,5 @@ def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float =
     return out
 
 
-__all__ = ["AGGREGATES", "BIAS_ALPHA", "BIAS_MIN_BUCKETS", "BIAS_RATIO", "BiasMonitor", "CLIP_FACTOR",
+__all__ = ["AGGREGATES", "BIAS_ALPHA", "BIAS_MIN_BUCKETS", "BIAS_RATIO", "BIAS_SKETCH_DIM", "BiasMonitor", "CLIP_FACTOR",
            "CONTRIBUTOR_CLIP_FACTOR", "CONTRIBUTOR_SHARE_FRACTION", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
