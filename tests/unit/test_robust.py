@@ -230,6 +230,32 @@ def test_a_long_residual_is_judged_in_a_small_sketch_that_still_tells_a_push_fro
     assert all(len(v) == mon.sketch_dim for v in mon._mean.values())     # the state stays small
 
 
+def test_the_rounds_loss_is_the_trainers_not_a_contributors_claim():
+    # a contributor's loss of 1e30 made the leader report it, and the server stops a room whose
+    # loss stays above 10x a uniform guess's for 5 s: a stranger could end the room
+    def bucket_of(k, col, g, _own_samples):
+        return list(g) if k in col.shares else None
+    r = leader([2, 3], aggregate="clip")
+    r.m.peer_role(2, True)
+    r.m.peer_role(3, False)
+    r.m.start(now_ms=0)
+    t = 0.0
+    for _ in range(6):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        loss, g = r.w.grads_sync(own.offset, own.samples)
+        for k in (2, 3):
+            if k in col.shares:
+                r.m.handle(grad(k, 1, col.step, g=list(g), samples=col.shares[k], term=col.term,
+                                loss=1e30 if k == 3 else loss), now_ms=t)
+        r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
+        t += 1.0
+        tick(r, t, peers=(2, 3))
+    assert r.m.step >= 5 and r.m.loss < 10.0, r.m.loss
+    assert r.m.applied_by.get(3, 0) > 0                     # its bucket still counted
+
+
 def _pushing_rounds(push: float, seed: int):
     """Followers 2 (may lead) and 3 (contributes) answer the leader's own gradient plus noise;
     3 adds ``push`` along one fixed direction."""

@@ -1613,6 +1613,7 @@ class RankMachine:
 
     def _finish_round(self, now_ms: float) -> None:
         col = self._collection
+        loss_from: list[tuple[float, int, Any]] | None = None
         if col is not None:
             minor: list[int] = []
             minor_wait_ms = 0.0
@@ -1642,6 +1643,12 @@ class RankMachine:
                                              default=now_ms)
             received = self._robust(col, now_ms)
             buckets = list(received.values())
+            if self.roles_enforced:
+                # "Untrusted ranks": the round's loss is the trainers' (a contributor's claimed
+                # loss of 1e30 would trip the server's divergence stop and end the room)
+                trusted = [b for k, b in received.items() if k == self.id or self.may_lead_rank(k)]
+                if trusted and len(trusted) < len(buckets):
+                    loss_from = trusted
             for k in col.wanted & self._probation.keys():
                 if k not in col.received:              # missed again: owes the full run anew
                     self._probation[k] = min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k]))
@@ -1659,7 +1666,7 @@ class RankMachine:
                 self.counters["round_no_majority"] += 1
             elif buckets:
                 step0 = self.step
-                self._reduce_and_apply(buckets, now_ms)
+                self._reduce_and_apply(buckets, now_ms, loss_from)
                 if self.step > step0:
                     for k, (_, n, _) in (col.received.items() if col is not None else
                                          ((self.id, buckets[0]),)):
@@ -1742,10 +1749,15 @@ class RankMachine:
                 self.counters["quarantined_for_push"] += 1
                 self._bias.forget(k)
 
-    def _reduce_and_apply(self, buckets: list[tuple[float, int, Any]], now_ms: float) -> None:
+    def _reduce_and_apply(self, buckets: list[tuple[float, int, Any]], now_ms: float,
+                          loss_from: list[tuple[float, int, Any]] | None = None) -> None:
         total = sum(s for _, s, _ in buckets)
         weights = [s / total for _, s, _ in buckets]
-        loss = sum(w * l for w, (l, _, _) in zip(weights, buckets))
+        if loss_from is None:
+            loss = sum(w * l for w, (l, _, _) in zip(weights, buckets))
+        else:      # (the round's loss from these buckets only: "Untrusted ranks")
+            lt = sum(s for _, s, _ in loss_from)
+            loss = sum(s / lt * l for l, s, _ in loss_from)
         if self.aggregate == "trimmed-mean":
             avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
         else:
