@@ -104,7 +104,10 @@ def _lead_rounds(bucket_of, rounds: int = 12, roles=None, **kw):
     """A clip-rule leader with followers 2 and 3 driven for ``rounds`` rounds; ``bucket_of(k, col,
     g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing.
     ``roles``: follower -> may lead, as the server names them (none: roles not enforced)."""
+    train_len = kw.pop("train_len", None)
     r = leader([2, 3], aggregate="clip", **kw)
+    if train_len is not None:
+        r.w.train_len = train_len
     for k, may in (roles or {}).items():
         r.m.peer_role(k, may)
     r.m.start(now_ms=0)
@@ -210,6 +213,11 @@ def test_a_steady_push_is_told_from_noise_by_its_mean_residual(kind):
     assert first is not None and first <= 2 * BIAS_MIN_BUCKETS, first
     mon.forget(2)
     assert mon.observe(2, zero, zero) is None and 2 in mon.ranks()
+    # the same push on rows that keep recurring (few distinct windows) is not judged
+    rec = BiasMonitor()
+    for i in range(200):
+        noise = [rng.gauss(0.0, 1.0) for _ in range(d)]
+        assert rec.observe(3, vec([e + math.sqrt(d) * x for e, x in zip(noise, u)]), zero, rows=i % 5) is None
 
 
 @pytest.mark.needs_numpy
@@ -256,9 +264,9 @@ def test_the_rounds_loss_is_the_trainers_not_a_contributors_claim():
     assert r.m.applied_by.get(3, 0) > 0                     # its bucket still counted
 
 
-def _pushing_rounds(push: float, seed: int):
+def _pushing_rounds(push: float, seed: int, train_len: int | None = None):
     """Followers 2 (may lead) and 3 (contributes) answer the leader's own gradient plus noise;
-    3 adds ``push`` along one fixed direction."""
+    3 adds ``push`` along one fixed direction. ``train_len``: the toy training set's size."""
     rng, n = random.Random(seed), 32
     u = _unit(n, seed + 1)
 
@@ -267,7 +275,7 @@ def _pushing_rounds(push: float, seed: int):
             return None
         b = [x + rng.gauss(0.0, 0.3) for x in g]
         return [x + push * y for x, y in zip(b, u)] if k == 3 else b
-    return _lead_rounds(bucket_of, rounds=160, roles={2: True, 3: False}, bucket_len=n)
+    return _lead_rounds(bucket_of, rounds=160, roles={2: True, 3: False}, bucket_len=n, train_len=train_len)
 
 
 def test_a_contributor_that_pushes_one_way_is_quarantined_and_an_honest_one_is_not():
@@ -281,6 +289,12 @@ def test_a_contributor_that_pushes_one_way_is_quarantined_and_an_honest_one_is_n
     # a trainer is never judged against the others: its buckets are the reference
     r, st = _pushing_rounds(0.0, 5)
     assert set(r.m._bias.ranks()) == {3}
+    # a contributor given the same rows in every round (here a round covers the whole toy set
+    # of 6 samples) is not judged: an honest one's residual is then the steady difference of
+    # fixed samples (a hostile trial: honest contributors quarantined at a global batch equal to
+    # the training set or a third of it)
+    r, st = _pushing_rounds(2.0, 4, train_len=6)
+    assert r.m.counters["quarantined_for_push"] == 0 and 3 in r.m.shares
 
 
 # ---------------------------------------------------------------- followers validate rounds

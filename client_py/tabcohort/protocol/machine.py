@@ -110,7 +110,7 @@ class _Collection:
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
                  "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms", "norms",
-                 "minor_until_ms")
+                 "minor_until_ms", "assign")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -130,6 +130,7 @@ class _Collection:
         self.arrived_ms: dict[int, float] = {}   # id -> when its accepted bucket arrived
         self.norms: dict[int, float] = {}        # id -> its bucket's L2 norm (the clip rule)
         self.minor_until_ms: float | None = None  # "Shares": the wait for minor stragglers ends
+        self.assign: dict[int, int] = {}         # id -> its window's offset (the round's assign)
 
 
 class _Spread:
@@ -813,12 +814,17 @@ class RankMachine:
         }
 
     # ------------------------------------------------------------------ internals
-    def _epoch(self) -> float | None:
-        """Epochs covered by the samples assigned so far, when the worker knows its training set."""
+    def _train_len(self) -> int | None:
+        """The worker's training-set size, when it says."""
         n = getattr(self.worker, "train_len", None)
         if n is None:
             n = getattr(getattr(self.worker, "dataset", None), "train_len", None)
-        return round(self.cursor / n, 3) if isinstance(n, int) and n > 0 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    def _epoch(self) -> float | None:
+        """Epochs covered by the samples assigned so far, when the worker knows its training set."""
+        n = self._train_len()
+        return round(self.cursor / n, 3) if n is not None else None
 
     def _foreign_add(self, sender: int) -> None:
         self._foreign.add(sender)
@@ -1274,6 +1280,8 @@ class RankMachine:
                                            min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
+        if self._collection is not None:
+            self._collection.assign = assign
         self._sent_rounds[(self.term, self.step)] = (now_ms, dict(shares))
         while len(self._sent_rounds) > 4:
             del self._sent_rounds[next(iter(self._sent_rounds))]
@@ -1715,7 +1723,7 @@ class RankMachine:
                         if self.roles_enforced else set())
         out, clipped = clip_to_median_norm(received, self.id, norms=col.norms, contributors=contributors)
         if contributors:
-            self._watch_pushes(out, contributors, now_ms)
+            self._watch_pushes(col, out, contributors, now_ms)
         for k in received:
             if k == self.id:
                 continue
@@ -1731,17 +1739,24 @@ class RankMachine:
                 hist.clear()
         return out
 
-    def _watch_pushes(self, out: dict[int, tuple[float, int, Any]], contributors: set[int], now_ms: float) -> None:
-        """"Untrusted ranks", a contributor's steady push: each contributor's clipped bucket
-        against the round's trusted mean (the buckets of the ranks that may lead); a rank whose
-        mean residual stays long against its own RMS is quarantined (robust.BiasMonitor)."""
+    def _watch_pushes(self, col: _Collection, out: dict[int, tuple[float, int, Any]], contributors: set[int],
+                      now_ms: float) -> None:
+        """"Untrusted ranks", a contributor's steady push: each contributor's bucket (as sent,
+        before clipping) against the round's trusted mean (the buckets of the ranks that may
+        lead); a rank whose mean residual stays long against its own RMS is quarantined
+        (robust.BiasMonitor). Its rows are the key of its window within the training set: a
+        rank given the same rows round after round is not judged."""
         trusted = [b for k, b in out.items() if k not in contributors]
         total = sum(s for _, s, _ in trusted)
         if not trusted or total <= 0:
             return
         mean = weighted_mean([g for _, _, g in trusted], [s / total for _, s, _ in trusted])
+        n = self._train_len()
+        h = self.train.local_steps
         for k in sorted(contributors):
-            ratio = self._bias.observe(k, out[k][2], mean)
+            offset, span = col.assign.get(k, 0), max(1, h * col.shares.get(k, 1))
+            rows = ((offset % n) if n is not None else offset) // span
+            ratio = self._bias.observe(k, col.received[k][2], mean, rows=rows)
             if self._bias.biased(ratio) and k not in self.quarantined:
                 self._quarantines[k] += 1
                 self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import deque
 from typing import Any, Collection, Sequence
 
 from .._compat import np
@@ -48,6 +49,11 @@ BIAS_RATIO = 0.6
 #: fixed random sign and slot per coordinate, which keeps lengths in expectation and maps a
 #: push to a push, so the leader keeps 32 KiB per contributor, not 8 bytes per parameter
 BIAS_SKETCH_DIM = 4096
+#: a contributor is judged only while its last BIAS_MIN_BUCKETS windows fell on at least this
+#: many distinct places of the training set: one given the same rows round after round (a global
+#: batch that divides the training set's size) has a residual that is the difference of fixed
+#: samples, honest and steady
+BIAS_MIN_DISTINCT_ROWS = 24
 
 #: a rank that may not lead (a contributor) is given at most this fraction of a round's global
 #: batch, whatever its measured speed (PROTOCOL.md, "Untrusted ranks"). The clip rule bounds a
@@ -175,12 +181,20 @@ class BiasMonitor:
         self._mean: dict[int, Any] = {}       # rank -> EWMA of r, float64, shape (bucket_len,)
         self._ms: dict[int, float] = {}       # rank -> EWMA of |r|^2
         self._n: dict[int, int] = {}          # rank -> residuals seen
+        self._rows: dict[int, deque] = {}     # rank -> keys of its last windows (their rows)
 
-    def observe(self, k: int, g: Any, trusted_mean: Any) -> float | None:
+    def observe(self, k: int, g: Any, trusted_mean: Any, *, rows: Any = None) -> float | None:
         """Feed contributor ``k``'s bucket ``g`` (float32, shape ``(bucket_len,)``, finite) and
         the round's trusted mean (same shape). Returns the ratio ``|EWMA(r)| /
-        sqrt(EWMA(|r|^2))`` once ``k`` has given ``min_buckets`` residuals, else ``None``."""
+        sqrt(EWMA(|r|^2))`` once ``k`` has given ``min_buckets`` residuals, else ``None``;
+        also ``None`` while the ``rows`` keys (where in the training set its bucket's samples
+        were, any hashable) of its last ``min_buckets`` buckets take fewer than
+        :data:`BIAS_MIN_DISTINCT_ROWS` values (``None``: not known, not checked)."""
         a = self.alpha
+        recent = None
+        if rows is not None:
+            recent = self._rows.setdefault(k, deque(maxlen=self.min_buckets))
+            recent.append(rows)
         if np is not None and isinstance(g, np.ndarray):
             r = g.astype(np.float64).reshape(-1) - np.asarray(trusted_mean, dtype=np.float64).reshape(-1)
             if len(r) > self.sketch_dim:
@@ -206,6 +220,8 @@ class BiasMonitor:
         self._n[k] += 1
         if self._n[k] < self.min_buckets or not self._ms[k] > 0:
             return None
+        if recent is not None and len(set(recent)) < min(BIAS_MIN_DISTINCT_ROWS, self.min_buckets):
+            return None
         return math.sqrt(mm / self._ms[k])
 
     def _sketched(self, r: Any) -> Any:
@@ -225,6 +241,7 @@ class BiasMonitor:
         self._mean.pop(k, None)
         self._ms.pop(k, None)
         self._n.pop(k, None)
+        self._rows.pop(k, None)
 
     def ranks(self) -> list[int]:
         return list(self._n)
@@ -262,5 +279,5 @@ def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float =
     return out
 
 
-__all__ = ["AGGREGATES", "BIAS_ALPHA", "BIAS_MIN_BUCKETS", "BIAS_RATIO", "BIAS_SKETCH_DIM", "BiasMonitor", "CLIP_FACTOR",
+__all__ = ["AGGREGATES", "BIAS_ALPHA", "BIAS_MIN_BUCKETS", "BIAS_MIN_DISTINCT_ROWS", "BIAS_RATIO", "BIAS_SKETCH_DIM", "BiasMonitor", "CLIP_FACTOR",
            "CONTRIBUTOR_CLIP_FACTOR", "CONTRIBUTOR_SHARE_FRACTION", "clip_to_median_norm", "l2_norm", "trimmed_mean"]
