@@ -153,7 +153,7 @@ def test_serve_on_a_port_in_use_is_a_config_error():
 
 def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
     cluster.serve("--token", "room-token-s3cret-0123")
-    for extra, text in (([], "this room needs a token"), (["--token", "nope"], "rejected the room token")):
+    for extra, text in (([], "this room needs a token"), (["--token", "a-wrong-room-token-0123"], "rejected the room token")):
         r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", cluster.room,
                             *extra], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
