@@ -187,6 +187,15 @@ def test_a_bad_trainer_token_is_named_and_never_shown():
     assert ok.trainer_token == "a-long-enough-trainer-token"
 
 
+def test_a_bad_discovery_timeout_is_named_even_without_discovery():
+    for env, named in (({"TABCOHORT_DISCOVER_TIMEOUT": "xx"}, "TABCOHORT_DISCOVER_TIMEOUT"),
+                       ({"TABCOHORT_DISCOVER_TIMEOUT": "nan"}, "TABCOHORT_DISCOVER_TIMEOUT")):
+        with pytest.raises(ConfigError) as e:
+            cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", **env}).validate()
+        assert e.value.variable == named
+    cfg({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d"}).validate()   # the default
+
+
 def test_a_room_token_too_short_is_named_before_connecting():
     # (it was refused by the server after the job download, as "the server rejected the room token")
     with pytest.raises(ConfigError) as e:

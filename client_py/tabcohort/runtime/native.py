@@ -245,11 +245,7 @@ class RankConfig:
                 raise ConfigError(self._name("discover"), d, "expected 1/0, true/false, yes/no or on/off")
             d = v in _TRUE
         self.discover = d or self.discover_host is not None
-        if not self.discover:
-            return False
-        if self.server:
-            raise ConfigError(self._name("server"), self.server, "give either a server URL or discovery "
-                              f"({self._name('discover_host' if self.discover_host is not None else 'discover')}), not both")
+        # (checked with or without discovery: a bad one was accepted in silence when unused)
         try:
             t = float(self.discover_timeout)
         except (TypeError, ValueError):
@@ -257,6 +253,11 @@ class RankConfig:
         if not (0 < t <= 600):
             raise ConfigError(self._name("discover_timeout"), self.discover_timeout, "must be seconds in (0, 600]")
         self.discover_timeout = t
+        if not self.discover:
+            return False
+        if self.server:
+            raise ConfigError(self._name("server"), self.server, "give either a server URL or discovery "
+                              f"({self._name('discover_host' if self.discover_host is not None else 'discover')}), not both")
         if self.room and (not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64):
             raise ConfigError(self._name("room"), self.room, "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
         if self.discover_interfaces is not None:
