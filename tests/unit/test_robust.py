@@ -100,10 +100,11 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     assert math.isclose(got[1], (10.0 + 11.0 + 10.0) / 3, rel_tol=1e-6)
 
 
-def _lead_rounds(bucket_of, rounds: int = 12, roles=None, **kw):
+def _lead_rounds(bucket_of, rounds: int = 12, roles=None, losses=None, **kw):
     """A clip-rule leader with followers 2 and 3 driven for ``rounds`` rounds; ``bucket_of(k, col,
     g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing.
-    ``roles``: follower -> may lead, as the server names them (none: roles not enforced)."""
+    ``roles``: follower -> may lead, as the server names them (none: roles not enforced);
+    ``losses``: follower -> the loss its buckets claim (default 1.0)."""
     train_len = kw.pop("train_len", None)
     r = leader([2, 3], aggregate="clip", **kw)
     if train_len is not None:
@@ -121,7 +122,8 @@ def _lead_rounds(bucket_of, rounds: int = 12, roles=None, **kw):
             for k in (2, 3):
                 b = bucket_of(k, col, g, own.samples)
                 if b is not None:
-                    r.m.handle(grad(k, 1, col.step, g=b, samples=col.shares[k], term=col.term), now_ms=t)
+                    r.m.handle(grad(k, 1, col.step, g=b, samples=col.shares[k], term=col.term,
+                                    loss=(losses or {}).get(k, 1.0)), now_ms=t)
         r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
         t += 1.0
         tick(r, t, peers=(2, 3))
@@ -243,23 +245,7 @@ def test_the_rounds_loss_is_the_trainers_not_a_contributors_claim():
     # loss stays above 10x a uniform guess's for 5 s: a stranger could end the room
     def bucket_of(k, col, g, _own_samples):
         return list(g) if k in col.shares else None
-    r = leader([2, 3], aggregate="clip")
-    r.m.peer_role(2, True)
-    r.m.peer_role(3, False)
-    r.m.start(now_ms=0)
-    t = 0.0
-    for _ in range(6):
-        acts = r.drain()
-        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
-        col = r.m._collection
-        loss, g = r.w.grads_sync(own.offset, own.samples)
-        for k in (2, 3):
-            if k in col.shares:
-                r.m.handle(grad(k, 1, col.step, g=list(g), samples=col.shares[k], term=col.term,
-                                loss=1e30 if k == 3 else loss), now_ms=t)
-        r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
-        t += 1.0
-        tick(r, t, peers=(2, 3))
+    r, _ = _lead_rounds(bucket_of, rounds=6, roles={2: True, 3: False}, losses={3: 1e30})
     assert r.m.step >= 5 and r.m.loss < 10.0, r.m.loss
     assert r.m.applied_by.get(3, 0) > 0                     # its bucket still counted
 

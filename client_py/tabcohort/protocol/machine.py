@@ -1733,11 +1733,15 @@ class RankMachine:
                 self.clipped[k] += 1
                 self.counters["buckets_clipped"] += 1
             if sum(hist) >= _CLIP_QUARANTINE and k not in self.quarantined:
-                self._quarantines[k] += 1
-                self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
-                self.counters["quarantined"] += 1
+                self._quarantine(k, now_ms)
                 hist.clear()
         return out
+
+    def _quarantine(self, k: int, now_ms: float) -> None:
+        """"Untrusted ranks": no share for _QUARANTINE_MS, doubled at each further quarantine."""
+        self._quarantines[k] += 1
+        self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
+        self.counters["quarantined"] += 1
 
     def _watch_pushes(self, col: _Collection, out: dict[int, tuple[float, int, Any]], contributors: set[int],
                       now_ms: float) -> None:
@@ -1758,9 +1762,7 @@ class RankMachine:
             rows = ((offset % n) if n is not None else offset) // span
             ratio = self._bias.observe(k, col.received[k][2], mean, rows=rows)
             if self._bias.biased(ratio) and k not in self.quarantined:
-                self._quarantines[k] += 1
-                self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
-                self.counters["quarantined"] += 1
+                self._quarantine(k, now_ms)
                 self.counters["quarantined_for_push"] += 1
                 self._bias.forget(k)
 
@@ -1768,11 +1770,10 @@ class RankMachine:
                           loss_from: list[tuple[float, int, Any]] | None = None) -> None:
         total = sum(s for _, s, _ in buckets)
         weights = [s / total for _, s, _ in buckets]
-        if loss_from is None:
-            loss = sum(w * l for w, (l, _, _) in zip(weights, buckets))
-        else:      # (the round's loss from these buckets only: "Untrusted ranks")
-            lt = sum(s for _, s, _ in loss_from)
-            loss = sum(s / lt * l for l, s, _ in loss_from)
+        # the round's loss: sample-weighted over ``loss_from`` when given ("Untrusted ranks")
+        src = buckets if loss_from is None else loss_from
+        lt = sum(s for _, s, _ in src)
+        loss = sum(s / lt * l for l, s, _ in src)
         if self.aggregate == "trimmed-mean":
             avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
         else:
