@@ -94,3 +94,40 @@ def test_a_direct_path_reports_its_kind_when_open_and_relay_after_fallback():
     p.fallback("direct connection lost")
     assert p.label == "relay" and p.why == "direct connection lost"
     assert Path(8, now_ms=0.0).kind is PathKind.RTC   # the default stays the data channel
+
+
+def test_a_frame_carried_whole_on_a_direct_path_decodes_its_vectors_as_views_of_its_chunk():
+    # docs/PROTOCOL.md "Direct TCP path": a round or a bucket of up to DIRECT_MAX_MESSAGE_BYTES
+    # is one chunk, read into a buffer of its own (ChunkStream) laid out so that its float32
+    # vectors land 4-aligned: the reader decodes them without a copy. A chunk that is not the
+    # caller's to give (bytes, read-only) still decodes as a copy.
+    np = pytest.importorskip("numpy")
+    from tabcohort.wire import FrameReader, FrameWriter
+
+    g = np.arange(1000, dtype=np.float32) / 7
+    params = np.arange(1000, dtype=np.float32) * 3
+    w = FrameWriter(5, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES)
+    for msg in ({"t": "grad", "term": 1, "step": 3, "loss": 0.5, "samples": 8, "g": g},
+                {"t": "round", "term": 1, "step": 3, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": 2,
+                 "assign": {5: 0, 6: 8}, "shares": {5: 8, 6: 8}, "cursor": 0, "params": params}):
+        chunks = w.write(msg)
+        assert len(chunks) == 1
+        s = direct.ChunkStream(direct.DIRECT_MAX_MESSAGE_BYTES + 64)
+        data = direct.frame(chunks)
+        got = []
+        pos = 0
+        while pos < len(data):   # as the socket fills the stream's buffers
+            b = s.buffer()
+            k = min(len(b), len(data) - pos)
+            b[:k] = data[pos:pos + k]
+            pos += k
+            c = s.advance(k)
+            if c is not None:
+                got.append(c)
+        assert len(got) == 1
+        key = "g" if msg["t"] == "grad" else "params"
+        (out,) = FrameReader(use_numpy=True).feed(got[0], now_ms=0.0, owned=True)
+        assert np.array_equal(out[key], msg[key])
+        assert np.shares_memory(out[key], np.frombuffer(got[0], np.uint8))     # a view: no copy
+        (copied,) = FrameReader(use_numpy=True).feed(bytes(got[0]), now_ms=0.0, owned=True)
+        assert np.array_equal(copied[key], msg[key]) and copied[key].flags.writeable

@@ -155,6 +155,22 @@ def test_under_the_clip_rule_a_bucket_with_a_nan_or_an_infinity_is_dropped_and_c
         assert all(math.isfinite(x) for x in r.w.params())
 
 
+def test_under_the_clip_rule_a_nan_own_bucket_is_dropped_by_its_norm_and_the_peers_apply():
+    # the leader's own bucket is measured too, and its norm is its finiteness check
+    # (robust.l2_norm; docs/PROTOCOL.md "Leader: driving one round", step 5)
+    for bad in (math.nan, math.inf):
+        r = leader([2], aggregate="clip")
+        r.w.set_params([0.0] * 4)
+        r.m.set_lr(1.0)
+        r.m.start(now_ms=0)
+        own = [a for a in r.drain() if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        r.m.handle(grad(2, 1, col.step, g=[0.5] * 4, samples=col.shares[2], term=col.term), now_ms=1)
+        r.m.bucket_ready(own.token, 1.0, to_vector([bad] * 4), now_ms=2, samples=own.samples)
+        assert r.m.drops["own_bucket_invalid"] == 1, bad
+        assert r.m.step == 1 and list(r.w.params()) == [-0.5] * 4, bad
+
+
 def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined():
     # near convergence an honest batch's gradient can pass 4 x the median norm; clipping bounds
     # it, and only buckets far past the bound count toward a quarantine (docs/PROTOCOL.md
@@ -396,17 +412,26 @@ def test_a_higher_term_claimed_by_a_rank_that_may_not_lead_is_dropped_and_not_fo
     assert r.m.is_leader(t) and r.m.term < 10          # its new term ignores the false claim
 
 
-def test_l2_norm_in_blocks_is_the_float64_norm_to_rounding():
+def test_l2_norm_is_the_float64_norm_within_1e_6_and_exact_past_float32s_range():
     import math as _m
 
     np = pytest.importorskip("numpy")
     from tabcohort.protocol.robust import NORM_BLOCK, l2_norm
 
+    def exact(v):
+        return _m.sqrt(_m.fsum(float(x) * float(x) for x in v.astype(np.float64)))
+
     rng = np.random.default_rng(5)
     for n in (1, NORM_BLOCK - 1, NORM_BLOCK, 3 * NORM_BLOCK + 11):
-        v = (rng.standard_normal(n) * rng.choice([1e-20, 1.0, 1e15], n)).astype(np.float32)
-        exact = _m.sqrt(_m.fsum(float(x) * float(x) for x in v.astype(np.float64)))
-        assert l2_norm(v) == pytest.approx(exact, rel=1e-12)
+        # the fast path (float32 squares): gradients, and constant vectors (its worst case)
+        for v in ((rng.standard_normal(n) * 1e-3).astype(np.float32), np.full(n, 0.1, np.float32),
+                  np.full(n, 1 / 3, np.float32)):
+            assert l2_norm(v) == pytest.approx(exact(v), rel=1e-6)
+        # squares past float32's range (1e15 ** 2 overflows the fast sum's bound, 1e-25 ** 2
+        # underflows): measured again in float64
+        for scale in (1e15, 1e-25):
+            v = (rng.standard_normal(n) * scale).astype(np.float32)
+            assert l2_norm(v) == pytest.approx(exact(v), rel=1e-12)
     big = float(np.float32(3e38))
     assert l2_norm(np.full(10, big, dtype=np.float32)) == pytest.approx(big * _m.sqrt(10), rel=1e-12)
     assert l2_norm(np.zeros(5, dtype=np.float32)) == 0.0

@@ -457,7 +457,7 @@ class _TcpStream(asyncio.BufferedProtocol):
             chunk = st.advance(nbytes)
             ch = self.channel
             if chunk is not None and not ch.closed:
-                ch.listener.channel_chunk(ch, chunk)
+                ch.listener.channel_chunk(ch, chunk, owned=True)   # (a buffer of its own: direct.ChunkStream)
             elif st.error is not None and not ch.closed:
                 self.connector.count("direct_bad_chunk")
                 ch.down(f"direct path: {st.error}")
@@ -595,9 +595,11 @@ class TcpChannel:
         if s is None or self.closed or s.transport.is_closing():
             return False
         w = s.transport.write
-        for c in chunks:   # (no join: a copy of every MiB; the prefix is a 4-byte write)
+        for c in chunks:   # (no join: a copy of every chunk; the prefix is a 4-byte write)
             w(direct.LEN.pack(len(c)))
-            w(c)
+            # a view: what the kernel does not take at once is copied once, into the
+            # transport's buffer (a ``bytes`` tail is sliced off as a copy first)
+            w(memoryview(c))
         # the transport is not over its high-water mark (the kernel took most of it), so no
         # resume_writing will come: ask the bus for more on the next loop turn
         if not self._low_due and not s.write_paused:

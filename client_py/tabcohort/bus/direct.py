@@ -29,6 +29,10 @@ import hmac
 import ipaddress
 import struct
 
+from .._compat import np
+from ..wire import CHUNK_HEADER
+from ..wire.frame import BODY_ALIGN_PAD
+
 MAGIC = b"TCD1"
 NONCE_BYTES = 16
 KEY_BYTES = 32
@@ -38,8 +42,12 @@ ACCEPT_BYTES = 32
 #: an announced address longer than this is refused (``[v6]:port`` fits in 47)
 MAX_ADDR_CHARS = 64
 LEN = struct.Struct("<I")
-#: the chunk size on a direct path: TCP has no message limit; 1 MiB keeps per-chunk work small
-DIRECT_MAX_MESSAGE_BYTES = 1 << 20
+#: the chunk size on a direct path: TCP has no message limit, and a frame of up to 16 MiB (a
+#: model of 4M float32 parameters) crosses in one chunk, read into a buffer of its own whose
+#: vectors the wire reader decodes as views (:class:`ChunkStream`): no reassembly copy. With
+#: 1 MiB chunks, ``bench/bench_anchors.py``'s leader at N = 4 spent 1.2 ms of a 14 ms round
+#: copying three 4 MB buckets out of their chunks.
+DIRECT_MAX_MESSAGE_BYTES = 16 << 20
 
 
 def format_addr(host: str, port: int) -> str:
@@ -134,8 +142,9 @@ class ChunkStream:
         """Where the next bytes of the stream go (at least one byte)."""
         return memoryview(self.target)[self.filled:]
 
-    def advance(self, n: int) -> bytearray | None:
-        """``n`` bytes were written into :meth:`buffer`: the chunk they complete, or ``None``."""
+    def advance(self, n: int) -> bytearray | memoryview | None:
+        """``n`` bytes were written into :meth:`buffer`: the chunk they complete (bytes-like), or
+        ``None``."""
         self.filled += n
         if self.error is not None:
             self.filled = 0
@@ -151,7 +160,7 @@ class ChunkStream:
             self.error = f"a chunk length of {k} bytes (bound {self.max_chunk_bytes})"
             self.target = bytearray(4096)   # (scratch: what still arrives is discarded)
             return None
-        self.in_chunk, self.target = True, bytearray(k)
+        self.in_chunk, self.target = True, _uninitialized(k)
         return None
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -172,6 +181,22 @@ class ChunkStream:
     def pending_bytes(self) -> int:
         """Bytes of an incomplete length or chunk held."""
         return self.filled + (LEN.size if self.in_chunk else 0)
+
+
+#: bytes skipped at the start of a chunk's buffer so that its frame body lands where a wire
+#: reader puts a body it reassembles (``BODY_ALIGN_PAD`` past a 4-aligned address): the
+#: float32 vectors of a frame carried whole then sit 4-aligned and decode as views
+_CHUNK_PAD = (BODY_ALIGN_PAD - CHUNK_HEADER.size) % 4
+
+
+def _uninitialized(k: int) -> bytearray | memoryview:
+    """A writable buffer of ``k`` bytes whose contents are not set: with numpy, not zeroed first
+    (a ``bytearray`` is, and zeroing each 1 MiB chunk before the socket overwrote it cost a
+    leader receiving three 4 MB buckets 0.5 ms of a 15 ms round in ``bench/bench_anchors.py``),
+    and aligned as :data:`_CHUNK_PAD` says (numpy's buffers start 16-aligned)."""
+    if np is not None:
+        return memoryview(np.empty(_CHUNK_PAD + k, dtype=np.uint8)).cast("B")[_CHUNK_PAD:]
+    return bytearray(k)
 
 
 def frame(chunks: list[bytes]) -> bytes:

@@ -472,7 +472,7 @@ class MeshBus:
         self._declare_relay()
         self._drain(p.peer)
 
-    def channel_chunk(self, ch: Any, chunk: bytes) -> None:
+    def channel_chunk(self, ch: Any, chunk: bytes, owned: bool = False) -> None:
         p = self._peer_of(ch)
         if p is None:
             return
@@ -483,7 +483,7 @@ class MeshBus:
                 p.hold(len(chunk))
                 self._report_backlog(p)
             return
-        self._deliver(p, chunk)
+        self._deliver(p, chunk, owned=owned)
 
     def channel_conflated(self, ch: Any, sender: Any, frames: int, chunks: int, n_bytes: int) -> None:
         """Superseded rounds the page dropped unread from this channel (PROTOCOL.md, "Follower:
@@ -530,11 +530,11 @@ class MeshBus:
         if p is not None:
             p.received_chunk(n_bytes, direct=False, now_ms=self.now_ms())
 
-    def _deliver(self, p: Path, chunk: bytes, *, direct: bool = True) -> None:
+    def _deliver(self, p: Path, chunk: bytes, *, direct: bool = True, owned: bool = False) -> None:
         if self.closed:
             return
         p.received_chunk(len(chunk), direct=direct, now_ms=self.now_ms())
-        for m in self.reader.feed(chunk, now_ms=self.now_ms()):
+        for m in self.reader.feed(chunk, now_ms=self.now_ms(), owned=owned):
             cb = self.on_message
             if cb is not None and not self.closed:
                 cb(m)

@@ -82,7 +82,10 @@ class ChannelListener(Protocol):
     """What a data channel calls (a star or a mesh bus); ``ch`` says which channel."""
 
     def channel_open(self, ch: Any, max_message_bytes: int) -> None: ...
-    def channel_chunk(self, ch: Any, chunk: bytes) -> None: ...
+    def channel_chunk(self, ch: Any, chunk: bytes, owned: bool = False) -> None:
+        """One chunk off ``ch``. ``owned``: ``chunk`` is writable memory of its own that nothing
+        else holds or reuses (a direct path's chunk buffer), so the wire reader may decode its
+        vectors as views of it (:meth:`tabcohort.wire.FrameReader.feed`)."""
     def channel_conflated(self, ch: Any, sender: Any, frames: int, chunks: int, n_bytes: int) -> None: ...
     def channel_low(self, ch: Any) -> None: ...
     def channel_down(self, ch: Any, why: str) -> None: ...
@@ -570,7 +573,7 @@ class StarBus:
             ch.pause(True)
         log.info("rank %08x: WebRTC star link open (max message %d)", self.id, max_message_bytes)
 
-    def channel_chunk(self, ch: Any, chunk: bytes) -> None:
+    def channel_chunk(self, ch: Any, chunk: bytes, owned: bool = False) -> None:
         if ch is self.channel and not self.closed:
             self.path.received_chunk(len(chunk), direct=True, now_ms=self.now_ms())
             self.n_received += 1

@@ -1381,7 +1381,12 @@ class RankMachine:
         if self._phase is not Phase.OWN:
             self.counters["late_own_bucket"] += 1
             return
-        if len(g) != self.worker.bucket_len or not all_finite(g) or not math.isfinite(loss) or samples <= 0:
+        col = self._collection
+        # as for a peer's bucket (_on_grad): under the clip rule the norm is the finiteness check
+        norm = l2_norm(g) if col is not None and self._measures_norms(col) and len(g) == self.worker.bucket_len \
+            else None
+        if len(g) != self.worker.bucket_len or not (all_finite(g) if norm is None else math.isfinite(norm)) \
+                or not math.isfinite(loss) or samples <= 0:
             self.drops["own_bucket_invalid"] += 1
             if len(g) == self.worker.bucket_len and samples > 0:
                 # "Leader: driving one round", step 5: the job's own loss or gradients are not
@@ -1392,13 +1397,13 @@ class RankMachine:
         else:
             self._own_bucket = (loss, samples, g)
             self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)
-        col = self._collection
         if col is None:
             self._finish_round(now_ms)
             return
         if self._own_bucket is not None:
             col.received[self.id] = self._own_bucket
-            self._keep_norm(col, self.id)
+            if norm is not None:
+                col.norms[self.id] = norm
             _arrived(col, now_ms, self.id)
         else:
             # the leader's own bucket is not coming: the round waits only for the others'
@@ -1708,10 +1713,6 @@ class RankMachine:
         the round still waits for others are measured then, not after the last one, on the
         round's critical path ("Robust aggregation at the leader")."""
         return self.aggregate == "clip" and len(col.wanted) > 1
-
-    def _keep_norm(self, col: _Collection, k: int) -> None:
-        if self._measures_norms(col):
-            col.norms[k] = l2_norm(col.received[k][2])
 
     def _robust(self, col: _Collection, now_ms: float) -> dict[int, tuple[float, int, Any]]:
         """"Untrusted ranks": bound every bucket's norm relative to the cohort's (clip rule), and

@@ -119,12 +119,16 @@ class FrameReader:
             self._drop(L.REASSEMBLY_TIMEOUT, n)
         return n
 
-    def feed(self, chunk: Any, *, now_ms: float) -> list[dict]:
+    def feed(self, chunk: Any, *, now_ms: float, owned: bool = False) -> list[dict]:
         """Take one chunk; return the messages it completes (zero or one).
 
         Args:
             chunk: bytes-like, exactly as received from the transport.
             now_ms: the caller's clock, milliseconds (for reassembly timeouts).
+            owned: ``chunk`` is writable memory that nothing else holds or reuses: a frame it
+                carries whole decodes its float32 vectors as views of it where they land
+                4-aligned (as a reassembled frame's do in the reader's own buffer), not as
+                copies.
 
         Returns:
             Decoded messages: dicts with ``t``, ``from``, ``to`` (only when addressed) and the
@@ -143,7 +147,7 @@ class FrameReader:
             if len(payload) != r.frame_len:
                 self._drop(L.LENGTH_MISMATCH)
                 return []
-            return self._decode(r, payload)
+            return self._decode(r, payload, owned=owned)
         body = self._reassemble(r, payload, now_ms)
         return [] if body is None else self._decode(r, body, owned=True)
 
