@@ -7,4 +7,4 @@ when importable (see :mod:`tabcohort._compat`).
 __version__ = "0.1.0"
 
 #: Cohort protocol version carried in every ``hello`` (PROTOCOL.md, "Messages").
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
