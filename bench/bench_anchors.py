@@ -297,41 +297,68 @@ def ours(world: int, link: str, seconds: float, tmp: pathlib.Path, *, allocator:
 
 
 def profile(world: int, reps: int = 5) -> dict:
-    """Where one round's CPU goes at the leader and a follower (f32, 1M parameters), in ms."""
+    """Where one round's CPU goes at the leader and a follower (f32, 1M parameters), in ms, with
+    the functions the round runs on the direct path: frames cut at its chunk size, a frame read
+    whole into a buffer of its own and decoded as views (``FrameReader.feed(owned=True)``), the
+    clip rule's norm of every bucket (``robust.l2_norm``), the sample-weighted mean
+    (``vec.weighted_mean``) and the finiteness checks of the mean and of the parameters after
+    the update (``vec.all_finite``)."""
     import numpy as np
 
+    from tabcohort.bus.direct import DIRECT_MAX_MESSAGE_BYTES, ChunkStream
+    from tabcohort.protocol.robust import l2_norm
+    from tabcohort.vec import all_finite, weighted_mean
     from tabcohort.wire import FrameReader, FrameWriter
 
     params = np.random.default_rng(0).standard_normal(N_PARAMS).astype(np.float32)
-    w, r = FrameWriter(1), FrameReader(None)
+    w, r = FrameWriter(1, max_message_bytes=DIRECT_MAX_MESSAGE_BYTES), FrameReader(None)
     round_msg = {"t": "round", "term": 1, "step": 1, "lr": 0.1, "loss": 1.0, "samples": 8, "cohort": world,
                  "assign": {2: 0}, "shares": {2: 8}, "cursor": 0, "params": params}
     grad_msg = {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": params, "to": 2}
 
-    def t(f) -> float:
+    def t(f, setup=lambda: None) -> float:
         xs = []
         for _ in range(reps):
+            arg = setup()
             t0 = time.perf_counter()
-            f()
+            f(arg)
             xs.append(time.perf_counter() - t0)
         return statistics.median(xs) * 1000
-    enc_round = t(lambda: w.write(round_msg))
-    enc_grad = t(lambda: w.write(grad_msg))
+    enc_round = t(lambda _: w.write(round_msg))
+    enc_grad = t(lambda _: w.write(grad_msg))
     rc, gc = w.write(round_msg), w.write(grad_msg)
+
+    def received(chunks):   # as the socket leaves them: each chunk in a buffer of its own (not timed)
+        out = []
+        for c in chunks:
+            s = ChunkStream(len(c))
+            s.buffer()[:4] = len(c).to_bytes(4, "little")
+            s.advance(4)
+            s.buffer()[:] = c
+            out.append(s.advance(len(c)))
+        return out
 
     def feed(chunks):
         for c in chunks:
-            list(r.feed(c, now_ms=0.0))
-    dec_round, dec_grad = t(lambda: feed(rc)), t(lambda: feed(gc))
+            list(r.feed(c, now_ms=0.0, owned=True))
+    dec_round = t(feed, lambda: received(rc))
+    dec_grad = t(feed, lambda: received(gc))
     bufs = [params.copy() for _ in range(world)]
-    reduce_ms = t(lambda: np.sum(bufs, axis=0))
+    norm_ms = t(lambda _: l2_norm(bufs[0]))
+    reduce_ms = t(lambda _: weighted_mean(bufs, [1 / world] * world))
     p2 = params.copy()
-    apply_ms = t(lambda: np.subtract(p2, 0.01 * params, out=p2))
+
+    def apply(_):
+        avg = weighted_mean(bufs, [1 / world] * world)
+        all_finite(avg)
+        np.subtract(p2, np.float32(0.01) * avg, out=p2)
+        all_finite(p2)
+    apply_ms = t(apply) - reduce_ms
     # the round's critical path: the leader encodes the round once; a follower decodes it and
-    # encodes its bucket; the leader decodes N-1 buckets, reduces and applies
-    path = enc_round + dec_round + enc_grad + (world - 1) * dec_grad + reduce_ms + apply_ms
+    # encodes its bucket; the leader decodes N-1 buckets, measures N, reduces and applies
+    path = enc_round + dec_round + enc_grad + (world - 1) * dec_grad + world * norm_ms + reduce_ms + apply_ms
     return {"encode_round_ms": enc_round, "encode_bucket_ms": enc_grad, "decode_round_ms": dec_round,
-            "decode_bucket_ms": dec_grad, "reduce_ms": reduce_ms, "apply_ms": apply_ms,
+            "decode_bucket_ms": dec_grad, "norm_ms": norm_ms, "reduce_ms": reduce_ms, "apply_ms": apply_ms,
             "critical_path_cpu_ms": path}
 
 
@@ -432,13 +459,16 @@ def main() -> int:
         for world, o, d in pairs:
             print(f"| {world} | {o['link']} | {o['step_s'] * 1000:.1f} ms | {d['step_s'] * 1000:.1f} ms | "
                   f"{d['step_s'] / o['step_s']:.2f} |")
-    print("\nWhere our round goes (CPU ms in this process, f32; transport = the rest of the round):\n")
-    print("| N | encode round | decode round | encode bucket | decode bucket x (N-1) | reduce | apply | CPU path | round | transport + loop |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\nWhere our round goes on the direct path (CPU ms in this process, f32; norms: the clip rule's, "
+          "of every bucket; apply: the update and the finiteness checks; transport = the rest of the round):\n")
+    print("| N | encode round | decode round | encode bucket | decode bucket x (N-1) | norms x N | reduce | apply | "
+          "CPU path | round | transport + loop |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, b = r["profile"], r["ours_best"]["step_s"] * 1000
         print(f"| {r['world']} | {p['encode_round_ms']:.1f} | {p['decode_round_ms']:.1f} | {p['encode_bucket_ms']:.1f} | "
-              f"{(r['world'] - 1) * p['decode_bucket_ms']:.1f} | {p['reduce_ms']:.1f} | {p['apply_ms']:.1f} | "
+              f"{(r['world'] - 1) * p['decode_bucket_ms']:.1f} | {r['world'] * p['norm_ms']:.1f} | "
+              f"{p['reduce_ms']:.1f} | {p['apply_ms']:.1f} | "
               f"{p['critical_path_cpu_ms']:.1f} | {b:.1f} | {max(0.0, b - p['critical_path_cpu_ms']):.1f} |")
     print(f"\nJSON: {a.json}")
     return 0
