@@ -103,7 +103,10 @@ def test_the_dialler_checks_the_listener_holds_the_key(pair):
         def channel_down(self, ch, why):
             downs.append(why)
 
-        def channel_chunk(self, ch, c):
+        def channel_chunk(self, ch, c, owned=False):
+            downs.append("chunk")
+
+        def channel_progress(self, ch):
             downs.append("chunk")
 
         def channel_low(self, ch):
@@ -117,6 +120,39 @@ def test_the_dialler_checks_the_listener_holds_the_key(pair):
     h.loop.run_until_complete(dial())
     assert "open" not in downs and "chunk" not in downs, downs
     assert hi.connector.drops.get("direct_auth_failed", 0) == n + 1
+
+
+def test_a_long_chunk_arriving_slowly_keeps_its_path_up(pair):
+    """docs/PROTOCOL.md "Direct TCP path", Fallback: the bytes of a chunk still arriving count
+    as the peer's, so a whole-frame chunk on a slow link (seconds for 4 MiB at a few Mbit/s,
+    the peer's beats queued behind it) does not expire its path by the idle bound."""
+    import numpy as np
+
+    from tabcohort.bus import direct
+    from tabcohort.wire import FrameWriter
+
+    h, a, b = pair
+    got: list[dict] = []
+    a.on_message = got.append
+    a.idle_timeout_s = 0.3
+    g = np.arange(200_000, dtype=np.float32)
+    (chunk,) = FrameWriter(b.id, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES).write(
+        {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": g, "to": a.id})
+    data = direct.frame([chunk])
+    transport = b.channel_of[a.id].stream.transport
+
+    async def trickle():
+        parts = 10
+        step = -(-len(data) // parts)
+        for i in range(parts):            # 10 x 0.15 s: five idle bounds without a whole chunk
+            transport.write(data[i * step:(i + 1) * step])
+            await asyncio.sleep(0.15)
+            a.supervise(a.now_ms())
+            assert a.paths()[b.id] == "tcp", (i, a.paths())
+        await asyncio.wait_for(_until(lambda: got), 5)
+    h.loop.run_until_complete(trickle())
+    assert got[0]["t"] == "grad" and np.array_equal(got[0]["g"], g)
+    assert a.paths()[b.id] == "tcp"
 
 
 async def _until(cond) -> None:

@@ -461,6 +461,10 @@ class _TcpStream(asyncio.BufferedProtocol):
             elif st.error is not None and not ch.closed:
                 self.connector.count("direct_bad_chunk")
                 ch.down(f"direct path: {st.error}")
+            elif not ch.closed:
+                # part of a chunk: on a slow link a 4 MiB chunk takes seconds, and the peer's
+                # beats wait behind it; its bytes keep the path's idle bound from expiring
+                ch.listener.channel_progress(ch)
             return
         self.filled += nbytes
         if self.filled < len(self.target):

@@ -42,12 +42,13 @@ ACCEPT_BYTES = 32
 #: an announced address longer than this is refused (``[v6]:port`` fits in 47)
 MAX_ADDR_CHARS = 64
 LEN = struct.Struct("<I")
-#: the chunk size on a direct path: TCP has no message limit, and a frame of up to 16 MiB (a
-#: model of 4M float32 parameters) crosses in one chunk, read into a buffer of its own whose
-#: vectors the wire reader decodes as views (:class:`ChunkStream`): no reassembly copy. With
-#: 1 MiB chunks, ``bench/bench_anchors.py``'s leader at N = 4 spent 1.2 ms of a 14 ms round
-#: copying three 4 MB buckets out of their chunks.
-DIRECT_MAX_MESSAGE_BYTES = 16 << 20
+#: the chunk size on a direct path (docs/PROTOCOL.md "Direct TCP path", Framing): a frame of up
+#: to 4 MiB (a model of 1M float32 parameters) crosses in one chunk, read into a buffer of its
+#: own whose vectors the wire reader decodes as views (:class:`ChunkStream`): no reassembly
+#: copy. With 1 MiB chunks, ``bench/bench_anchors.py``'s leader at N = 4 spent 1.2 ms of a
+#: 14 ms round copying three 4 MB buckets out of their chunks. Not more: a beat queued behind
+#: a chunk waits for all of it (335 ms at 100 Mbit/s for 4 MiB, under one beat interval).
+DIRECT_MAX_MESSAGE_BYTES = 4 << 20
 
 
 def format_addr(host: str, port: int) -> str:

@@ -485,6 +485,11 @@ class MeshBus:
             return
         self._deliver(p, chunk, owned=owned)
 
+    def channel_progress(self, ch: Any) -> None:
+        p = self._peer_of(ch)
+        if p is not None:
+            p.last_rx_ms = self.now_ms()
+
     def channel_conflated(self, ch: Any, sender: Any, frames: int, chunks: int, n_bytes: int) -> None:
         """Superseded rounds the page dropped unread from this channel (PROTOCOL.md, "Follower:
         receiving messages"): received bytes, and ``round_superseded`` per frame."""

@@ -86,6 +86,9 @@ class ChannelListener(Protocol):
         """One chunk off ``ch``. ``owned``: ``chunk`` is writable memory of its own that nothing
         else holds or reuses (a direct path's chunk buffer), so the wire reader may decode its
         vectors as views of it (:meth:`tabcohort.wire.FrameReader.feed`)."""
+    def channel_progress(self, ch: Any) -> None:
+        """Bytes of a chunk not yet whole arrived on ``ch`` (a direct path's long chunk): the
+        peer is alive, as a whole chunk says (the path's idle bound)."""
     def channel_conflated(self, ch: Any, sender: Any, frames: int, chunks: int, n_bytes: int) -> None: ...
     def channel_low(self, ch: Any) -> None: ...
     def channel_down(self, ch: Any, why: str) -> None: ...
@@ -579,6 +582,10 @@ class StarBus:
             self.n_received += 1
             self.downlink_bytes += len(chunk)
             self._arrive(chunk, True)
+
+    def channel_progress(self, ch: Any) -> None:
+        if ch is self.channel and not self.closed:
+            self.path.last_rx_ms = self.now_ms()
 
     def channel_conflated(self, ch: Any, sender: Any, frames: int, chunks: int, n_bytes: int) -> None:
         if ch is self.channel and not self.closed:
