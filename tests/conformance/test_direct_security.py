@@ -155,6 +155,44 @@ def test_a_long_chunk_arriving_slowly_keeps_its_path_up(pair):
     assert a.paths()[b.id] == "tcp"
 
 
+def test_a_member_cannot_speak_for_another_rank_on_its_own_path():
+    """docs/PROTOCOL.md "Direct TCP path": a chunk on a peer's path is that peer's, as the relay
+    binds a chunk's sender to its link. A member that completed the handshake and writes frames
+    naming another rank (a beat "from" a rank saying it stopped, a bucket "from" it, a rank not
+    in the room) gets them dropped and counted (``spoofed_sender``); its own frames still go."""
+    import numpy as np
+
+    from tabcohort.bus import direct
+    from tabcohort.wire import FrameWriter
+
+    from .direct_harness import DirectHarness
+
+    h = DirectHarness("f32")
+    try:
+        a, b, c = h.make(3)
+        got: list[dict] = []
+        a.on_message = got.append
+        forged = FrameWriter(c.id).write({"t": "beat", "batch": 8, "ready": True, "running": False, "step": 7,
+                                          "backend": "x", "term": 9})
+        forged += FrameWriter(c.id, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES).write(
+            {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": np.ones(10, np.float32), "to": a.id})
+        forged += FrameWriter(0xBAD).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 7,
+                                            "backend": "x", "term": 1})
+        own = FrameWriter(b.id).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 3,
+                                       "backend": "x", "term": 1})
+        b.channel_of[a.id].stream.transport.write(direct.frame(forged + own))
+
+        async def wait():
+            await asyncio.wait_for(_until(lambda: got), 5)
+            await asyncio.sleep(0.2)          # (anything forged would have come by now)
+        h.loop.run_until_complete(wait())
+        assert [(m["t"], m["from"]) for m in got] == [("beat", b.id)], got
+        assert a.drops().get("spoofed_sender") == 3, a.drops()
+        assert a.paths()[b.id] == "tcp" and a.paths()[c.id] == "tcp"
+    finally:
+        h.close()
+
+
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.01)

@@ -503,7 +503,7 @@ class _TcpStream(asyncio.BufferedProtocol):
             self._timer.cancel()
         self.open = True
         self.state = "open"
-        self.stream = direct.ChunkStream(direct.DIRECT_MAX_MESSAGE_BYTES + 64)
+        self.stream = direct.ChunkStream(direct.DIRECT_MAX_MESSAGE_BYTES)   # (the chunk header included)
         if not self.up.done():
             self.up.set_result(None)
         self.channel.attach(self)

@@ -39,7 +39,7 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RemoteProtocolError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes, delegated, merge_counts
@@ -477,6 +477,17 @@ class MeshBus:
         if p is None:
             return
         p.last_rx_ms = self.now_ms()
+        try:
+            sender = parse_route(chunk).sender
+        except RemoteProtocolError:
+            sender = p.peer          # (malformed: the wire reader drops and counts it)
+        if sender != p.peer:
+            # docs/PROTOCOL.md "Direct TCP path": a chunk on a peer's own channel is that peer's,
+            # as the relay binds a chunk's sender to its link; one naming another rank (a forged
+            # round "from the leader", a beat "from" a rank that stopped) is dropped
+            p.received_chunk(len(chunk), direct=True, now_ms=self.now_ms())
+            self._count("spoofed_sender")
+            return
         if self.stalled:
             self._held.append((p.peer, chunk))
             if not self.connector.can_pause:   # the page cannot pause the channel: tell the sender
