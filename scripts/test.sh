@@ -27,6 +27,17 @@ if [ ${#tiers[@]} -eq 0 ]; then
 fi
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
+# Ctrl-C (or TERM): each lane runs in a process group of its own, which a terminal's Ctrl-C does
+# not reach, so it is passed on; pytest catches SIGINT and exits normally, so the flag file is what
+# stops every lane and the tiers after them. The summary still prints.
+lane_groups=""
+on_stop() {
+  touch "$results/stop"
+  echo; echo "=== interrupted: no further tier starts"
+  for g in $lane_groups; do kill -INT -- "-$g" 2>/dev/null; done
+}
+trap on_stop INT TERM
+stopped() { [ -e "$results/stop" ]; }
 
 # Network tests run in a private network namespace holding only `lo` when we can make one (root):
 # deterministic, and nothing they send can leave the machine. Otherwise on the host's loopback.
@@ -75,21 +86,25 @@ tier() {
 
 lane() {   # run the named tiers in order, output to a file printed whole when the lane ends
   local log="$results/lane-$1.log"; shift
-  for t in "$@"; do tier "$t"; done > "$log" 2>&1
+  for t in "$@"; do stopped && break; tier "$t"; done > "$log" 2>&1
 }
 
 t_all=$(date +%s)
 if [ $lanes = 1 ]; then
   t0=$(date +%s)
   echo "=== lanes: (unit sim runtime no-numpy) | (pyodide mutations), one per core"
+  set -m   # (job control: each lane a process group of its own, SIGINT not ignored in it)
   lane a unit sim runtime no-numpy & pa=$!
   lane b pyodide mutations & pb=$!
-  wait $pa; cat "$results/lane-a.log"
-  wait $pb; cat "$results/lane-b.log"
+  set +m
+  lane_groups="$pa $pb"
+  # (a trapped signal ends a wait early: wait again while the lane lives)
+  while kill -0 $pa 2>/dev/null; do wait $pa; done; cat "$results/lane-a.log"
+  while kill -0 $pb 2>/dev/null; do wait $pb; done; cat "$results/lane-b.log"
   echo "=== lanes: done in $(( $(date +%s) - t0 )) s"
-  for t in integration pg browser container; do tier "$t"; done
+  for t in integration pg browser container; do stopped && break; tier "$t"; done
 else
-  for t in "${tiers[@]}"; do tier "$t"; done
+  for t in "${tiers[@]}"; do stopped && break; tier "$t"; done
 fi
 
 echo
