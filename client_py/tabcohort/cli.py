@@ -218,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "upload checkpoints); without it it contributes buckets only, unless the server runs "
                         "--any-rank-may-lead (TABCOHORT_TRAINER_TOKEN; serve prints it and writes it to "
                         "CHECKPOINT_DIR/.trainer-token)")
-    r.add_argument("--batch", default=None, help="samples per bucket for this rank (TABCOHORT_BATCH; default: the job's)")
+    r.add_argument("--batch", default=None,
+                   help="this rank's cap: the most samples it computes per round, e.g. for its memory "
+                        "(TABCOHORT_BATCH; default: the room's, normally its global batch; the leader "
+                        "sets the share within it by measured speed)")
     r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc (TABCOHORT_LINK; default: ws)")
     r.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated "
                    "(TABCOHORT_ICE_SERVERS; default none)")

@@ -5,6 +5,7 @@ URL it listens on."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 from typing import Any, Callable
@@ -275,6 +276,9 @@ def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:
         try:
             s.bind(addr)
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:   # the address is not this machine's: the host's fault
+                raise ConfigError("--host", host, f"not an address of this machine, cannot listen on it "
+                                                  f"({exc.strerror})") from None
             raise ConfigError("--port", port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
 
 

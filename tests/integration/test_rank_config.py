@@ -59,6 +59,23 @@ def test_cli_names_a_bad_direct_host_before_connecting():
     assert r.returncode == 2 and "--direct-host='999.1.1.1'" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("kw,named,says", [
+    ({"direct_host": "192.0.2.1"}, "--direct-host", "not an address of this machine"),
+    ({"direct_host": "0.0.0.0"}, "--direct-host", "--direct-announce"),
+    ({"direct": "0", "direct_host": "127.0.0.1"}, "--direct-host", "--no-direct"),
+    ({"direct": "0", "direct_announce": "127.0.0.1:4000"}, "--direct-announce", "--no-direct"),
+])
+def test_a_direct_host_that_cannot_listen_or_cannot_matter_is_named(kw, named, says):
+    # docs/PROTOCOL.md "Direct TCP path": checked by a local bind before any connection; an
+    # address of another machine was accepted and then failed every retry in a warning
+    c = cfg({}, server="http://127.0.0.1:1", room="d", **kw)
+    with pytest.raises(ConfigError) as e:
+        c.validate(resolve=False)
+    assert e.value.variable == named and says in str(e.value), str(e.value)
+    ok = cfg({}, server="http://127.0.0.1:1", room="d", direct_host="0.0.0.0", direct_announce="127.0.0.1:4000")
+    ok.validate(resolve=False)
+
+
 def test_direct_paths_are_on_by_default_and_no_direct_turns_them_off():
     on = cfg({}, server="http://127.0.0.1:1", room="d")
     on.validate(resolve=False)
@@ -108,6 +125,7 @@ def _state(url, room):
 
 @pytest.mark.parametrize("args,named", [
     (["--host", "nohost.invalid"], "--host='nohost.invalid'"),
+    (["--host", "192.0.2.1"], "--host='192.0.2.1'"),        # (an address of no interface here)
     (["--checkpoint-dir", "/proc/no/such/dir"], "--checkpoint-dir="),
     # job and timing values name the flag the user typed, not the room's config field
     (["--steps", "-1"], "--steps=-1"),

@@ -231,10 +231,27 @@ class RankConfig:
                                   "expected an IP address to listen on, e.g. 127.0.0.1 or 192.0.2.7") from None
             if ip.is_multicast:
                 raise ConfigError(self._name("direct_host"), self.direct_host, "a multicast address cannot listen")
+            if ip.is_unspecified and self.direct_announce is None:
+                raise ConfigError(self._name("direct_host"), self.direct_host,
+                                  "listens on every interface but is no address a peer can dial: give this "
+                                  "machine's address, or add --direct-announce IP:PORT")
+            try:   # (a local bind, no traffic: an address of another machine fails here, not in every retry)
+                with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET) as probe:
+                    probe.bind((str(ip), 0))
+            except OSError as e:
+                raise ConfigError(self._name("direct_host"), self.direct_host,
+                                  f"not an address of this machine, cannot listen on it ({e.strerror})") from None
             self.direct_host = str(ip)
         if self.direct_announce is not None and parse_addr(self.direct_announce) is None:
             raise ConfigError(self._name("direct_announce"), self.direct_announce,
                               "expected IP:PORT (an IP literal, a port 1..65535), e.g. 192.0.2.7:40100")
+        if not self.direct:
+            off = self._name("direct")
+            off = "--no-direct" if off == "--direct" else off
+            for key in ("direct_host", "direct_announce"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(self._name(key), getattr(self, key),
+                                      f"has no effect with direct paths off ({off})")
 
     def _validate_discovery(self, *, resolve: bool) -> bool:
         """Check the discovery settings; True if the server is to be discovered."""
@@ -402,11 +419,21 @@ class RankRun(RankSession):
                 raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
             if r.status == 404:
                 return None
+            if r.status == 429:
+                raise TabcohortError(
+                    f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
+                    f"from it (every rank on this host shares the address); try again in "
+                    f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
             if r.status != 200:
                 raise TabcohortError(f"GET {url}: HTTP {r.status}")
             if path == "/checkpoint":
                 return dict(r.headers), await r.read()
             return await r.json()
+
+    def _server_setting(self) -> str:
+        """Where the server URL came from: ``--server``, ``TABCOHORT_SERVER`` or discovery."""
+        src = (self.cfg.sources or {}).get("server")
+        return src or ("found by discovery" if self.cfg.discover else "--server")
 
     async def _first_get(self, http: Any, path: str, *, wait_s: float = 30.0) -> Any:
         """The first request: a server that is still starting (connection refused) is retried
@@ -421,7 +448,9 @@ class RankRun(RankSession):
                 return await self._get(http, path)
             except aiohttp.ClientConnectionError as exc:
                 if loop.time() + delay > deadline:
-                    raise TabcohortError(f"server {self.cfg.base_url} unreachable for {wait_s:g} s: {exc}") from None
+                    why = str(getattr(exc, "os_error", None) or exc).replace(" ssl:default", "")
+                    raise TabcohortError(f"server {self.cfg.base_url} ({self._server_setting()}) unreachable for "
+                                         f"{wait_s:g} s: {why}; is it running, and is the URL right?") from None
                 self.progress(f"waiting for the server at {self.cfg.base_url} ({type(exc).__name__})")
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, 4.0)
@@ -552,6 +581,11 @@ class RankRun(RankSession):
     async def _get_bytes(self, http: Any, path: str) -> bytes:
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
         async with http.get(url, headers=self._headers()) as r:
+            if r.status == 429:
+                raise TabcohortError(
+                    f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
+                    f"from it (every rank on this host shares the address); try again in "
+                    f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
             if r.status != 200:
                 raise TabcohortError(f"GET {url}: HTTP {r.status}")
             return await r.read()
