@@ -13,3 +13,23 @@ def test_a_leader_whose_rounds_cover_less_than_the_global_batch_says_so():
     assert _below_global_batch({**st, "shares": {"0000000a": 32, "0000000b": 32}}) == ""
     assert _below_global_batch({**st, "is_leader": False}) == ""          # only the leader plans
     assert _below_global_batch({**st, "global_batch": None}) == ""
+
+
+def _line(st: dict) -> str:
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    run._print(1.0, {"step": 7, "leader": st.get("leader", 0xA), "cohort": 1, "loss": 0.5, "steps_per_s": 0.0,
+                     "ready": True, "running": True, **st})
+    return out[-1]
+
+
+def test_a_follower_shows_no_accuracy_of_its_own_and_a_leader_without_majority_says_why():
+    # from a new-user trial: a rank that lost the lead kept printing its last lead's accuracy as
+    # if current, and a leader left alone by a server outage printed 0.0 steps/s with no reason
+    assert "acc n/a (evaluated by the leader)" in _line({"is_leader": False, "accuracy": 0.972})
+    assert "acc  97.2%" in _line({"is_leader": True, "accuracy": 0.972})
+    assert "acc  97.2%" in _line({"is_leader": False, "running": False, "accuracy": 0.972})   # its stop line
+    assert "no majority" in _line({"is_leader": True, "majority": False})
+    assert "no majority" not in _line({"is_leader": True, "majority": True})

@@ -132,7 +132,8 @@ def npz(path: str, *, n_classes: int | None = None) -> Source:
         raise bad("loading an .npz dataset needs numpy, which is not importable here "
                   "(pip install numpy; ranks get the data from the server, which loads it)")
     if not os.path.isfile(path):
-        raise bad("no such file")
+        raise bad("no such file (the built-in datasets are 'digits' and 'synthetic'; a file is an .npz "
+                  "with X and y)")
     try:
         archive = np.load(path, allow_pickle=False)
     except Exception as e:  # numpy raises ValueError, OSError, zipfile errors...

@@ -642,6 +642,9 @@ class RankRun(RankSession):
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else "")
                       + _below_global_batch(st)
+                      + ("  (no majority of the room's members in view: no round commits until they are "
+                         "back; docs/PROTOCOL.md \"Membership and majority\")"
+                         if st.get("is_leader") and st.get("majority") is False else "")
                       + ("  (waiting for a rank that may lead: start one with --trainer-token, which "
                          "`tabcohort serve` prints at start, and keeps in CHECKPOINT_DIR/.trainer-token when "
                          "it has a --checkpoint-dir; README \"Roles\")"
@@ -678,8 +681,8 @@ def _below_global_batch(st: dict) -> str:
 def _acc_text(acc: float | None, st: dict) -> str:
     """Held-out accuracy for a progress line; a follower says why it has none (only the leader
     evaluates held-out accuracy: PROTOCOL.md, "State report")."""
-    if acc is not None:
-        return f"{acc * 100:5.1f}%"
+    if acc is not None and (st.get("is_leader") or not st.get("running", True)):
+        return f"{acc * 100:5.1f}%"    # (a running follower's is its last lead's: stale)
     if (st.get("counters") or {}).get("evaluate_out_of_range"):
         # "Worker contract": the job's evaluate() gave a value that is no accuracy
         return "n/a (the job's evaluate() returned a value outside [0, 1]: fix the job)"
