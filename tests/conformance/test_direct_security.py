@@ -126,16 +126,15 @@ def test_a_long_chunk_arriving_slowly_keeps_its_path_up(pair):
     """docs/PROTOCOL.md "Direct TCP path", Fallback: the bytes of a chunk still arriving count
     as the peer's, so a whole-frame chunk on a slow link (seconds for 4 MiB at a few Mbit/s,
     the peer's beats queued behind it) does not expire its path by the idle bound."""
-    import numpy as np
-
     from tabcohort.bus import direct
+    from tabcohort.vec import to_vector
     from tabcohort.wire import FrameWriter
 
     h, a, b = pair
     got: list[dict] = []
     a.on_message = got.append
     a.idle_timeout_s = 0.3
-    g = np.arange(200_000, dtype=np.float32)
+    g = to_vector(range(200_000))      # (an exact float32 each: compared below as a list)
     (chunk,) = FrameWriter(b.id, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES).write(
         {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": g, "to": a.id})
     data = direct.frame([chunk])
@@ -151,7 +150,7 @@ def test_a_long_chunk_arriving_slowly_keeps_its_path_up(pair):
             assert a.paths()[b.id] == "tcp", (i, a.paths())
         await asyncio.wait_for(_until(lambda: got), 5)
     h.loop.run_until_complete(trickle())
-    assert got[0]["t"] == "grad" and np.array_equal(got[0]["g"], g)
+    assert got[0]["t"] == "grad" and list(got[0]["g"]) == list(g)
     assert a.paths()[b.id] == "tcp"
 
 
@@ -160,8 +159,6 @@ def test_a_member_cannot_speak_for_another_rank_on_its_own_path():
     binds a chunk's sender to its link. A member that completed the handshake and writes frames
     naming another rank (a beat "from" a rank saying it stopped, a bucket "from" it, a rank not
     in the room) gets them dropped and counted (``spoofed_sender``); its own frames still go."""
-    import numpy as np
-
     from tabcohort.bus import direct
     from tabcohort.wire import FrameWriter
 
@@ -175,7 +172,7 @@ def test_a_member_cannot_speak_for_another_rank_on_its_own_path():
         forged = FrameWriter(c.id).write({"t": "beat", "batch": 8, "ready": True, "running": False, "step": 7,
                                           "backend": "x", "term": 9})
         forged += FrameWriter(c.id, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES).write(
-            {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": np.ones(10, np.float32), "to": a.id})
+            {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 8, "g": [1.0] * 10, "to": a.id})
         forged += FrameWriter(0xBAD).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 7,
                                             "backend": "x", "term": 1})
         own = FrameWriter(b.id).write({"t": "beat", "batch": 8, "ready": True, "running": True, "step": 3,
