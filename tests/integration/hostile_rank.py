@@ -22,6 +22,11 @@ hostile-rank threat list in docs/PROTOCOL.md, "Roles"):
    at step 10**15 with accuracy 1.0 and term 2**62.
 5. ``checkpoint``: uploads with its own id and secret: ``X-Tabcohort-Final`` with step 2**64+1 and
    NaN data, negative steps, step 10**15 with finite data and the final flag, the wrong length.
+6. ``forge``: join over the direct bus (direct TCP paths to the native ranks, authenticated as a
+   room member) and write, on its own paths, frames whose header names another rank: to every
+   follower a ``round`` "from" the leader with its term, step 2**62 and the parameters halved, and
+   beats "from" the leader saying it stopped (docs/PROTOCOL.md, "Direct TCP path": a path speaks
+   for its peer only).
 
 ``random``: a seeded random combination of the above (``--seed``). Every result (the HTTP status of
 each checkpoint upload, the rounds answered, the id it got) is one JSON object per line in ``--out``.
@@ -43,7 +48,7 @@ from typing import Any
 import numpy as np
 
 ATTACKS = ("poison", "poison_samples", "flip", "steer", "lead_nan", "lead_lr", "lead_beats", "silent", "backlog",
-           "report_step", "checkpoint")
+           "report_step", "checkpoint", "forge")
 LEAD = frozenset(("lead_nan", "lead_lr", "lead_beats"))
 
 
@@ -83,6 +88,8 @@ class Hostile:
                 tasks.append(asyncio.create_task(self._forge_controls()))
             if self.attacks & LEAD:
                 tasks.append(asyncio.create_task(self._lead()))
+            if "forge" in self.attacks:
+                tasks.append(asyncio.create_task(self._forge_frames()))
             try:
                 await asyncio.sleep(self.a.seconds)
             finally:
@@ -94,11 +101,15 @@ class Hostile:
         return 0
 
     async def _connect(self, url: str) -> None:
-        from tabcohort.bus.aio import star_bus
+        from tabcohort.bus.aio import direct_bus, star_bus
 
         tries = 0
         while True:
-            bus = star_bus(url, trainer_token=self.a.trainer_token, precision=self.job["precision"])
+            if "forge" in self.attacks:   # direct TCP paths to the native ranks, as a room member
+                bus = direct_bus(url, direct_host="127.0.0.1", trainer_token=self.a.trainer_token,
+                                 precision=self.job["precision"])
+            else:
+                bus = star_bus(url, trainer_token=self.a.trainer_token, precision=self.job["precision"])
             await bus.connect()
             tries += 1
             # hostile leadership: reconnect until this id is the lowest in the room, at most 40
@@ -187,6 +198,33 @@ class Hostile:
             base = 0 if self.last_round is None else int(self.last_round["step"])
             b.post({"t": "round", "from": b.id, "step": base + step, "term": self.term, "lr": lr, "assign": {},
                     "shares": {}, "cursor": 0, "params": params, "loss": 0.1, "samples": 64, "cohort": 4})
+
+    async def _forge_frames(self) -> None:
+        """On its own direct paths, frames naming the leader as their sender (attack 6)."""
+        from tabcohort.bus import direct
+        from tabcohort.wire import FrameWriter
+
+        b, sent = self.bus, 0
+        while True:
+            await asyncio.sleep(0.25)
+            m = self.last_round
+            if m is None:
+                continue
+            lead = int(m["from"])
+            for k in list(b.paths()):
+                ch = b.channel_of.get(k)
+                if k == lead or ch is None or ch.stream is None or b.paths().get(k) != "tcp":
+                    continue
+                w = FrameWriter(lead, max_message_bytes=direct.DIRECT_MAX_MESSAGE_BYTES)
+                frames = w.write({"t": "round", "step": 2**62, "term": int(m["term"]), "lr": float(m["lr"]),
+                                  "loss": 0.1, "samples": 64, "cohort": 2, "cursor": 0, "assign": {}, "shares": {},
+                                  "params": np.asarray(m["params"], dtype=np.float32) * np.float32(0.5)})
+                frames += w.write({"t": "beat", "batch": 8, "ready": True, "running": False,
+                                   "step": int(m["step"]), "backend": "numpy", "term": int(m["term"])})
+                ch.stream.transport.write(direct.frame(frames))
+                sent += 1
+                if sent % 10 == 1:
+                    self.log(event="forged", n=sent, to=k, as_sender=lead)
 
     async def _forge_controls(self) -> None:
         b = self.bus

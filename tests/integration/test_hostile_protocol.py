@@ -119,3 +119,22 @@ def test_a_contributor_that_pushes_one_way_is_quarantined(cluster, baseline, sca
     if scale == 4:        # (at 20 the clip rule quarantines it within a few buckets)
         assert answered >= 25 and pushed >= 1, (answered, counters)
     check_unharmed(run, baseline)
+
+
+def test_a_member_that_writes_frames_in_the_leaders_name_on_its_direct_paths_changes_nothing(cluster, baseline):
+    """The ``forge`` attacker (a room member without the trainer credential, on the direct bus)
+    writes to every follower, on its own authenticated TCP path, a round "from" the leader at step
+    2**62 with the parameters halved, and beats "from" the leader saying it stopped. A hostile
+    trial's such round froze a follower to the end of the run (every real round after it was
+    out of order). A path speaks for its peer only (docs/PROTOCOL.md, "Direct TCP path"): each
+    forged frame is dropped and counted as ``spoofed_sender``."""
+    def shown(s: dict) -> bool:
+        return bool(s["rank_drops"]["wire"].get("spoofed_sender"))
+    run = train(cluster, cluster.tmp / "ck", attacks="forge", visible=shown, wait_s=120)
+    forged = max([e["n"] for e in run["events"] if e.get("event") == "forged"], default=0)
+    assert forged >= 1, run["events"][-5:]
+    check_unharmed(run, baseline)
+    assert run["seen"]["rank_drops"]["wire"]["spoofed_sender"] >= 1
+    print(f"\nforge: {forged}+ forged batches written; spoofed_sender "
+          f"{run['seen']['rank_drops']['wire']['spoofed_sender']} while attacked; accuracy "
+          f"{baseline['state']['checkpoint']['accuracy']:.4f} clean vs {run['state']['checkpoint']['accuracy']:.4f}")
