@@ -112,19 +112,12 @@ def test_a_frame_carried_whole_on_a_direct_path_decodes_its_vectors_as_views_of_
                  "assign": {5: 0, 6: 8}, "shares": {5: 8, 6: 8}, "cursor": 0, "params": params}):
         chunks = w.write(msg)
         assert len(chunks) == 1
-        s = direct.ChunkStream(direct.DIRECT_MAX_MESSAGE_BYTES + 64)
-        data = direct.frame(chunks)
-        got = []
-        pos = 0
-        while pos < len(data):   # as the socket fills the stream's buffers
-            b = s.buffer()
-            k = min(len(b), len(data) - pos)
-            b[:k] = data[pos:pos + k]
-            pos += k
-            c = s.advance(k)
-            if c is not None:
-                got.append(c)
-        assert len(got) == 1
+        s = direct.ChunkStream(direct.DIRECT_MAX_MESSAGE_BYTES)
+        (c,) = chunks       # as the socket fills the stream's buffers: the length, then the chunk
+        s.buffer()[:4] = direct.LEN.pack(len(c))
+        assert s.advance(4) is None
+        s.buffer()[:] = c
+        got = [s.advance(len(c))]
         key = "g" if msg["t"] == "grad" else "params"
         (out,) = FrameReader(use_numpy=True).feed(got[0], now_ms=0.0, owned=True)
         assert np.array_equal(out[key], msg[key])
