@@ -1382,11 +1382,8 @@ class RankMachine:
             self.counters["late_own_bucket"] += 1
             return
         col = self._collection
-        # as for a peer's bucket (_on_grad): under the clip rule the norm is the finiteness check
-        norm = l2_norm(g) if col is not None and self._measures_norms(col) and len(g) == self.worker.bucket_len \
-            else None
-        if len(g) != self.worker.bucket_len or not (all_finite(g) if norm is None else math.isfinite(norm)) \
-                or not math.isfinite(loss) or samples <= 0:
+        finite, norm = self._finite_and_norm(col, g)
+        if len(g) != self.worker.bucket_len or not finite or not math.isfinite(loss) or samples <= 0:
             self.drops["own_bucket_invalid"] += 1
             if len(g) == self.worker.bucket_len and samples > 0:
                 # "Leader: driving one round", step 5: the job's own loss or gradients are not
@@ -1444,10 +1441,8 @@ class RankMachine:
             return
         g = msg["g"]
         loss = msg["loss"]
-        # the clip rule's norm, measured as the bucket arrives, is finite exactly when every value
-        # is (robust.l2_norm): it is the finiteness check then, not a second pass over the bucket
-        norm = l2_norm(g) if self._measures_norms(col) else None
-        if not (all_finite(g) if norm is None else math.isfinite(norm)) or not math.isfinite(loss):
+        finite, norm = self._finite_and_norm(col, g)
+        if not finite or not math.isfinite(loss):
             self.drops["grad_non_finite"] += 1
             self._rejected(col, sender, now_ms)
             return
@@ -1706,6 +1701,15 @@ class RankMachine:
         # yield between rounds: due now, and the driver yields unclamped before on_timer
         self._phase = Phase.YIELD
         self._phase_deadline_ms = now_ms
+
+    def _finite_and_norm(self, col: _Collection | None, g: Any) -> tuple[bool, float | None]:
+        """Whether bucket ``g``'s values are all finite, and its L2 norm when the round measures
+        it (the clip rule): that norm, measured as the bucket arrives, is finite exactly when
+        every value is (robust.l2_norm), so it is the finiteness check then, not a second pass."""
+        if col is not None and self._measures_norms(col):
+            norm = l2_norm(g)
+            return math.isfinite(norm), norm
+        return all_finite(g), None
 
     def _measures_norms(self, col: _Collection) -> bool:
         """Whether the buckets of ``col`` are measured (their L2 norms) as they are accepted: under

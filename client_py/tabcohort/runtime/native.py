@@ -419,13 +419,7 @@ class RankRun(RankSession):
                 raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
             if r.status == 404:
                 return None
-            if r.status == 429:
-                raise TabcohortError(
-                    f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
-                    f"from it (every rank on this host shares the address); try again in "
-                    f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
-            if r.status != 200:
-                raise TabcohortError(f"GET {url}: HTTP {r.status}")
+            _raise_unless_ok(url, r)
             if path == "/checkpoint":
                 return dict(r.headers), await r.read()
             return await r.json()
@@ -581,13 +575,7 @@ class RankRun(RankSession):
     async def _get_bytes(self, http: Any, path: str) -> bytes:
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
         async with http.get(url, headers=self._headers()) as r:
-            if r.status == 429:
-                raise TabcohortError(
-                    f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
-                    f"from it (every rank on this host shares the address); try again in "
-                    f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
-            if r.status != 200:
-                raise TabcohortError(f"GET {url}: HTTP {r.status}")
+            _raise_unless_ok(url, r)
             return await r.read()
 
     def _make_bus(self, job: dict, url: str) -> Any:
@@ -663,6 +651,18 @@ class RankRun(RankSession):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
         except Exception as e:  # a failed upload must not stop training
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+def _raise_unless_ok(url: str, r: Any) -> None:
+    """A GET's answer other than 200 as a TabcohortError; a 429 says it is the server's lockout
+    after failed token checks (README "Limits") and when to try again."""
+    if r.status == 429:
+        raise TabcohortError(
+            f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
+            f"from it (every rank on this host shares the address); try again in "
+            f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
+    if r.status != 200:
+        raise TabcohortError(f"GET {url}: HTTP {r.status}")
 
 
 def _below_global_batch(st: dict) -> str:
