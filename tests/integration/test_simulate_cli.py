@@ -124,16 +124,12 @@ def test_a_run_that_ends_inside_its_partition_reports_the_leading_side_s_model()
     assert res["accuracy"] >= 0.9, res
 
 
-def test_a_lossy_run_whose_ranks_differ_says_which_missed_the_final_publish():
-    # a new user's `--link-loss 0.05` runs ended "NO" with no word on why: the leader's final
-    # publish is one broadcast, and link loss drops it to a rank now and then
-    for seed in ("2", "0", "1"):
-        r = simulate("--ranks", "4", "--link-loss", "0.05", "--steps", "300", "--seed", seed)
-        if "NO" in r.stdout:
-            assert r.returncode == 1 and "missed the leader's final publish of step 300" in r.stdout, r.stdout[-1500:]
-            return
+def test_a_lossy_run_ends_bit_identical_because_a_missed_final_publish_is_sent_again():
+    # a new user's `--link-loss` runs ended "NO" now and then (3 of 7 seeds at 0.2): the final
+    # publish was one broadcast, and link loss dropped it to a rank (PROTOCOL.md, "Publish")
+    for seed in ("1", "2", "6"):
+        r = simulate("--ranks", "4", "--link-loss", "0.2", "--steps", "300", "--seed", seed)
         assert r.returncode == 0 and "bit-identical parameters on all 4 ranks: yes" in r.stdout, r.stdout[-1500:]
-    # (no seed lost the final publish this time: each ended bit-identical, as checked above)
 
 
 @pytest.mark.parametrize("command,args,env,named", [

@@ -434,6 +434,59 @@ def test_stop_publishes_once_after_busy_loop_drains():
     assert r.posts(t="round") == []
 
 
+def test_a_member_that_missed_the_final_publish_is_sent_it_again_until_it_announces_it():
+    # "Publish": a lossy link loses the one broadcast publish to a member now and then (a
+    # seeded `simulate --link-loss 0.2` ended 3 of 7 runs with ranks on different models)
+    from tabcohort.protocol.machine import REPUBLISH_MAX
+    r = leader_rig()
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    r.m.stop(now_ms=2)
+    pubs = r.posts(t="round")
+    assert len(pubs) == 1 and "to" not in pubs[0]
+    final = (pubs[0]["term"], pubs[0]["step"])
+    # 2 adopted it; 3 lost it and keeps announcing the step before; 4 is heard only at once
+    sent, now = [], 2.0
+    for _ in range(4 * REPUBLISH_MAX):
+        now += 0.5 * T.beat_ms
+        r.m.handle(beat(2, running=False, term=final[0], step=final[1]), now_ms=now)
+        r.m.handle(beat(3, running=False, term=final[0], step=final[1] - 1), now_ms=now)
+        r.m.on_timer(now_ms=now)
+        sent += [(now, p) for p in r.posts(t="round")]
+    assert sent and all(p["to"] == 3 and p["assign"] == {} and (p["term"], p["step"]) == final
+                        and list(p["params"]) == list(pubs[0]["params"]) for _, p in sent)
+    assert len(sent) == REPUBLISH_MAX == r.m.counters["republished"]
+    # never before 3 was heard from a whole beat after the previous send
+    times = [2.0] + [t for t, _ in sent]
+    assert all(b - a >= T.beat_ms for a, b in zip(times, times[1:]))
+    # a member that announces the final step is not sent it; a rank running again stops
+    r2 = leader_rig()
+    r2.m.start(now_ms=0)
+    own = r2.computes(r2.drain())[0]
+    r2.m.bucket_ready(own.token, *r2.w.grads_sync(own.offset), now_ms=1)
+    r2.m.handle(beat(3, running=False, term=final[0], step=final[1] - 1), now_ms=1.5)
+    r2.m.stop(now_ms=2)
+    r2.drain()
+    # 3's last beat predates the publish: it may have adopted it since (not heard from: wait)
+    r2.m.on_timer(now_ms=r2.m.next_deadline_ms())
+    assert r2.posts(t="round") == []
+    heard = 2 + 1.1 * T.beat_ms
+    r2.m.handle(beat(3, running=False, term=final[0], step=final[1] - 1), now_ms=heard)
+    got = []
+    while (d := r2.m.next_deadline_ms()) is not None and d < heard + 2 * T.beat_ms:
+        r2.m.on_timer(now_ms=max(d, heard))
+        got += [p["to"] for p in r2.posts(t="round")]
+    assert got == [3]
+    r2.m.handle(beat(3, running=False, term=final[0], step=final[1]), now_ms=2 + 3 * T.beat_ms)
+    r2.m.on_timer(now_ms=2 + 3 * T.beat_ms)
+    assert r2.posts(t="round") == []
+    r2.m.handle(beat(3, running=False, term=final[0], step=final[1] - 1), now_ms=2 + 5 * T.beat_ms)
+    r2.m.start(now_ms=2 + 5 * T.beat_ms)
+    r2.m.on_timer(now_ms=2 + 7 * T.beat_ms)
+    assert not [p for p in r2.posts(t="round") if p["assign"] == {}]
+
+
 def test_a_stopping_leader_keeps_announcing_running_until_its_final_publish():
     # a browser e2e run ended with two followers at step 62 and the leader at 63: the leader's
     # stop beat (running=False) reached them before its final publish, so each counted itself

@@ -68,6 +68,10 @@ _QUARANTINE_CLIP_RATIO = 10.0
 _QUARANTINE_MS = 60_000.0
 #: the largest step a round may carry (a u64 beyond this is no step any lineage reached)
 _MAX_STEP = 2**63 - 1
+#: "Publish": a member that announces a step below the final publish is sent it again at most
+#: this often (a lossy link loses each send with its loss rate; a member that never catches up,
+#: e.g. one that refuses the round, costs at most this many model sends)
+REPUBLISH_MAX = 8
 
 # Required keys and their types, per message type (see docs/INTERFACES.md).
 _INT = int
@@ -391,6 +395,10 @@ class RankMachine:
         self._own_token: int | None = None
         self._own_bucket: tuple[float, int, Any] | None = None
         self._stopping_publish = False
+        # "Publish": the final (term, step) this rank published and, per member it re-sent the
+        # publish to, (sends so far, when it last sent it)
+        self._final: tuple[int, int, float] | None = None
+        self._republished: dict[int, tuple[int, float]] = {}
 
         # Contribute ("Follower": at most one bucket in flight per rank)
         self._tokens = 0
@@ -515,7 +523,7 @@ class RankMachine:
                 self._stopping_publish = True      # the loop publishes when it drains
             else:
                 self._end_loop()
-                self._publish()
+                self._publish(now_ms)
         self._beat(now_ms)
         self._report(now_ms)
 
@@ -927,6 +935,7 @@ class RankMachine:
         self.policy = policy(len(self.roster.members) + 1, self.timing)
         self._next_beat_ms = now_ms + self.policy.beat_ms
         self._beat(now_ms)
+        self._republish(now_ms)
         if self.running and self.ready and self._phase is None and self._collection is None:
             if self._leading:
                 if self.has_majority(now_ms):         # a lead paused without a majority resumes
@@ -1168,7 +1177,7 @@ class RankMachine:
             self.running = False
             self.joining = False
             self._end_loop()
-            self._publish()
+            self._publish(now_ms)
             self._beat(now_ms)
             self._report(now_ms)
             return
@@ -1177,7 +1186,7 @@ class RankMachine:
             self._end_loop()
             if stopped and self.ready and not self.disposed:
                 self._stopping_publish = False
-                self._publish()
+                self._publish(now_ms)
                 self._beat(now_ms)                 # and now it has stopped (note 10)
             return
         if not self.has_majority(now_ms):
@@ -1841,11 +1850,38 @@ class RankMachine:
         self._phase_deadline_ms = now_ms + self.policy.beat_ms
         self._report(now_ms)
 
-    def _publish(self) -> None:
-        """Send the final parameters with an empty assignment ("Publish")."""
+    def _publish(self, now_ms: float) -> None:
+        """Send the final parameters with an empty assignment ("Publish"), and remember the
+        final (term, step) for the re-publish rule (:meth:`_republish`)."""
         self.counters["published"] += 1
-        self._actions.append(Post({
-            "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
-            "shares": {}, "cursor": self.cursor,
-            "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
-            "cohort": len(self.cohort_ids(self._last_input_ms)), "opt": self._carried_state()}))
+        self._final = (self.term, self.step, now_ms)
+        self._republished = {}
+        self._actions.append(Post(self._publish_msg()))
+
+    def _republish(self, now_ms: float) -> None:
+        """PROTOCOL.md, "Publish": at a heartbeat, send the publish again, addressed, to each
+        live member that still announces a (term, step) below the published one although it
+        was heard from at least a beat after this rank's last send to it; at most
+        :data:`REPUBLISH_MAX` times per member. Ends when this rank runs again or its own
+        (term, step) moved on (it led or adopted a newer round)."""
+        if self._final is None:
+            return
+        term, step, at_ms = self._final
+        if self.running or (self.term, self.step) != (term, step):
+            self._final = None
+            return
+        for m in self.roster.live(now_ms, self.policy.drop_ms):
+            if (m.term, m.step) >= (term, step):
+                continue
+            sent, last_ms = self._republished.get(m.id, (0, at_ms))
+            if sent >= REPUBLISH_MAX or m.seen_ms - last_ms < self.policy.beat_ms:
+                continue
+            self._republished[m.id] = (sent + 1, now_ms)
+            self.counters["republished"] += 1
+            self._actions.append(Post({**self._publish_msg(), "to": m.id}))
+
+    def _publish_msg(self) -> dict:
+        return {"t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
+                "shares": {}, "cursor": self.cursor,
+                "params": self.worker.params(), "loss": self.loss, "samples": self.samples,
+                "cohort": len(self.cohort_ids(self._last_input_ms)), "opt": self._carried_state()}

@@ -386,9 +386,10 @@ class InprocCohort:
         off = sorted(k for k in reach if ds[k] != ds[best.machine.id])
         if off and self._note is None and self.cfg.loss:
             behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
-            self._note = (f"{behind} missed the leader's final publish of step {best.machine.step}: it is one "
-                          f"broadcast, sent once, and --link-loss {self.cfg.loss:g} loses it to each rank with "
-                          f"that chance (the model the run reports is the leader's)")
+            self._note = (f"{behind} missed the leader's final publish of step {best.machine.step}: "
+                          f"--link-loss {self.cfg.loss:g} lost it and each re-send within 10 s (PROTOCOL.md, "
+                          f"\"Publish\": at most 8 per rank, a beat apart); the model the run reports is "
+                          f"the leader's")
         acc: float | None = float(best.worker.evaluate())
         if not 0.0 <= acc <= 1.0:
             acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
