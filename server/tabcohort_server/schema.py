@@ -34,8 +34,11 @@ STR = {"type": "string", "maxLength": 256}
 STR_OR_NULL = {"type": ["string", "null"], "maxLength": 256}
 BOOL = {"type": "boolean"}
 KEY = {"maxLength": 64}
+#: a string holding a line break: JSON Schema's ``pattern`` is a search, and ``$`` also matches
+#: before a final newline, so ``^...$`` alone let ``"server\n"`` pass as an identifier
+_NEWLINE = {"pattern": "\n"}
 #: keys of counters by reason (they become metric labels): short identifiers
-REASON = {"pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+REASON = {"pattern": "^[A-Za-z0-9_.-]{1,64}$", "not": _NEWLINE}
 
 
 def _map(values: dict, keys: dict = KEY) -> dict:
@@ -43,7 +46,7 @@ def _map(values: dict, keys: dict = KEY) -> dict:
 
 
 #: a rank id as 8 lowercase hex digits (how reports key per-rank maps)
-RANK_HEX = {"type": "string", "pattern": "^[0-9a-f]{8}$"}
+RANK_HEX = {"type": "string", "pattern": "^[0-9a-f]{8}$", "maxLength": 8}
 
 
 def _ranks_map(values: dict) -> dict:
@@ -56,7 +59,7 @@ def _links_map(values: dict) -> dict:
     :func:`_map`'s 64: 64 idle sockets from one address (the per-address seat limit) made every
     honest rank's report too long, and the server dropped them all (its view of the room froze)."""
     return {"type": "object", "maxProperties": 4097,
-            "propertyNames": {"pattern": "^([0-9a-f]{8}|server)$"}, "additionalProperties": values}
+            "propertyNames": {"pattern": "^([0-9a-f]{8}|server)$", "not": _NEWLINE}, "additionalProperties": values}
 
 
 #: The state report a rank sends about once a second (``{"type": "report", "state": {...}}``).

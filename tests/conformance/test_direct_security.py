@@ -193,3 +193,41 @@ def test_a_member_cannot_speak_for_another_rank_on_its_own_path():
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+def test_a_dial_given_up_in_its_handshake_closes_its_connection():
+    """PROTOCOL.md "Direct TCP path", Fallback: a listener that takes the connection and never
+    answers. The dialler gives up at its connect bound and closes the socket (it stayed open: one
+    leaked connection per offer, and any member could send offers naming such a port)."""
+    from tabcohort.bus.aio import TcpConnector
+
+    async def main() -> tuple[list[str], bytes | None]:
+        eof: list[bytes] = []
+
+        async def tarpit(r, w):
+            await r.readexactly(60)                 # the dialler's hello, then silence
+            try:
+                eof.append(await asyncio.wait_for(r.read(1), 10.0))
+            except asyncio.TimeoutError:
+                pass
+            w.close()
+        srv = await asyncio.start_server(tarpit, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        conn = TcpConnector(host="127.0.0.1", connect_timeout_s=0.5)
+        downs: list[str] = []
+
+        class L:
+            id = 5
+
+            def channel_down(self, ch, why):
+                downs.append(why)
+
+            def __getattr__(self, name):
+                return lambda *a, **k: downs.append(name)
+        conn.open(9, L(), offer={"kind": "direct", "addr": f"127.0.0.1:{port}", "key": "ab" * 32})
+        await asyncio.wait_for(_until(lambda: eof), 5)
+        await conn.aclose()
+        srv.close()
+        return downs, eof[0]
+    downs, got = asyncio.run(main())
+    assert got == b"" and len(downs) == 1 and "failed" in downs[0], downs

@@ -65,6 +65,10 @@ ATTACKS = [
     ({"type": "report", "state": {"backend": "x" * 300}}, "bad_report.backend"),
     ({"type": "report", "state": {"drops": {"pretender": -1}}}, "bad_report.drops"),
     ({"type": "report", "state": {"drops": {"<script>": 1}}}, "bad_report.drops"),
+    # JSON Schema's pattern is a search and "$" matches before a final newline (a hostile trial)
+    ({"type": "report", "state": {"drops": {"a\n": 1}}}, "bad_report.drops"),
+    ({"type": "report", "state": {"links": {"server\n": "relay"}}}, "bad_report.links"),
+    ({"type": "report", "state": {"shares": {"0000000a\n": 3}}}, "bad_report.shares"),
     ({"type": "report", "state": {"held_ms": {"<b>x</b>": 1.0}}}, "bad_report.held_ms"),
     ({"type": "report", "state": {"held_ms": {"0000000a": "slow"}}}, "bad_report.held_ms"),
     ({"type": "report", "state": {"counters": {f"k{i}": 1 for i in range(100)}}}, "bad_report.counters"),

@@ -110,3 +110,21 @@ def test_a_peers_backlog_claim_alone_never_paces_this_rank():
     p = bus.path(2)
     assert p.remote_backlog == bus.high_water_bytes
     assert p.buffered(bus.channel_buffered(2)) / bus.high_water_bytes <= 1.0   # its part of pressure()
+
+
+def test_offers_are_taken_at_most_once_per_connect_bound():
+    # a hostile trial: a lower-id member sent 200 offers 10 ms apart; each replaced the channel
+    # and opened a connection (PROTOCOL.md "Direct TCP path", Retry)
+    bus, connector, t = _mesh(5, 2)
+    for i in range(200):
+        t[0] = 10.0 * i
+        bus._on_signal({"type": "signal", "from": 2, "kind": "offer", "sdp": "v=0"})
+    assert connector.opened == [2] and bus.drops()["offer_too_soon"] == 199
+    t[0] = 1990.0 + 3000.0                                # past the bound of the one taken at 0
+    bus._on_signal({"type": "signal", "from": 2, "kind": "offer", "sdp": "v=0"})
+    assert connector.opened == [2, 2]
+    # a peer that reconnects to the server gets a fresh try at once
+    bus._on_control({"type": "peer", "id": 2, "up": False})
+    bus._on_control({"type": "peer", "id": 2, "up": True})
+    bus._on_signal({"type": "signal", "from": 2, "kind": "offer", "sdp": "v=0"})
+    assert connector.opened == [2, 2, 2]

@@ -100,6 +100,15 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     assert math.isclose(got[1], (10.0 + 11.0 + 10.0) / 3, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_trimmed_mean_of_three_or_four_buckets_drops_a_poisoned_one(n):
+    # PROTOCOL.md "Untrusted ranks": trimmed from 3 buckets on; floor(0.2 * n) is 0 below 5, and a
+    # 1e30 bucket among 3 honest-looking ones came out as 2.5e29
+    vs = [to_vector([1e30, -1e30])] + [to_vector([1.0 + k, 2.0 - k]) for k in range(n - 1)]
+    got = list(trimmed_mean(vs, [1] * n, trim=0.2))
+    assert all(math.isfinite(x) and abs(x) <= 3.0 for x in got), got
+
+
 def _lead_rounds(bucket_of, rounds: int = 12, roles=None, losses=None, **kw):
     """A clip-rule leader with followers 2 and 3 driven for ``rounds`` rounds; ``bucket_of(k, col,
     g, own_samples)`` is follower k's bucket (a list) for the round, or ``None`` to send nothing.

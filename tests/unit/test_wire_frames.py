@@ -266,3 +266,24 @@ def test_negotiate_max_message_bytes():
     assert negotiate_max_message_bytes(None, 0) == DATA_CHANNEL_MAX_MESSAGE_BYTES
     with pytest.raises(ConfigError):
         negotiate_max_message_bytes(10, None)
+
+
+def test_a_frame_cut_into_one_byte_chunks_is_charged_for_each_part_it_holds():
+    # a hostile trial: 4 never-completed frames of 65,534 one-byte chunks held 160 MB while the
+    # reader charged 256 KiB of its 64 MiB budget; each part is now charged at least
+    # PART_MIN_CHARGE_BYTES (its chunk's header, buffer object and slot)
+    from tabcohort.wire.chunk import CHUNK_HEADER
+    from tabcohort.wire.reader import PART_MIN_CHARGE_BYTES
+
+    budget = 1 << 20
+    r = FrameReader(WireLimits(max_incomplete_bytes_per_sender=budget))
+    count = 65535
+    for fid in range(4):
+        for i in range(4096):
+            r.feed(CHUNK_HEADER.pack(1, 0, 0x1234, 0, fid, i, count, count) + b"x", now_ms=0.0)
+    assert r.held_bytes(0x1234) <= budget
+    assert r.drops.get("reassembly_overflow", 0) >= 4 * 4096 * PART_MIN_CHARGE_BYTES // budget - 4
+    # an honest frame cut at the smallest chunk size still completes, its tail charged as it is
+    w = FrameWriter(3, max_message_bytes=64)
+    (m,) = feed_all(r, w.write(grad_msg([1.0] * 20)))
+    assert list(m["g"]) == [1.0] * 20 and r.held_bytes(3) == 0

@@ -432,8 +432,12 @@ class _TcpStream(asyncio.BufferedProtocol):
         if self.channel is None:   # inbound: the dialler must prove itself within the bound
             self._timer = asyncio.get_running_loop().call_later(c.handshake_timeout_s, self._handshake_late)
         else:
-            self.nonce = os.urandom(direct.NONCE_BYTES)
             ch = self.channel
+            if ch.closed:             # given up while connecting (the connect bound passed)
+                transport.abort()
+                return
+            ch.dialing = self         # closed with the channel, handshake done or not
+            self.nonce = os.urandom(direct.NONCE_BYTES)
             transport.write(direct.dial_hello(ch.key, ch.peer, ch.own_id, self.nonce))
 
     def _handshake_late(self) -> None:
@@ -538,6 +542,8 @@ class TcpChannel:
         self.own_id: int = getattr(listener, "id")
         self.closed = False
         self.stream: _TcpStream | None = None
+        #: this rank's outbound connection from connect to close (``stream`` once handed over)
+        self.dialing: _TcpStream | None = None
         self.paused = False
         self.key: bytes | None = None
         self._low_due = False
@@ -637,6 +643,9 @@ class TcpChannel:
         s = self.stream
         if s is not None:
             s.transport.close()
+        d = self.dialing
+        if d is not None and d is not s and d.transport is not None:
+            d.transport.abort()       # a connection still in its handshake: nothing to flush
 
 
 class TcpConnector:

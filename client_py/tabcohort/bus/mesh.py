@@ -125,6 +125,7 @@ class MeshBus:
         self.path_of: dict[int, Path] = {}
         self.channel_of: dict[int, Channel | None] = {}
         self.fallbacks: list[tuple[int, str]] = []   # (peer, why), for logs and tests
+        self._offer_ms: dict[int, float] = {}        # peer -> when its last offer was taken
         self._drops: dict[str, int] = {}
         # supervise ticks, and those more than 1 s after the previous one (a blocked loop)
         self.n_supervise_ticks = self.n_late_ticks = 0
@@ -363,6 +364,7 @@ class MeshBus:
 
     def _drop_path(self, peer: int, *, declare: bool = True) -> None:
         p = self.path_of.pop(peer, None)
+        self._offer_ms.pop(peer, None)
         if p is not None:
             self._close_channel(peer)
             del self.channel_of[peer]
@@ -602,6 +604,16 @@ class MeshBus:
             if not p.set_remote_backlog(obj.get("bytes"), self.high_water_bytes):
                 self._count("bad_signal")
             return
+        if kind == self.offer_kind and frm < self.id:
+            # PROTOCOL.md "Direct TCP path": an offer replaces the channel it finds, so offers
+            # are taken at most once per connect bound (an honest lower id re-offers only after
+            # a fallback, 10 s or more later); a flood of offers opened a connection each
+            now = self.now_ms()
+            last = self._offer_ms.get(frm)
+            if last is not None and 0 <= now - last < self.connect_timeout_s * 1000.0:
+                self._count("offer_too_soon")
+                return
+            self._offer_ms[frm] = now
         if p.state is PathState.RELAY:
             if kind != self.offer_kind or frm > self.id:
                 return

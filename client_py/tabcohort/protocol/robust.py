@@ -278,13 +278,14 @@ def trimmed_mean(vectors: Sequence[Any], weights: Sequence[float], trim: float =
         vectors: equal-length float32 vectors, shape ``(bucket_len,)``.
         weights: one non-negative weight per vector (samples).
         trim: fraction of the vectors dropped at each end per coordinate, in ``[0, 0.5)``;
-            ``floor(trim * n)`` of them (none when ``n < 3``).
+            ``floor(trim * n)`` of them, at least one from 3 vectors on when ``trim > 0`` (none
+            when ``n < 3``): PROTOCOL.md, "Untrusted ranks" (20 % at each end from 3 buckets).
 
     Returns:
         A float32 vector of shape ``(bucket_len,)``.
     """
     n = len(vectors)
-    cut = int(math.floor(trim * n)) if n >= 3 else 0
+    cut = max(1, int(math.floor(trim * n))) if n >= 3 and trim > 0 else 0
     if np is not None:
         m = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])          # (n, len)
         w = np.asarray(weights, dtype=np.float64)

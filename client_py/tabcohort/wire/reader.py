@@ -23,14 +23,21 @@ from .frame import BODY_ALIGN_PAD, decode_body
 from .vec import resolve_numpy
 
 
+#: what a held part of a partial frame is charged at least, bytes: a part is a view of its chunk
+#: (header, buffer object, the dict slot), so a peer that cut frames into 1-byte chunks made the
+#: reader hold 160 MB while 256 KiB was charged (a hostile trial); honest chunks are far longer
+PART_MIN_CHARGE_BYTES = 512
+
+
 class _Partial:
-    __slots__ = ("route", "first_ms", "parts", "n_bytes")
+    __slots__ = ("route", "first_ms", "parts", "n_bytes", "charged")
 
     def __init__(self, route: Route, now_ms: float) -> None:
         self.route = route
         self.first_ms = now_ms
         self.parts: dict[int, Any] = {}
         self.n_bytes = 0
+        self.charged = 0   # bytes charged to the budgets (PART_MIN_CHARGE_BYTES per part at least)
 
 
 class FrameReader:
@@ -61,12 +68,12 @@ class FrameReader:
 
     def _remove(self, key: tuple[int, int]) -> _Partial:
         p = self._partial.pop(key)
-        self._held_bytes -= p.n_bytes
+        self._held_bytes -= p.charged
         s = key[0]
         left = self._per_sender[s] - 1
         if left:
             self._per_sender[s] = left
-            self._sender_bytes[s] -= p.n_bytes
+            self._sender_bytes[s] -= p.charged
         else:
             del self._per_sender[s]
             del self._sender_bytes[s]
@@ -155,12 +162,15 @@ class FrameReader:
         key = (r.sender, r.frame_id)
         lim = self.limits
         p = self._partial.get(key)
+        # the part that completes its frame leaves at once: charged as it is
+        cost = len(payload) if (0 if p is None else len(p.parts)) + 1 >= r.count else max(len(payload),
+                                                                                      PART_MIN_CHARGE_BYTES)
         if p is None:
             if self._per_sender.get(r.sender, 0) >= lim.max_incomplete_frames_per_sender:
                 oldest = next(k for k in self._partial if k[0] == r.sender)
                 self._remove(oldest)
                 self._drop(L.REASSEMBLY_OVERFLOW)
-            self._make_room(r.sender, key, len(payload))
+            self._make_room(r.sender, key, cost)
             p = self._partial[key] = _Partial(r, now_ms)
             self._per_sender[r.sender] = self._per_sender.get(r.sender, 0) + 1
             self._sender_bytes.setdefault(r.sender, 0)
@@ -173,7 +183,7 @@ class FrameReader:
             if r.index in p.parts:
                 self._drop(L.DUPLICATE_CHUNK)
                 return None
-            if not self._make_room(r.sender, key, len(payload)):
+            if not self._make_room(r.sender, key, cost):
                 return None
         if p.n_bytes + len(payload) > r.frame_len:
             self._remove(key)
@@ -181,8 +191,9 @@ class FrameReader:
             return None
         p.parts[r.index] = payload
         p.n_bytes += len(payload)
-        self._held_bytes += len(payload)
-        self._sender_bytes[r.sender] += len(payload)
+        p.charged += cost
+        self._held_bytes += cost
+        self._sender_bytes[r.sender] += cost
         if len(p.parts) < r.count:
             return None
         self._remove(key)
