@@ -11,6 +11,7 @@ from typing import Any
 from tabcohort.errors import ConfigError
 from tabcohort.protocol.policy import Timing
 from tabcohort.wire.chunk import DATA_CHANNEL_MAX_MESSAGE_BYTES
+from tabcohort.wire.precision import check_precision
 
 TOPOLOGIES = ("star", "mesh")
 LINKS = ("ws",)
@@ -177,8 +178,7 @@ class JobConfig:
             raise bad("lr", f"above the room's lr_max ({v:g}): lower the lr or raise lr_max")
         from tabcohort.protocol.optim import TrainConfig
         TrainConfig.from_job(self)          # ConfigError naming --local-steps etc.
-        from tabcohort.wire import get_codec
-        get_codec(self.precision)
+        check_precision(self.precision)
         if self.token is not None:
             check_token(f"{room}.token", self.token)
         if self.job is not None and (not isinstance(self.job, str) or not self.job.strip()):
@@ -209,14 +209,16 @@ class ServerLimits:
         max_ws_message_bytes: largest WebSocket message (a chunk or a control message).
         max_control_bytes: largest text (control) message.
         queue_high_water_bytes: per-peer relay queue at which the room reports pressure 1.
-        queue_max_bytes: per-peer relay queue bound; a consumer beyond it is dropped.
+        queue_max_bytes: per-peer relay queue bound; when full, the sender holding the most
+            of it loses its newest items there (``fair_share``), never the receiver.
         queue_max_items: per-peer relay queue bound in messages.
         resume_grace_s: a disconnected rank's id stays reserved this long.
         register_timeout_s: a socket must register within this.
         heartbeat_s: WebSocket ping period (aiohttp ``heartbeat``).
         close_timeout_s: bound on a close handshake before the transport is aborted.
         max_checkpoint_bytes: largest checkpoint upload (it must also be exactly the room's
-            parameter count x 4 bytes, checked against Content-Length before reading).
+            parameter count plus its optimizer state length, x 4 bytes, checked against
+            Content-Length before reading).
         max_ranks_per_address: seats (connected plus reserved) per client address per room.
         max_connections_per_address: open TCP connections per client address (any endpoint).
         header_timeout_s: a connection must send a complete request head within this (slowloris).

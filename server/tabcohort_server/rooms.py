@@ -38,7 +38,8 @@ from collections import Counter
 from typing import Any, Callable
 
 from tabcohort.errors import RemoteProtocolError
-from tabcohort.wire import WireLimits, parse_route
+from tabcohort.wire.chunk import parse_route
+from tabcohort.wire.limits import WireLimits
 
 from .config import JobConfig, ServerLimits, same_secret
 from .fairness import SERVER, FairQueue, TokenBucket

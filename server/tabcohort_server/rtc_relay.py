@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 from tabcohort.bus.rtc_util import add_candidate, configuration, set_host_addresses
 from tabcohort.errors import ConfigError, RemoteProtocolError
-from tabcohort.wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, negotiate_max_message_bytes, rechunk
-from tabcohort.wire.chunk import MIN_MESSAGE_BYTES
+from tabcohort.wire.chunk import (DATA_CHANNEL_MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, negotiate_max_message_bytes,
+                                  rechunk)
 
 from .fairness import TokenBucket
 from .rooms import Peer, Room

@@ -90,3 +90,40 @@ def test_a_request_handler_that_runs_model_code_breaks_the_server_contract(tmp_p
     # (the package re-exports the machine: importing it from there is the same breach)
     r = lint_with_breach(tmp_path / "c", "server/tabcohort_server/rooms.py", "from tabcohort.protocol import RankMachine as _m  # noqa")
     assert r.returncode != 0 and "outside its start-up job check BROKEN" in r.stdout, r.stdout
+
+
+def wire_package_imports(source: str) -> list[str]:
+    """Imports of the ``tabcohort.wire`` package itself in ``source`` (not of a submodule)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "tabcohort.wire":
+            found.append(", ".join(a.name for a in node.names))
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "tabcohort.wire"]
+    return found
+
+
+def test_the_server_names_the_wire_submodule_it_uses():
+    # the package re-exports the frame reader and the codecs, and import-linter sees an import
+    # of the package, not of what it re-exports: ``from tabcohort.wire import FrameReader`` in
+    # the server kept "the server never decodes parameters" (a docs review). Server modules
+    # import the routing submodules by name (chunk, limits, precision), which the contract checks.
+    for path in sorted((REPO / "server" / "tabcohort_server").glob("*.py")):
+        assert wire_package_imports(path.read_text()) == [], path.name
+    assert wire_package_imports("from tabcohort.wire import FrameReader\n") == ["FrameReader"]
+    assert wire_package_imports("from tabcohort.wire.chunk import parse_route\n") == []
+
+
+def test_a_server_that_reads_frames_breaks_its_contract(tmp_path):
+    r = lint_with_breach(tmp_path, "server/tabcohort_server/rooms.py",
+                         "from tabcohort.wire.reader import FrameReader as _decodes  # noqa")
+    assert r.returncode != 0 and "the server never decodes parameters BROKEN" in r.stdout, r.stdout
+
+
+def test_precision_names_are_the_codecs():
+    from tabcohort.wire.codecs import CODECS
+    from tabcohort.wire.precision import PRECISIONS
+
+    assert sorted(CODECS) == sorted(PRECISIONS)

@@ -38,6 +38,7 @@ from typing import Any
 
 from .._compat import np
 from ..errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from .precision import check_precision
 from .vec import f32_vector, from_le_bytes_py, le_bytes_py
 
 #: Array flag: a f16/bf16 array travels as f32 because a finite value would overflow.
@@ -330,7 +331,4 @@ def get_codec(name: str) -> Codec:
     Raises:
         ConfigError: ``name`` is not one of ``f32``, ``f16``, ``bf16``, ``int8``.
     """
-    try:
-        return CODECS[name]
-    except (KeyError, TypeError):
-        raise ConfigError("precision", name, f"expected one of {sorted(CODECS)}") from None
+    return CODECS[check_precision(name)]
