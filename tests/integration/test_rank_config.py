@@ -24,6 +24,11 @@ def cfg(env: dict, **args) -> RankConfig:
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "99999999999999"},
      "TABCOHORT_BATCH", "99999999999999"),
     ({"TABCOHORT_SERVER": "127.0.0.1:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "127.0.0.1:8080"),
+    # a path was dropped without a word (every endpoint is at the server's root)
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1/tabcohort", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
+     "http://127.0.0.1:1/tabcohort"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:1/?room=d", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
+     "http://127.0.0.1:1/?room=d"),
     ({"TABCOHORT_SERVER": "http://no-such-host.invalid:8080", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
      "http://no-such-host.invalid:8080"),
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_LINK": "carrier-pigeon"},

@@ -152,6 +152,11 @@ class RankConfig:
             port = u.port or (443 if u.scheme in ("https", "wss") else 80)
         except ValueError:
             raise ConfigError(self._name("server"), self.server, "the port is not a number in 0..65535") from None
+        if u.path.strip("/") or u.query or u.fragment:
+            # (every endpoint is at the server's root, /api/...: a path was silently dropped)
+            raise ConfigError(self._name("server"), self.server,
+                              f"give the server's root URL, without a path or query "
+                              f"(e.g. {u.scheme}://{u.netloc}): ranks reach /api/rooms/... at its root")
         if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
             if not self.room:
                 raise ConfigError("--room", self.room, "a room name is needed: give --room NAME or set "
