@@ -195,7 +195,7 @@ async function main() {
 // RTCPeerConnection and one ordered, reliable, binary data channel per peer. Offers and answers
 // carry complete SDP (we wait for ICE gathering, bounded), so aiortc peers need no trickle.
 // With ?rtc-loopback=1 the page first takes media permission: Chromium offers loopback host
-// candidates only to a page holding it (same-machine testing; DESIGN.md).
+// candidates only to a page holding it (same-machine testing; README, "Tests").
 function makeRtc(post) {
   const pcs = new Map();  // `${link}:${peer}` -> {pc, ch, gen}
   const key = (d) => `${d.link}:${d.peer}`;

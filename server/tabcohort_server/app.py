@@ -24,7 +24,8 @@ as ``?token=`` or ``Authorization: Bearer``):
 - ``GET /api/rooms/{room}/checkpoints/{id}``: one of them (float32 LE; the operator token)
 - ``POST /api/rooms/{room}/stop``: stop the room now (the **operator token** only: the room
   token lets one join, not operate)
-- ``POST /api/rooms/{room}/lr`` (JSON ``{"lr": x}``, ``0 < x <= 1e6``): the room's learning rate
+- ``POST /api/rooms/{room}/lr`` (JSON ``{"lr": x}``, ``0 < x <= min(1e6, lr_max)``, the room's
+  ``lr_max``: serve ``--lr-max``, 10 by default): the room's learning rate
   from now on (the operator token only): an ``lr`` control to every rank; its leader applies it
   and its rounds carry it to the followers
 

@@ -1,5 +1,5 @@
 """A small raw DevTools-protocol client (aiohttp WebSocket), for what Playwright cannot do: hidden
-and frozen tabs (DESIGN.md, "Testing hidden/frozen tabs"). Playwright keeps every page visible and
+and frozen tabs (Chromium's DevTools Page.setWebLifecycleState). Playwright keeps every page visible and
 focused; here Chromium is launched directly with ``--remote-debugging-port=0`` and a page is hidden
 by opening and activating a second tab (``Target.createTarget`` + ``Target.activateTarget``; works
 with ``--headless``) and frozen with ``Page.setWebLifecycleState``.
@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 CHROMIUM = os.environ.get("TABCOHORT_CHROMIUM", "/usr/bin/chromium")
-#: DESIGN.md base flags plus what WebRTC on loopback needs (the same list the Playwright fixture uses).
+#: the base headless flags plus what WebRTC on loopback needs (the same list the Playwright fixture uses).
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--allow-loopback-in-peer-connection",
          "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]

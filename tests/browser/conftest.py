@@ -19,7 +19,7 @@ from tests.integration.conftest import Cluster, wait_for  # noqa: F401  (re-expo
 
 CHROMIUM = os.environ.get("TABCOHORT_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = pathlib.Path(__file__).resolve().parent / "artifacts"
-#: DESIGN.md: base flags, plus what WebRTC on loopback needs (host candidates need media permission),
+#: base headless flags, plus what WebRTC on loopback needs (host candidates need media permission),
 #: plus WebGPU: with --enable-unsafe-webgpu headless Chromium exposes an adapter (SwiftShader, a CPU
 #: implementation, even with --disable-gpu) to pages on http://127.0.0.1 (a secure context).
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

@@ -1,4 +1,4 @@
-"""A hidden tab keeps its seat (DESIGN.md, "Hidden and frozen tabs"): the rank runs in a dedicated
+"""A hidden tab keeps its seat (README, "Tests", the browser tier): the rank runs in a dedicated
 module Web Worker, whose timers Chromium does not throttle when the page is hidden, so its
 heartbeats keep their period and the cohort never drops it. Chromium is driven over raw DevTools
 (tests/browser/cdp.py; Playwright keeps pages visible); the tab is hidden by activating a second

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.browser
 pytest.importorskip("aiortc")
 
 TARGET = 0.90
-#: Chromium offers loopback host candidates only to a page holding media permission (DESIGN.md)
+#: Chromium offers loopback host candidates only to a page holding media permission
 QUERY = "?room=digits&rtc-loopback=1"
 
 

@@ -4,7 +4,7 @@ Each mutation is an exact text replacement in a copy of ``client_py/`` (the work
 touched); the rule's named tests then run against the copy and at least one must fail.
 docs/RULES.md is the table of rules and tests; this file is its executable form.
 
-Usage: python tests/mutations/run.py [-k SUBSTRING] [--list]
+Usage: python tests/mutations/run.py [-k SUBSTRING] [--list] [--markdown]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One or more tests per rule of spec/PROTOCOL.md, stepping the machine with explicit time.
+"""One or more tests per rule of docs/PROTOCOL.md, stepping the machine with explicit time.
 
 docs/RULES.md maps each rule to these tests; tests/mutations/run.py breaks each rule on
 purpose and checks that its test fails.

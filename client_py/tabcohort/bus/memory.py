@@ -1,6 +1,6 @@
 """In-memory bus: ranks in one process exchange encoded chunks, never Python objects.
 
-For tests and simulations (DESIGN.md, "bus/"). Every message is encoded by the sender's
+For tests and simulations (docs/INTERFACES.md, "Bus"). Every message is encoded by the sender's
 :class:`~tabcohort.wire.FrameWriter` and decoded by the receiver's
 :class:`~tabcohort.wire.FrameReader`, so wire precision, chunking and byte counts are real.
 Delivery always goes through the scheduler (``call_later``, zero delay included): a ``post``

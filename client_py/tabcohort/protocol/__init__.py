@@ -1,4 +1,4 @@
-"""The cohort protocol as a sans-I/O state machine (``spec/PROTOCOL.md``)."""
+"""The cohort protocol as a sans-I/O state machine (``docs/PROTOCOL.md``)."""
 
 from .actions import Action, Compute, Post, Report
 from .assign import assignment

@@ -4,7 +4,7 @@ Every input carries ``now_ms`` (keyword-only); outputs are actions drained with
 :meth:`RankMachine.drain` (:class:`~.actions.Post`, :class:`~.actions.Compute`,
 :class:`~.actions.Report`) and the next deadline from :meth:`RankMachine.next_deadline_ms`.
 No asyncio, no clock reads, no transport imports: the driver (``tabcohort.runtime``) or a
-simulation does the waiting. Section names in comments refer to ``spec/PROTOCOL.md``.
+simulation does the waiting. Section names in comments refer to ``docs/PROTOCOL.md``.
 
 Peer input never raises out of the machine: a malformed, foreign, stale or invalid message
 is dropped and counted by reason in ``drops`` (and in the state report). Misuse by the
@@ -58,7 +58,7 @@ MINOR_SHARE_FRACTION = 1 / 8
 #: samples twice: this round's, and its rank's next bucket starts late)
 MINOR_WAIT_FACTOR = 2.0
 #: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
-#: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine
+#: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine (up to 64 x)
 _CLIP_WINDOW = 8
 _CLIP_QUARANTINE = 4
 #: only a bucket clipped by at least this ratio (its norm over its bound) counts toward a
@@ -482,7 +482,8 @@ class RankMachine:
 
     @property
     def at_step_limit(self) -> bool:
-        """True when the job has a step limit and this rank's step reached it (note 13)."""
+        """True when the job has a step limit and this rank's step reached it
+        (docs/PROTOCOL-NOTES.md, note 13)."""
         return self.step_limit is not None and self.step >= self.step_limit
 
     @property
@@ -1752,7 +1753,7 @@ class RankMachine:
         return out
 
     def _quarantine(self, k: int, now_ms: float) -> None:
-        """"Untrusted ranks": no share for _QUARANTINE_MS, doubled at each further quarantine."""
+        """"Untrusted ranks": no share for _QUARANTINE_MS, doubled at each further quarantine up to 64 x."""
         self._quarantines[k] += 1
         self.quarantined[k] = now_ms + _QUARANTINE_MS * 2 ** min(6, self._quarantines[k] - 1)
         self.counters["quarantined"] += 1

@@ -36,7 +36,7 @@ CLIP_FACTOR = 4.0
 CONTRIBUTOR_CLIP_FACTOR = 1.0
 
 #: "Untrusted ranks", a contributor's steady push: weight of the newest bucket in the EWMA of a
-#: contributor's residual (its clipped bucket minus the round's trusted mean)
+#: contributor's residual (its bucket as sent, before clipping, minus the round's trusted mean)
 BIAS_ALPHA = 1.0 / 32
 #: buckets a contributor gives before its residual is judged (the EWMA's warm-up)
 BIAS_MIN_BUCKETS = 32
@@ -58,10 +58,10 @@ BIAS_MIN_DISTINCT_ROWS = 24
 #: a rank that may not lead (a contributor) is given at most this fraction of a round's global
 #: batch, whatever its measured speed (PROTOCOL.md, "Untrusted ranks"). The clip rule bounds a
 #: bucket's length, not its direction; its weight is its samples. One contributor at the bound
-#: pointing anywhere then moves the mean by at most ``f * CLIP_FACTOR`` reference norms against
-#: the honest ``1 - f``: with f = 1/8, 0.5 against 0.875. Without it a contributor that answered
-#: at once was measured the fastest rank, given half of every round, and its reversed steps
-#: took the model to a loss of 1e30 in two seconds.
+#: pointing anywhere then moves the mean by at most ``f * CONTRIBUTOR_CLIP_FACTOR`` reference
+#: norms (times the share factor) against the honest ``1 - f``: with f = 1/8, 0.125 against
+#: 0.875. Without it a contributor that answered at once was measured the fastest rank, given
+#: half of every round, and its reversed steps took the model to a loss of 1e30 in two seconds.
 CONTRIBUTOR_SHARE_FRACTION = 0.125
 
 
@@ -184,12 +184,12 @@ class BiasMonitor:
     The clip rule bounds a bucket's length, not the direction it keeps taking: a contributor
     whose buckets point the same way round after round moves the model by its weight times its
     bound in every round, and honest buckets, mostly noise, do not hold it back. The residual
-    ``r = g_k - m`` of a contributor's (clipped) bucket against the round's trusted mean ``m`` (the
-    buckets of the ranks that may lead, sample-weighted) is zero-mean noise for an honest rank:
-    both estimate the same gradient at the same parameters from the same data. The monitor keeps
-    EWMAs of ``r`` and ``|r|^2`` per contributor; a mean residual long against its own RMS is a
-    push. This is the "learning from history" idea of centered clipping (Karimireddy, He and
-    Jaggi, ICML 2021) turned into a test per rank.
+    ``r = g_k - m`` of a contributor's bucket as sent (before clipping) against the round's
+    trusted mean ``m`` (the buckets of the ranks that may lead, sample-weighted) is zero-mean
+    noise for an honest rank: both estimate the same gradient at the same parameters from the
+    same data. The monitor keeps EWMAs of ``r`` and ``|r|^2`` per contributor; a mean residual
+    long against its own RMS is a push. This is the "learning from history" idea of centered
+    clipping (Karimireddy, He and Jaggi, ICML 2021) turned into a test per rank.
 
     Pure state, float64 vectors (numpy or lists); no clock reads. With numpy, a residual longer
     than ``sketch_dim`` is judged in a count sketch of that many dimensions (Charikar, Chen and

@@ -7,8 +7,10 @@ as ``t(s) = a + b * s`` for a share of ``s`` samples: ``a`` is the rank's fixed 
 (latency, a tab's page-worker hops), ``b`` its time per sample. Both come from an
 exponentially weighted least-squares fit over the rank's recent buckets. The leader then picks
 the shares that make every bucket arrive at the same time ``T`` (``a_k + b_k s_k = T``, the
-shares summing to the global batch), so no rank waits for another; a rank whose fixed cost
-alone exceeds ``T`` gets no share (one sample from it would make it the last bucket).
+shares summing to the global batch), so no rank waits for another; a rank whose one-sample
+bucket (``a_k + b_k``) is predicted later than ``SLOW_MARGIN * T`` (1.05 T), or whose fixed cost
+alone reaches ``T``, gets no share (one sample from it would make it the last bucket), unless the
+other ranks' caps cannot cover the global batch without it.
 
 A round ends with its last bucket, so a rank whose turnaround jitters (a tab's garbage
 collection, a busy relay) delays the round whenever it is late even when it is on time on

@@ -49,7 +49,7 @@ class TabRun(RankSession):
         self.stop_event = asyncio.Event()
         self.t0 = time.monotonic()
         # largest gaps (ms, loop clock) between consecutive heartbeats sent and messages received:
-        # a hidden tab must keep both under policy.drop (DESIGN.md, "Hidden and frozen tabs")
+        # a hidden tab must keep both under policy.drop, or its peers drop it (README, "Performance")
         self.gaps = {"beat_max_ms": 0.0, "recv_max_ms": 0.0, "beats": 0, "report_max_ms": 0.0}
         self._last_report_s: float | None = None
         self._last_beat_ms: float | None = None

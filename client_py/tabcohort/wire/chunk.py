@@ -32,7 +32,7 @@ MAX_CHUNKS = 0xFFFF
 
 #: A peer that advertises no maximum message size gets this (SCTP's conservative default, RFC 8831 section 6.6).
 DEFAULT_MAX_MESSAGE_BYTES = 65_536
-#: What Chromium and aiortc data channels advertise and enforce (DESIGN.md, "Data channels").
+#: What Chromium and aiortc data channels advertise and enforce (256 KiB, their SDP's a=max-message-size).
 DATA_CHANNEL_MAX_MESSAGE_BYTES = 262_144
 MIN_MESSAGE_BYTES = 64
 
