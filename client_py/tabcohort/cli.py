@@ -449,20 +449,13 @@ def _rank(a: argparse.Namespace) -> int:
     if not (a.print_every >= 0):
         raise ConfigError("--print-every", a.print_every, "must be seconds >= 0")
     from .bus.room import CLOSE_BAD_TOKEN, LinkFailed
+    from .runtime.native import TRAINER_TOKEN_REFUSED
     try:
         return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True), print_every_s=a.print_every))
     except LinkFailed as e:   # the room token was checked over HTTP first: this is the trainer credential
         if e.code == CLOSE_BAD_TOKEN and cfg.trainer_token and "trainer" in e.reason:
             raise ConfigError(cfg._name("trainer_token"), "<hidden>", TRAINER_TOKEN_REFUSED) from None
         raise
-
-
-#: what a rank whose trainer token the server refused (close 4001, ``bad_trainer_token``) is told
-TRAINER_TOKEN_REFUSED = (
-    "the server refused the trainer token: give the one `tabcohort serve` printed at start (also in "
-    "the server's CHECKPOINT_DIR/.trainer-token, or its --trainer-token / TABCOHORT_TRAINER_TOKEN), or "
-    "none to join as a rank that only contributes; a server run with --any-rank-may-lead lets any "
-    "rank lead without one")
 
 
 def _evaluate(a: argparse.Namespace) -> int:

@@ -7,7 +7,9 @@ as ``?token=`` or ``Authorization: Bearer``):
   the operator token), ``GET /api/rooms``
 - ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
   only with the operator token)
-- ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len``, ``state_len`` and ``job_hash``
+- ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len``, ``state_len`` and ``job_hash``;
+  with ``X-Tabcohort-Trainer-Token``, a wrong trainer credential is a 403 (a native rank checks it
+  there, before any download)
 - ``GET /api/rooms/{room}/job/code``, ``.../job/data``: the job's code bundle (zip) and
   data (``.npz``), with ``X-Tabcohort-Sha256`` (the built-in job's too: it is a job like any other)
 - ``GET /api/rooms/{room}/history``: the room's curves since it started (``history.RoomHistory``)
@@ -423,8 +425,19 @@ async def room_state(request: web.Request) -> web.Response:
     return _json(_clean(room.summary(time.monotonic(), operator=_is_operator(request))))
 
 
+#: the header a native rank sends its trainer credential in with its first request (``GET .../job``)
+TRAINER_TOKEN_HEADER = "X-Tabcohort-Trainer-Token"
+
+
 async def room_job(request: web.Request) -> web.Response:
+    """The room's job (JSON). With :data:`TRAINER_TOKEN_HEADER`, the trainer credential is
+    checked too: a wrong one is a 403 (``bad trainer token``) before the rank downloads the job's
+    code, data and checkpoint, where it was refused only at its register, after all of them."""
     room = _authorized_room(request)
+    given = request.headers.get(TRAINER_TOKEN_HEADER)
+    if given is not None and not _same(request.app[TRAINER_TOKEN], given):
+        room.drop("bad_trainer_token")
+        raise _refuse_auth(request, "trainer token")
     return web.Response(body=request.app[ASSETS][room.name].job_json, content_type="application/json")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -196,6 +197,11 @@ def test_a_refused_trainer_token_is_a_clear_error_with_the_hint_and_no_unclosed_
         assert "--any-rank-may-lead" in r.stderr and ".trainer-token" in r.stderr, out
         assert "Unclosed" not in out and "Traceback" not in out and wrong not in out, out
     assert cluster.state()["drops"].get("bad_trainer_token") == 2
+    # refused at its first request (GET .../job, 403), before the job's code, data and checkpoint
+    # were downloaded: it used to be refused only at its register, after them (no rank registered)
+    metrics = urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5).read().decode()
+    assert 'tabcohort_server_refused_total{reason="auth_failed"} 2.0' in metrics, metrics[-2000:]
+    assert cluster.state()["ranks"] == []
 
 
 def test_a_bad_trainer_token_is_named_and_never_shown():

@@ -40,6 +40,13 @@ ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHO
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+#: what a rank whose trainer token the server refused (``bad_trainer_token``) is told
+TRAINER_TOKEN_REFUSED = (
+    "the server refused the trainer token: give the one `tabcohort serve` printed at start (also in "
+    "the server's CHECKPOINT_DIR/.trainer-token, or its --trainer-token / TABCOHORT_TRAINER_TOKEN), or "
+    "none to join as a rank that only contributes; a server run with --any-rank-may-lead lets any "
+    "rank lead without one")
+
 @dataclass
 class RankConfig:
     """A native rank's settings. Build with :meth:`from_sources`, then :meth:`validate`."""
@@ -408,8 +415,14 @@ class RankRun(RankSession):
 
     async def _get(self, http: Any, path: str) -> Any:
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
-        async with http.get(url, headers=self._headers()) as r:
+        headers = self._headers()
+        if path == "/job" and self.cfg.trainer_token:
+            # checked first, before any download (the server answers 403 "bad trainer token")
+            headers["X-Tabcohort-Trainer-Token"] = self.cfg.trainer_token
+        async with http.get(url, headers=headers) as r:
             if r.status == 403:
+                if "X-Tabcohort-Trainer-Token" in headers and b"trainer token" in await r.read():
+                    raise ConfigError(self.cfg._name("trainer_token"), "<hidden>", TRAINER_TOKEN_REFUSED)
                 if not self.cfg.token:
                     raise ConfigError(self.cfg._name("token"), "", "this room needs a token "
                                       "(--token or TABCOHORT_TOKEN)")
