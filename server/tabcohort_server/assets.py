@@ -64,11 +64,17 @@ class RoomAssets:
         self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S)
         backends = [resolve_backend("auto")]
         if resolve_backend("auto") != "python":   # the path a tab without numpy takes
-            try:
-                py = loaded.make_worker(batch=batch, seed=job.seed, backend="python")
-            except JobError as e:   # a numpy-only job: said so in job_info.backends
-                py = None
-                log.warning("job %s: no pure-Python path (tabs without numpy cannot run it): %s", ref, e.reason)
+            py = None
+            if loaded.backends is not None and "python" not in loaded.backends:
+                # its BACKENDS leave python out (README "Write your own job"): a numpy-only job
+                # (asking its factory for python anyway was a ConfigError: serve refused it)
+                log.info("job %s: no pure-Python path (its BACKENDS: %s): tabs without numpy cannot run it",
+                         ref, ", ".join(loaded.backends))
+            else:
+                try:
+                    py = loaded.make_worker(batch=batch, seed=job.seed, backend="python")
+                except JobError as e:   # a numpy-only job: said so in job_info.backends
+                    log.warning("job %s: no pure-Python path (tabs without numpy cannot run it): %s", ref, e.reason)
             if py is not None:      # a pure-Python path is checked as strictly as the numpy one
                 probe(loaded, batch=batch, seed=job.seed, worker=py, timeout_s=PROBE_TIMEOUT_S)
                 if py.bucket_len != self.worker.bucket_len:

@@ -205,6 +205,18 @@ def test_autograd_job_trains_natively(cluster):
     assert job["job_info"]["backends"] == ["numpy"], job["job_info"]
 
 
+def test_a_job_whose_backends_leave_python_out_is_served_and_trains(cluster, tmp_path):
+    """README "Write your own job": ``BACKENDS = ("numpy",)`` declares a numpy-only job; serve
+    refused it (a ConfigError naming a --backend nobody gave: the server asked its factory for
+    the python path anyway, as a new user found)."""
+    job = tmp_path / "numpy_only.py"
+    job.write_text(GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nBACKENDS = ("numpy",)'))
+    ck, digests = _train(cluster, str(job), steps=30, lr="0.1", rank_args=[["--trust-job"]])
+    assert ck["step"] == 30 and ck["digest"].startswith(digests[0]), (digests, ck)
+    info = json.loads(_fetch(cluster, "/job"))["job_info"]
+    assert info["backends"] == ["numpy"] and info["accepts"] == ["numpy"], info
+
+
 def test_the_readme_job_trains(cluster, tmp_path):
     """README "Write your own job": its complete job (under 40 lines), copied as a user would,
     is accepted by serve and trained by two native ranks to >= 85 % held-out accuracy."""
