@@ -386,9 +386,10 @@ def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_pat
 
 def _failing_later(how: str) -> str:
     """GOOD, whose grads() goes bad after its 20th call: ``nan`` returns NaN gradients, ``raise``
-    raises (a job bug that a warm-up did not meet)."""
+    raises, ``short`` returns a gradient one value short (a job bug that a warm-up did not meet)."""
     bad = {"nan": '            return LOSS, array("f", [math.nan] * GRAD_LEN)',
-           "raise": '            raise RuntimeError("boom in grads")'}[how]
+           "raise": '            raise RuntimeError("boom in grads")',
+           "short": '            return LOSS, array("f", [0.0] * (GRAD_LEN - 1))'}[how]
     return GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
                         '        self.calls = getattr(self, "calls", 0) + 1\n'
                         '        if self.calls > 20:\n' + bad + '\n'
@@ -425,6 +426,9 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
 @pytest.mark.parametrize("how,expect", [
     ("nan", r"training diverged at step \d+: .*NaN in the job's loss or gradients"),
     ("raise", r"the job's compute failed 3 times in a row: RuntimeError: boom in grads \(at .*raise\.py:\d+ in grads\)"),
+    # (it said "training diverged ... try a smaller --lr", and a real room stalled without a word)
+    ("short", r"the job's compute failed 3 times in a row: JobError: .*grads\(\) returned 9 gradient values, "
+              r"but the worker's bucket_len is 10$"),
 ])
 def test_simulate_ends_a_job_that_goes_bad_with_an_error(tmp_path, how, expect):
     # simulate ran the raising job to --max-seconds and exited 0 with "bit-identical: yes"

@@ -39,12 +39,15 @@ def job_frame(exc: BaseException, job_files: "set[str] | None" = None) -> str | 
     """``file.py:LINE in FUNC`` (the file's base name) of the innermost frame of ``exc``'s
     traceback in ``job_files`` (the job's own files, absolute paths), else outside this package
     and the standard library and site-packages (a job's code), else the innermost frame; None
-    without a traceback."""
+    without a traceback, and for an error this package raised about what the job returned
+    (``JobError``: its message says what is wrong, and a line of tabcohort's own is no help)."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return None
     mine = [f for f in frames if job_files and os.path.abspath(f.filename) in job_files]
     theirs = [f for f in frames if not f.filename.startswith(_NOT_JOB_DIRS)]
+    if not (mine or theirs) and type(exc).__name__ == "JobError":
+        return None
     f = (mine or theirs or frames)[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
