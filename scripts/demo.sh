@@ -116,10 +116,10 @@ for i in $(seq 1 "$RANKS"); do
   pids+=($!)
   rank_pids+=($!)
 done
-shown="$url"
-[ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT (this machine: $url)"
+shown="$url/"
+[ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT/ (this machine: $url/)"
 echo
-echo "  Open $shown/ in a browser to join the cohort from a tab."
+echo "  Open $shown in a browser to join the cohort from a tab."
 echo "  Operator view: $url/operator?room=digits#operator=$op_token"
 echo "  Metrics: $url/metrics   Ctrl-C stops."
 echo

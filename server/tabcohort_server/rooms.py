@@ -872,7 +872,8 @@ class Room:
 
     def summary(self, now: float, *, operator: bool = False) -> dict[str, Any]:
         """The room as JSON-ready data (``GET /api/rooms/{room}``); ``operator`` adds the
-        fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids)."""
+        fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids; and the kept
+        checkpoints, as ``GET .../checkpoints`` lists them for the operator only)."""
         lead = self.leader_report()
         last = lead if lead is not None else self._last_lead
         ranks = []
@@ -899,7 +900,7 @@ class Room:
                 "resumed_from": self.resumed_from,
                 "lead_policy": "any rank may lead" if self.any_rank_may_lead else "trainer credential",
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
-                "checkpoints": [] if self.store is None else self.store.list(),
+                **({"checkpoints": [] if self.store is None else self.store.list()} if operator else {}),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
                              "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},
                 "drops": dict(self.drops), "rank_drops": self.rank_drops(), "ranks": ranks}

@@ -116,6 +116,9 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         trust = " --trust-job (or --job YOUR_COPY)" if job.job else ""
         progress(f"  join: tabcohort rank --server {url} --room {name}"
                  f"{' --token ...' if job.token else ''}{lead}{trust}")
+        # a tab joins from the page; a token room's page needs the token in its link
+        progress(f"  tabs: {url}/?room={name}" + ("&token=... (the room token: give tabs this link with it)"
+                                                   if job.token else ""))
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from

@@ -89,6 +89,10 @@ def test_poisoned_checkpoints_are_refused_and_the_history_keeps_the_good_ones(cl
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(url, timeout=5)
     assert e.value.code == 403
+    import json
+    # ... nor read the same list in the room's state (an open room's is public; it was there)
+    with urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}", timeout=5) as r:
+        assert "checkpoints" not in json.load(r)
     auth = {"Authorization": f"Bearer {cluster.operator_token}"}
     import json
     with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=5) as r:

@@ -181,6 +181,10 @@ def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
         r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", cluster.url, "--room", cluster.room,
                             *extra], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # serve says how a tab joins it (a new user found no word on the page's ?token=, README or serve)
+    said = cluster.server.text()
+    assert f"  tabs: {cluster.url}/?room={cluster.room}&token=... (the room token" in said, said
+    assert "room-token-s3cret-0123" not in said, said
 
 
 def test_a_refused_trainer_token_is_a_clear_error_with_the_hint_and_no_unclosed_session(cluster):
