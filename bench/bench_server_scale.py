@@ -242,7 +242,7 @@ async def orchestrate(a: argparse.Namespace) -> dict:
                                            "--max-connections-per-address", "4096", "--any-rank-may-lead")
             pid = c.server.p.pid
             url = base.replace("http://", "ws://") + f"/api/rooms/{ROOM}/ws"
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(headers=c._auth()) as session:   # (the operator sees every report whole)
                 async def state() -> dict:
                     async with session.get(f"{base}/api/rooms/{ROOM}") as r:
                         return await r.json()

@@ -97,7 +97,9 @@ async function main() {
       return;
     }
     const ranks = r.body && Array.isArray(r.body.ranks) ? r.body.ranks : [];
-    const lead = ranks.find((x) => x && x.connected && x.report && x.report.is_leader);
+    // the report the server trusts (a rank with the role), never any that says it leads
+    const trusted = r.body ? r.body.trusted_id : null;
+    const lead = ranks.find((x) => x && x.connected && x.report && x.id === trusted);
     const sp = lead && lead.report.speeds;
     tc.leaderView.speeds = sp && typeof sp === "object" ? sp : {};
     const qu = lead && lead.report.quarantined;

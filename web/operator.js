@@ -132,7 +132,9 @@ function render(s, q) {
     a.textContent = "Download checkpoint (float32)";
     dd.replaceChildren(`step ${ck.step}, accuracy ${typeof ck.accuracy === "number" ? (ck.accuracy * 100).toFixed(1) + " %" : "–"} `, a);
   }
-  const lead = s.ranks.find((r) => r.report && r.report.is_leader && r.connected);
+  // the report the server trusts (a rank with the role): a contributor that says it leads was
+  // shown as the leader (its loss on the charts, its shares and quarantines in the table)
+  const lead = s.ranks.find((r) => r.report && r.connected && r.id === s.trusted_id);
   if (lead) { lossChart.push(lead.report.step, lead.report.loss); accChart.push(lead.report.step, lead.report.accuracy); }
   // shares and measured samples/s by rank: the leader's report (docs/PROTOCOL.md, "Shares")
   const lr = (lead && lead.report) || {};

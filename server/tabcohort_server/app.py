@@ -44,6 +44,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import secrets
 import time
 import weakref
@@ -396,11 +397,19 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: server-wide series, and each room's series when the room is open or
-    the request carries its token or the operator token."""
+    the request carries its token or the operator token. A token that opens nothing is a failed
+    token check like any other (README "Limits": failed checks per address): which rooms'
+    series came back answered each guess, and /metrics was a token oracle without a limit."""
     given = _request_token(request)
     op = request.app[OPERATOR_TOKEN]
     rooms = request.app[ROOMS]
+    if given is not None:
+        _check_auth_rate(request)
     visible = {n for n, r in rooms.rooms.items() if _token_ok(r, given, op)}
+    if given is not None and not _same(op, given) and not any(
+            r.job.token is not None and _same(r.job.token, given) for r in rooms.rooms.values()):
+        request.app[AUTH].fail(request.remote, time.monotonic())
+        request.app[REFUSED]["auth_failed"] += 1
     reg = CollectorRegistry()
     reg.register(RoomCollector(rooms, visible=visible, refused=request.app[REFUSED]))
     from .cluster_web import CLUSTER
@@ -482,7 +491,12 @@ async def set_room_lr(request: web.Request) -> web.Response:
         return _json({"error": f"the room has stopped ({room.stop_reason}); its learning rate no longer "
                                "applies"}, status=409)
     # (the bytes: a body that is not UTF-8, or names an unknown charset, is a bad body, not a 500)
-    body, _why = parse_json(await request.read())
+    try:
+        raw = await request.read()
+    except (ConnectionError, asyncio.IncompleteReadError):   # the operator's client went away
+        room.drop("bad_lr")
+        return _json({"error": "the connection closed mid-body"}, status=400)
+    body, _why = parse_json(raw)
     extra = sorted(str(k)[:40] for k in body) if isinstance(body, dict) else []
     extra = [k for k in extra if k != "lr"]
     if extra:          # (a typo such as {"lr": 0.1, "momentum": 0.9} must not pass as applied)
@@ -565,6 +579,12 @@ async def get_checkpoint_by_id(request: web.Request) -> web.Response:
     return _checkpoint_response(room, *got)
 
 
+#: a checkpoint body must arrive within this many seconds plus its size at this rate
+CHECKPOINT_BODY_BASE_S = 30.0
+CHECKPOINT_BODY_MIN_BYTES_PER_S = 1 << 20
+_DECIMAL = re.compile(r"[0-9]{1,19}")
+
+
 def _refuse_upload(room: Room, reason: str, exc: type[web.HTTPException], text: str) -> web.HTTPException:
     """Count a refused checkpoint upload (``checkpoint_<reason>`` in the room's drops)."""
     room.drop(f"checkpoint_{reason}")
@@ -583,12 +603,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     room = _authorized_room(request)
     a: RoomAssets = request.app[ASSETS][room.name]
     h = request.headers
-    try:
-        rank = int(h.get("X-Tabcohort-Rank", ""))
-        step = int(h.get("X-Tabcohort-Step", ""))
-    except ValueError:
+    rank_s, step_s = h.get("X-Tabcohort-Rank", ""), h.get("X-Tabcohort-Step", "")
+    if not (_DECIMAL.fullmatch(rank_s) and _DECIMAL.fullmatch(step_s)):
+        # (int() took " 12 ", "1_1", "+13" and other scripts' digits)
         raise _refuse_upload(room, "bad_step", web.HTTPBadRequest,
-                             "X-Tabcohort-Rank and X-Tabcohort-Step must be integers")
+                             "X-Tabcohort-Rank and X-Tabcohort-Step must be decimal integers (ASCII digits)")
+    rank, step = int(rank_s), int(step_s)
     if not 0 <= step < 1 << 63:
         raise _refuse_upload(room, "bad_step", web.HTTPBadRequest,
                              f"X-Tabcohort-Step must be in [0, 2**63), got {step}")
@@ -618,17 +638,31 @@ async def put_checkpoint(request: web.Request) -> web.Response:
             raise web.HTTPRequestEntityTooLarge(limit, request.content_length, text=text)
         raise web.HTTPBadRequest(text=text)
     if a.upload_lock.locked():
-        raise web.HTTPConflict(text="another checkpoint upload of this room is in progress")
+        raise _refuse_upload(room, "busy", web.HTTPConflict, "another checkpoint upload of this room is in progress")
     async with a.upload_lock:
         buf = bytearray()
         sha = hashlib.sha256()
-        async for part in request.content.iter_chunked(1 << 16):   # streamed, capped at the size
-            if len(buf) + len(part) > limit:
-                room.drop("checkpoint_bad_length")
-                raise web.HTTPRequestEntityTooLarge(limit, len(buf) + len(part),
-                                                    text=f"expected {want} bytes (bucket_len + state_len float32)")
-            buf += part
-            sha.update(part)
+        # the body within a bound (a stalled uploader held the room's upload lock, and every
+        # later leader's upload got 409, until the kernel dropped the dead connection)
+        body_s = CHECKPOINT_BODY_BASE_S + want / CHECKPOINT_BODY_MIN_BYTES_PER_S
+        try:
+            async with asyncio.timeout(body_s):
+                async for part in request.content.iter_chunked(1 << 16):   # streamed, capped at the size
+                    if len(buf) + len(part) > limit:
+                        room.drop("checkpoint_bad_length")
+                        raise web.HTTPRequestEntityTooLarge(
+                            limit, len(buf) + len(part), text=f"expected {want} bytes (bucket_len + state_len float32)")
+                    buf += part
+                    sha.update(part)
+        except TimeoutError:
+            raise _refuse_upload(room, "body_timeout", web.HTTPRequestTimeout,
+                                 f"the body did not arrive within {body_s:.0f} s") from None
+        except (ConnectionError, asyncio.IncompleteReadError):
+            # the uploader went away mid-body (a full traceback at ERROR per request before)
+            raise _refuse_upload(room, "body_lost", web.HTTPBadRequest, "the connection closed mid-body") from None
+        except asyncio.CancelledError:
+            room.drop("checkpoint_body_lost")   # (aiohttp cancels the handler of a lost connection)
+            raise
         data = bytes(buf)
         del buf
         if len(data) != want:
@@ -735,7 +769,7 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     resume = reg.get("resume")
     now = time.monotonic()
-    if not request.app[ROOMS].admission.take(1, now):  # the admission rate limit (token bucket)
+    if not request.app[ROOMS].admit(request.remote, now):  # the admission rate limits (token buckets)
         room.drop("register_deferred")
         await ws.close(code=CLOSE_RETRY_LATER, message=b"too many registrations; retry later")
         return ws

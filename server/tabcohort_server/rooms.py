@@ -77,6 +77,12 @@ REPORT_FIELDS = ("id", "leader", "is_leader", "ready", "running", "joining", "st
                  "local_steps", "outer_optimizer")
 #: Report fields shown only to the operator (``/api/rooms/ROOM`` with the operator token).
 OPERATOR_FIELDS = ("pid",)
+#: what a request without the operator token sees of a rank's report other than the trusted
+#: rank's (``Room.summary``): small scalars. Every report whole made one address's 64 seats of
+#: 64 KiB reports a 3.3 MB answer to each page's poll (a hostile trial); the page reads only the
+#: trusted rank's report, the operator view all of them.
+PUBLIC_REPORT_FIELDS = ("step", "is_leader", "ready", "running", "backend", "kind", "model",
+                        "samples_per_s", "steps_per_s")
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
 #: u32 sender, u32 recipient, u32 frame_id, ...).
 _FRAME_ID = struct.Struct("<I")
@@ -872,15 +878,21 @@ class Room:
 
     def summary(self, now: float, *, operator: bool = False) -> dict[str, Any]:
         """The room as JSON-ready data (``GET /api/rooms/{room}``); ``operator`` adds the
-        fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids; and the kept
-        checkpoints, as ``GET .../checkpoints`` lists them for the operator only)."""
-        lead = self.leader_report()
+        fields only the operator sees (``OPERATOR_FIELDS``: the ranks' pids; the kept
+        checkpoints, as ``GET .../checkpoints`` lists them for the operator only; and every
+        rank's whole report, where others see the trusted rank's and ``PUBLIC_REPORT_FIELDS``
+        of the rest)."""
+        trusted = self.trusted_peer()
+        lead = None if trusted is None else trusted.report
         last = lead if lead is not None else self._last_lead
         ranks = []
         for p in sorted(self.peers.values(), key=lambda p: p.id):
             rep = p.report
             if rep is not None and not operator:
-                rep = {k: v for k, v in rep.items() if k not in OPERATOR_FIELDS}
+                if p is trusted:
+                    rep = {k: v for k, v in rep.items() if k not in OPERATOR_FIELDS}
+                else:
+                    rep = {k: rep[k] for k in PUBLIC_REPORT_FIELDS if k in rep}
             ranks.append({"id": p.id, "id_hex": f"{p.id:08x}", "connected": p.connected,
                           "may_lead": p.may_lead, "role": "may lead" if p.may_lead else "contributes",
                           "link": "rtc" if p.rtc is not None and p.rtc.up else "ws",
@@ -891,6 +903,9 @@ class Room:
                 "link": "rtc" if self.job.topology == "mesh" else "ws",
                 "n_connected": len(self.connected), "n_reserved": len(self.peers) - len(self.connected),
                 "step": self.step(), "leader": None if lead is None else lead.get("leader"),
+                # the rank whose report the room trusts (a rank with the role: a page shows the
+                # shares, speeds and curves of this one, never of any rank that says it leads)
+                "trusted_id": None if trusted is None else trusted.id,
                 "loss": None if last is None else _json_num(last.get("loss")),
                 "accuracy": None if last is None else _json_num(last.get("accuracy")),
                 "term": None if last is None else _json_int(last.get("term")),
@@ -922,6 +937,12 @@ def _json_int(v: Any) -> int | None:
     return None if x == -math.inf else int(x)
 
 
+#: one address's admission rate is the server's divided by this (``RoomRegistry.admit``)
+ADDRESS_ADMISSION_SHARE = 5
+#: addresses whose admission bucket is kept at once (idle ones are forgotten first)
+MAX_ADMISSION_ADDRESSES = 65536
+
+
 class RoomRegistry:
     """All rooms of one server, and its admission rate limit for registrations (every room's
     registrations and resumes draw on one bucket: ``ServerLimits.register_rate_per_s`` and
@@ -933,12 +954,38 @@ class RoomRegistry:
         self.rooms = {name: Room(name, job, limits, rng, clock, any_rank_may_lead=any_rank_may_lead)
                       for name, job in jobs.items()}
         self.admission = TokenBucket(limits.register_rate_per_s, limits.register_burst, time.monotonic())
+        #: one address's share of admission: a fifth of the rate and half the burst (one client
+        #: looping register-and-close took the whole server's rate, and other ranks' resumes
+        #: were refused; a lab behind one NAT still gets 50 at once)
+        self._admission_by_address: dict[str, TokenBucket] = {}
+        self._address_rate = limits.register_rate_per_s / ADDRESS_ADMISSION_SHARE
+        self._address_burst = max(1.0, limits.register_burst / 2)
+
+    def admit(self, address: str | None, now: float) -> bool:
+        """Spend one admission (a registration or resume) for ``address``: its own bucket first,
+        then the server's (README "Limits"); False when either is empty (close 4029)."""
+        key = address or ""
+        b = self._admission_by_address.get(key)
+        if b is None:
+            if len(self._admission_by_address) >= MAX_ADMISSION_ADDRESSES:
+                self._prune_admission(now)
+            b = self._admission_by_address[key] = TokenBucket(self._address_rate, self._address_burst, now)
+        if not b.take(1, now):
+            return False
+        return self.admission.take(1, now)
+
+    def _prune_admission(self, now: float) -> None:
+        """Forget addresses whose bucket has refilled (they are as if never seen)."""
+        for k, b in list(self._admission_by_address.items()):
+            if b.tokens + (now - b.at) * b.rate >= b.burst:
+                del self._admission_by_address[k]
 
     def get(self, name: str) -> Room | None:
         return self.rooms.get(name)
 
     def tick(self, now: float) -> None:
         """Periodic work: release expired ids, check duration stop conditions."""
+        self._prune_admission(now)
         for room in self.rooms.values():
             room.expire(now)
             room.check_stalls(now)

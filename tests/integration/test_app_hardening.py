@@ -89,6 +89,18 @@ async def test_failed_token_checks_are_limited_per_address(client):
     assert client.app[REFUSED]["auth_rate_limited"] == 2
 
 
+async def test_metrics_answers_no_token_guess_past_the_failed_check_limit(client):
+    # a hostile trial: /metrics showed a token room's series for the right token and counted no
+    # failure, so it answered 201 guesses from an address the room endpoint had blocked
+    for _ in range(5):
+        r = await client.get("/metrics?token=wrong-guess-000000")
+        assert r.status == 200 and 'room="t"' not in await r.text()
+    assert client.app[REFUSED]["auth_failed"] == 5
+    r = await client.get(f"/metrics?token={TOKEN}")                    # blocked now, the right one too
+    assert r.status == 429
+    assert (await client.get("/metrics")).status == 200                 # no token: no check, served
+
+
 async def test_a_token_rooms_data_stays_behind_its_token(client):
     ws, w = await join(client, "t", token=TOKEN, trainer_token=TRAINER)
     await ws.send_str(json.dumps({"type": "report", "state": {"step": 7, "leader": w["id"], "is_leader": True,
@@ -203,6 +215,59 @@ async def test_checkpoint_upload_is_checked_before_its_body_is_read(client):
     r = await client.put("/api/rooms/r/checkpoint", data=b"\0" * 8, headers={
         "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": "nope"})
     assert r.status == 403
+
+
+async def test_a_stalled_or_lost_checkpoint_body_frees_the_room_for_the_next_upload(client, monkeypatch, caplog):
+    # a hostile trial: headers and 10 bytes, then silence, held the room's upload lock, so every
+    # later upload got 409 (uncounted) until the kernel dropped the dead connection; a body cut
+    # by a closed connection logged a full traceback at ERROR
+    import hashlib
+    from array import array
+
+    from tabcohort_server import app as app_module
+    monkeypatch.setattr(app_module, "CHECKPOINT_BODY_BASE_S", 0.5)
+    ws, w = await join(client, trainer_token=TRAINER)
+    await lead(client, ws, w)
+    a = client.app[ASSETS]["r"]
+    room = client.app[ROOMS].get("r")
+    data = array("f", [0.5] * (a.bucket_len + a.state_len)).tobytes()
+    head = (f"PUT /api/rooms/r/checkpoint HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+            f"X-Tabcohort-Rank: {w['id']}\r\nX-Tabcohort-Step: 1\r\nX-Tabcohort-Secret: {w['secret']}\r\n"
+            f"X-Tabcohort-Digest: {hashlib.sha256(data).hexdigest()}\r\n\r\n").encode()
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(head + data[:10])
+    await writer.drain()
+    r = await client.put("/api/rooms/r/checkpoint", data=data, headers={        # meanwhile: busy
+        "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": w["secret"],
+        "X-Tabcohort-Digest": hashlib.sha256(data).hexdigest()})
+    assert r.status == 409 and room.drops["checkpoint_busy"] == 1
+    status = await asyncio.wait_for(reader.readline(), 10)                # the stalled one times out
+    assert status.startswith(b"HTTP/1.1 408"), status
+    assert room.drops["checkpoint_body_timeout"] == 1
+    writer.close()
+    # a body cut by its connection closing: counted, no traceback
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(head + data[:10])
+    await writer.drain()
+    end = time.monotonic() + 5
+    while not a.upload_lock.locked():                                     # its body is being read
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+    writer.close()
+    while not room.drops.get("checkpoint_body_lost"):
+        assert time.monotonic() < end, room.drops
+        await asyncio.sleep(0.01)
+    r = await client.put("/api/rooms/r/checkpoint", data=data, headers={
+        "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": "1", "X-Tabcohort-Secret": w["secret"],
+        "X-Tabcohort-Digest": hashlib.sha256(data).hexdigest()})
+    assert r.status == 200 and (await r.json())["stored"], await r.text()
+    assert not [x for x in caplog.records if x.levelno >= logging.ERROR], [x.getMessage() for x in caplog.records]
+    # decimal ASCII headers only (int() took "+2", "1_0", other scripts' digits)
+    for bad in ("+2", "1_0", "\u0662", "2.0"):
+        r = await client.put("/api/rooms/r/checkpoint", data=data, headers={
+            "X-Tabcohort-Rank": str(w["id"]), "X-Tabcohort-Step": bad, "X-Tabcohort-Secret": w["secret"],
+            "X-Tabcohort-Digest": hashlib.sha256(data).hexdigest()})
+        assert r.status == 400, bad
 
 
 async def test_a_checkpoint_accuracy_is_the_leaders_header_and_a_bad_one_is_stored_without(client):
@@ -392,6 +457,10 @@ async def _raw_get(client, path: str, auth: bytes) -> bytes:
 async def test_undecodable_or_odd_secrets_are_refused_never_a_500(client, caplog):
     # an Authorization header with bytes that are not UTF-8 was a 500 (UnicodeEncodeError in the
     # token comparison) on 9 of 13 endpoints of a token room, and not counted as a failed check
+    # (first: the failed checks below block this address, the right token too, for a while)
+    # the scheme is case-insensitive (RFC 7235): the operator's lower-case "bearer" works
+    r = await client.get("/metrics", headers={"Authorization": f"bearer {OP}"})
+    assert r.status == 200
     for path in ("/api/rooms/t", "/metrics", "/api/rooms/t/checkpoints", "/api/rooms/r"):
         for auth in (b"Bearer \xff\xfe", b"Bearer \xed\xa0\x80abc"):
             head = (await _raw_get(client, path, auth)).split(b"\r\n", 1)[0]
@@ -406,6 +475,33 @@ async def test_undecodable_or_odd_secrets_are_refused_never_a_500(client, caplog
         assert msg.type == aiohttp.WSMsgType.CLOSE and 4000 <= msg.data < 4100, (reg, msg)
         await ws.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
-    # the scheme is case-insensitive (RFC 7235): the operator's lower-case "bearer" works
-    r = await client.get("/metrics", headers={"Authorization": f"bearer {OP}"})
-    assert r.status == 200
+
+
+async def test_the_room_names_the_rank_it_trusts_not_one_that_says_it_leads(client):
+    # a hostile trial: the page and the operator view took the first report saying is_leader, so
+    # a contributor claiming to lead drove the charts, shares and quarantine columns; they now
+    # show the report of trusted_id, the rank with the role the server trusts
+    lead, w = await join(client, trainer_token=TRAINER)
+    stranger, s = await join(client)
+    await lead.send_str(json.dumps({"type": "report", "state": {"step": 7, "leader": w["id"], "is_leader": True,
+                                                                "loss": 0.5}}))
+    links = {f"{k:08x}": "relay" for k in range(1, 2000)}      # ~40 KB of report, answered to every poll
+    await stranger.send_str(json.dumps({"type": "report", "state": {"step": 9, "leader": s["id"], "is_leader": True,
+                                                                    "loss": 1e-9, "links": links}}))
+    await asyncio.sleep(0)
+    for _ in range(100):
+        st = await (await client.get("/api/rooms/r")).json()
+        if all(r["report"] for r in st["ranks"]):
+            break
+        await asyncio.sleep(0.01)
+    assert st["trusted_id"] == w["id"] and st["loss"] == 0.5, st
+    claimed = [r["id"] for r in st["ranks"] if r["report"] and r["report"].get("is_leader")]
+    assert sorted(claimed) == sorted([w["id"], s["id"]])       # (what the page picked from before)
+    # without the operator token, the other ranks' reports are a few scalars (a hostile trial:
+    # 64 seats of 64 KiB reports made each page's poll a 3.3 MB answer); the operator sees all
+    other = next(r["report"] for r in st["ranks"] if r["id"] == s["id"])
+    assert other == {"step": 9, "is_leader": True}, other
+    full = await (await client.get("/api/rooms/r", headers=bearer(OP))).json()
+    assert len(next(r["report"] for r in full["ranks"] if r["id"] == s["id"])["links"]) == 1999
+    await lead.close()
+    await stranger.close()

@@ -23,6 +23,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args,named", [
     (["--ranks", "0"], "--ranks=0"), (["--lr", "inf"], "--lr=inf"), (["--link-loss", "1.5"], "--link-loss=1.5"),
+    (["--add-rank-at", "1000", "--steps", "100"], "--add-rank-at=1000"),
+    (["--kill-leader-at", "100", "--steps", "100"], "--kill-leader-at=100"),
     (["--kill-leader-at", "-1"], "--kill-leader-at=-1"), (["--precision", "f8"], "precision"),
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
     (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),

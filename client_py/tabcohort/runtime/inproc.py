@@ -112,13 +112,20 @@ class InprocConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
                     math.isinf(v) and hi != math.inf):
-                raise ConfigError(name, v, f"must be a number in [{lo}, {hi}]")
+                # (a loss of 1 delivers nothing: the interval it says is [0, 1))
+                raise ConfigError(name, v, "must be a number in [0, 1)" if name == "loss"
+                                  else f"must be a number in [{lo}, {hi}]")
         if self.target_accuracy and not self.eval_every:
             raise ConfigError("target_accuracy", self.target_accuracy, "needs evaluations: with --eval-every 0 "
                               "the accuracy is never measured and the run would never reach it")
         if self.loss >= 1.0:
             raise ConfigError("loss", self.loss, "must be below 1 (at 1 no message is delivered: each rank "
                               "trains alone and the run ends on as many models as ranks)")
+        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step"):
+            at = getattr(self, name)
+            if at and at >= self.steps:
+                # (the run ends at --steps: the fault never happened, and nothing said so)
+                raise ConfigError(name, at, f"is not before --steps {self.steps}: the run would end first")
         if self.partition_at_step and self.ranks < 2:
             raise ConfigError("partition_at_step", self.partition_at_step,
                               f"needs at least 2 ranks (--ranks {self.ranks}): one rank has no one to be cut off from")
