@@ -558,6 +558,7 @@ def _checkpoint_response(room: Room, meta: dict, data: bytes) -> web.Response:
         "X-Tabcohort-Step": str(meta["step"]), "X-Tabcohort-Digest": meta["digest"],
         "X-Tabcohort-Checkpoint": str(meta.get("id", "")),
         "X-Tabcohort-Term": str(term if isinstance(term, int) and not isinstance(term, bool) and term >= 0 else 0),
+        **({"X-Tabcohort-Cursor": str(meta["cursor"])} if isinstance(meta.get("cursor"), int) else {}),
         "Content-Disposition": f'attachment; filename="{room.name}-step{meta["step"]}.f32"'})
 
 
@@ -698,8 +699,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
             room.drop("bad_accuracy_header")
         rep = peer.report or {}
         term = rep.get("term")
+        cursor = h.get("X-Tabcohort-Cursor", "")
         meta = {"step": step, "digest": digest, "n": a.bucket_len, "job_hash": a.job_hash, "rank": rank,
                 "term": term if isinstance(term, int) and not isinstance(term, bool) else None,
+                # the samples assigned before the step: a resumed cohort goes on from there
+                # (PROTOCOL.md, "Leader: driving one round"); an unreadable one is not stored
+                "cursor": int(cursor) if _DECIMAL.fullmatch(cursor) and int(cursor) < 1 << 63 else None,
                 "loss": loss if math.isfinite(loss) else None, "final": final,
                 "time": time.time(), "accuracy": accuracy,
                 "reported_accuracy": _json_num(rep.get("accuracy"))}

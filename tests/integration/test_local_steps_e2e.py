@@ -119,3 +119,24 @@ def test_a_cohort_resuming_a_checkpoint_resumes_its_momentum(cluster, tmp_path):
         worst_lost = max(worst_lost, abs(a0 - lr * (b1 + mu * b1) - a1))
     print(f"\nresumed at step {meta['step']}: Nesterov residual {worst:.2e} (with the momentum lost: {worst_lost:.2e})")
     assert worst < 1e-5 < worst_lost
+
+
+def test_a_cohort_resuming_a_checkpoint_goes_on_through_the_training_set_where_it_was(cluster, tmp_path):
+    # PROTOCOL.md "Leader: driving one round", step 2: the checkpoint carries the leader's cursor
+    # (a resumed cohort started again at sample 0, and its epoch fell from 19,348 to 0)
+    from tabcohort_server import checkpoint
+
+    ckdir = str(tmp_path / "ck")
+    cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "0.5", "--global-batch", "48")
+    ranks = [cluster.rank() for _ in range(2)]
+    wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["step"] >= 20 and c, 60, "a checkpoint at step >= 20")
+    for p in ranks:
+        p.kill()
+    cluster.server.terminate()
+    meta, _ = checkpoint.load(ckdir, cluster.room)
+    assert meta["cursor"] >= 20 * 48 - 48, meta     # (a newcomer's first rounds may be short of 48)
+    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(meta["step"] + 5), "--global-batch", "48")
+    solo = cluster.rank()
+    assert solo.p.wait(60) == 0, solo.text()
+    meta1, _ = checkpoint.load(ckdir, cluster.room)
+    assert meta1["step"] == meta["step"] + 5 and meta1["cursor"] == meta["cursor"] + 5 * 48, (meta, meta1)

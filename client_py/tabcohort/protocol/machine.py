@@ -221,6 +221,9 @@ class RankMachine:
         opt_state: the leader's optimizer state to start from (a checkpoint's): float32,
             shape (``train.state_len(bucket_len)``,), or None (zeros).
         start_step: the step this rank starts at (the checkpoint it loaded), >= 0.
+        start_cursor: the samples assigned before ``start_step`` (the checkpoint's cursor), >= 0:
+            a resumed cohort goes on through the training set where it was ("Shares", data
+            coverage) and its epoch goes on counting, where both started again from 0.
         term_floor: the term of the checkpoint it loaded (its leader's), >= 0: a term this rank
             starts by bootstrap or takeover is above it (PROTOCOL.md, "Lineage and terms": a
             rank that may lead, joining a room whose leader is gone, must outrank the lineage
@@ -237,7 +240,7 @@ class RankMachine:
                  global_batch: int | None = None, step_limit: int | None = None,
                  may_lead: bool = True, lr_max: float = 10.0, aggregate: str = "clip",
                  train: TrainConfig | None = None, opt_state: Any = None, start_step: int = 0,
-                 term_floor: int = 0) -> None:
+                 term_floor: int = 0, start_cursor: int = 0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -246,6 +249,8 @@ class RankMachine:
             raise LocalProtocolError(f"start_step must be an integer in [0, 2^63), got {start_step!r}")
         if isinstance(term_floor, bool) or not isinstance(term_floor, int) or not 0 <= term_floor <= _MAX_STEP:
             raise LocalProtocolError(f"term_floor must be an integer in [0, 2^63), got {term_floor!r}")
+        if isinstance(start_cursor, bool) or not isinstance(start_cursor, int) or not 0 <= start_cursor <= _MAX_STEP:
+            raise LocalProtocolError(f"start_cursor must be an integer in [0, 2^63), got {start_cursor!r}")
         self.term_floor = term_floor
         if collect_rule not in ("quorum", "grace"):
             raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
@@ -349,7 +354,7 @@ class RankMachine:
         #: per rank, how long the rounds this rank drove waited for that rank's bucket after every
         #: other awaited bucket had arrived, ms in total ("Shares": who holds the rounds)
         self.held_ms: dict[int, float] = {}
-        self.cursor = 0                     # samples assigned before the current step
+        self.cursor = start_cursor          # samples assigned before the current step
         self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
         # the last round this rank drove as a broadcast: when, in which term ("Shares")
         self._broadcast_ms = -math.inf

@@ -107,11 +107,18 @@ def package_version() -> str:
 def checkpoint_term(headers: dict) -> int:
     """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
     or not an integer in [0, 2^63)."""
-    try:
-        t = int(str(headers.get("X-Tabcohort-Term", "")))
-    except ValueError:
-        return 0
-    return t if 0 <= t < 1 << 63 else 0
+    return _u63_header(headers, "X-Tabcohort-Term")
+
+
+def checkpoint_cursor(headers: dict) -> int:
+    """The samples assigned before a checkpoint's step (``X-Tabcohort-Cursor``: PROTOCOL.md,
+    "Leader: driving one round", step 2), 0 when absent or not an integer in [0, 2^63)."""
+    return _u63_header(headers, "X-Tabcohort-Cursor")
+
+
+def _u63_header(headers: dict, name: str) -> int:
+    v = str(headers.get(name, ""))
+    return int(v) if v.isascii() and v.isdigit() and len(v) <= 19 and int(v) < 1 << 63 else 0
 
 
 def load_checkpoint(worker: Any, data: bytes, headers: dict, *, state_len: int = 0) -> tuple[int, Any]:
@@ -162,7 +169,7 @@ def upload_headers(machine: Any, bus: Any, body_digest: str, *, final: bool) -> 
     the run's final one."""
     h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
          "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": body_digest,
-         "X-Tabcohort-Loss": repr(float(machine.loss))}
+         "X-Tabcohort-Cursor": str(int(machine.cursor)), "X-Tabcohort-Loss": repr(float(machine.loss))}
     acc = machine.accuracy
     if isinstance(acc, (int, float)) and math.isfinite(acc):
         h["X-Tabcohort-Accuracy"] = repr(float(acc))
@@ -219,6 +226,8 @@ class RankSession:
         self.start_state: Any = None
         #: the loaded checkpoint's term (its leader's): the floor of any term this rank starts
         self.start_term = 0
+        #: the samples assigned before the start step (the checkpoint's cursor, or the last seat's)
+        self.start_cursor = 0
         self.rejoin = False
         self.n_rejoins = 0
 
@@ -235,7 +244,8 @@ class RankSession:
                               global_batch=job.get("global_batch"), step_limit=step_limit(job),
                               aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
                               may_lead=may_lead, train=TrainConfig.from_job(job), opt_state=self.start_state,
-                              start_step=int(self.start_step or 0), term_floor=int(self.start_term or 0))
+                              start_step=int(self.start_step or 0), term_floor=int(self.start_term or 0),
+                              start_cursor=int(self.start_cursor or 0))
         machine.set_roles(may_lead=may_lead)   # the server names roles: enforced
         for k, may in peer_roles.items():      # the server's word on each peer's role
             machine.peer_role(k, may)
@@ -254,6 +264,7 @@ class RankSession:
         self.rejoin = False
         self.stop_event.clear()
         self.start_step = machine.step
+        self.start_cursor = machine.cursor
         self.start_state = machine.optimizer_state()
         self.start_term = max(self.start_term, machine.term)
         self.n_rejoins += 1

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, LocalProtocolError, TabcohortError
-from .session import RankSession, check_topology, checkpoint_term, checkpoint_upload, load_checkpoint, path_report
+from .session import RankSession, check_topology, checkpoint_cursor, checkpoint_term, checkpoint_upload, load_checkpoint, path_report
 
 
 class JobLoadError(TabcohortError):
@@ -86,7 +86,8 @@ class TabRun(RankSession):
             return json.loads(await r.text())
         buf = await r.arrayBuffer()
         data = buf.to_bytes()
-        return {k: r.headers.get(k) for k in ("X-Tabcohort-Step", "X-Tabcohort-Digest", "X-Tabcohort-Term")}, data
+        return {k: r.headers.get(k) for k in ("X-Tabcohort-Step", "X-Tabcohort-Digest", "X-Tabcohort-Term",
+                                              "X-Tabcohort-Cursor")}, data
 
     # ------------------------------------------------------------------ life
     async def run(self) -> int:
@@ -119,6 +120,7 @@ class TabRun(RankSession):
             self.start_step, self.start_state = load_checkpoint(worker, data, headers,
                                                                 state_len=job.get("state_len", 0))
             self.start_term = checkpoint_term(headers)
+            self.start_cursor = checkpoint_cursor(headers)
             self.progress(f"loaded checkpoint at step {self.start_step}")
 
         hub = self.hub = PortHub(self.port, on_other=self._on_ui).start()
