@@ -95,7 +95,7 @@ def test_good_tiny_job_is_accepted(tmp_path):
     ("bucket_len", GOOD.replace("BUCKET_LEN, GRAD_LEN, LOSS = N, N,", "BUCKET_LEN, GRAD_LEN, LOSS = N + 3, N,"),
      r"bucket_len 13 disagrees with params\(\), which has 10 values"),
     ("grad_length", GOOD.replace("BUCKET_LEN, GRAD_LEN, LOSS = N, N,", "BUCKET_LEN, GRAD_LEN, LOSS = N, N - 1,"),
-     r"grads\(0\) on a probe batch returned 9 values, bucket_len is 10"),
+     r"grads\(\) returned 9 gradient values, but the worker's bucket_len is 10"),
     ("non_finite", GOOD.replace("LOSS = N, N, 0.7", "LOSS = N, N, float('nan')"),
      r"grads\(0\) on a probe batch is not finite"),
     ("data_hash", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nDATA_SHA256 = "00" * 32'),
@@ -114,6 +114,10 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"grads\(\) must return a number as its loss, got str '0\.7'"),
     ("missing_method", GOOD.replace("    def grads(self, offset, samples):", "    def grads_renamed(self, offset, samples):"),
      r"the worker make_worker\(\) returned has no 'grads'"),
+    # (it pointed at the line of tabcohort's own that called the factory)
+    ("options_without_keyword", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"k": 1}')
+                                    .replace("def load_data():", "def load_data(options):"),
+     r"unexpected keyword argument 'options' \(.*badjob\.py:\d+ \(where make_worker is defined\)\)"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)

@@ -146,7 +146,7 @@ class LoadedJob:
             raise
         except Exception as e:
             raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
-                           f"({_where(e, files)})", self.source.ref) from None
+                           f"({_where(e, files, self.factory)})", self.source.ref) from None
 
     def make_worker(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
         """The job's worker, wrapped in :class:`JobWorker`.
@@ -312,7 +312,7 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
     except ConfigError:   # the job names the setting itself (the built-in job: its dataset)
         raise
     except Exception as e:
-        raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files)})", src.ref) from None
+        raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files, fn)})", src.ref) from None
     if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):
         raise JobError("load_data() must return a dict of identifier -> array", src.ref)
     try:

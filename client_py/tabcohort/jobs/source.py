@@ -31,12 +31,17 @@ class JobError(ConfigError):
         super().__init__(variable, value, reason)
 
 
-def _where(exc: BaseException, files: set[str]) -> str:
-    """``file:line`` of the innermost frame of ``exc`` inside the job's files."""
+def _where(exc: BaseException, files: set[str], called: Any = None) -> str:
+    """``file:line`` of the innermost frame of ``exc`` inside the job's files; when none is (the
+    call itself failed, e.g. a factory without the ``options`` keyword), where ``called`` (the
+    job's function) is defined, not the line of tabcohort's that called it."""
     tb = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(tb):
         if os.path.abspath(fr.filename) in files:
             return f"{fr.filename}:{fr.lineno}"
+    code = getattr(called, "__code__", None)
+    if code is not None and os.path.abspath(code.co_filename) in files:
+        return f"{code.co_filename}:{code.co_firstlineno} (where {getattr(called, '__name__', '?')} is defined)"
     return tb[-1].filename + f":{tb[-1].lineno}" if tb else "?"
 
 
