@@ -501,6 +501,10 @@ def _evaluate(a: argparse.Namespace) -> int:
     except ConfigError as exc:
         if a.dataset is not None and exc.variable in ("dataset", "dataset_path"):
             raise ConfigError("--dataset", a.dataset, exc.reason) from None   # (the file the user gave)
+        if exc.variable in ("dataset", "dataset_path") and "no such file" in exc.reason:
+            # the model's own path to its data (relative to where serve ran): say how to give it
+            raise ConfigError(exc.variable, exc.value, f"{exc.reason}; give the data file's path with "
+                              "--dataset PATH") from None
         raise
     worker = loaded.make_worker(batch=batch, seed=int(job.get("seed", 0)), backend=a.backend)
     from .protocol.optim import TrainConfig

@@ -476,3 +476,7 @@ def test_evaluate_names_the_dataset_it_was_given(cluster, tmp_path):
     bad = evaluate("--dataset", str(other))
     assert bad.returncode == 2 and "--dataset=" in bad.stderr and "not the data" in bad.stderr, bad.stderr
     assert "--job" not in bad.stderr
+    # the model's own path to its data gone (evaluated elsewhere): the error says how to give it
+    data.rename(tmp_path / "moved.npz")
+    gone = evaluate()
+    assert gone.returncode == 2 and "give the data file's path with --dataset PATH" in gone.stderr, gone.stderr
