@@ -684,6 +684,7 @@ async def put_checkpoint(request: web.Request) -> web.Response:
                 if final and not newest.get("final"):  # the same model, now the run's final one
                     m = await loop.run_in_executor(None, room.store.mark_final, newest["id"])
                     room.checkpoint = m
+                    room.stored_final(m)
                 return _json({"stored": False, "reason": "already stored", "id": newest["id"],
                               "step": step})
             raise _refuse_upload(room, "stale", web.HTTPConflict,
@@ -710,6 +711,8 @@ async def put_checkpoint(request: web.Request) -> web.Response:
                 "reported_accuracy": _json_num(rep.get("accuracy"))}
         meta = await loop.run_in_executor(None, room.store.add, meta, data)
     room.checkpoint, a.checkpoint_data = meta, data
+    if final:
+        room.stored_final(meta)
     return _json({"stored": True, "id": meta["id"], "step": step, "accuracy": meta["accuracy"]})
 
 

@@ -200,6 +200,10 @@ class Room:
         self.stop_reason: str | None = None
         #: called with the room once it stops (``tabcohort serve`` prints a line)
         self.on_stop: list[Callable[[Room], None]] = []
+        #: called with the room and the checkpoint's metadata when a final checkpoint is stored
+        #: (``tabcohort serve`` prints it: the stop line said one would follow)
+        self.on_final_checkpoint: list[Callable[[Room, dict], None]] = []
+        self.final_checkpoint_said = False
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
@@ -766,6 +770,11 @@ class Room:
         """The room's trusted step: the current leader's last plausible step (never the highest
         any rank claimed); while there is no leader, the last such step."""
         return self._trusted_step
+
+    def stored_final(self, meta: dict) -> None:
+        """A final checkpoint was stored: tell :attr:`on_final_checkpoint`."""
+        for f in list(self.on_final_checkpoint):
+            f(self, meta)
 
     def check_stop(self, now: float) -> bool:
         """Stop the room when its stop condition is met: tell every rank (``stop`` control)."""

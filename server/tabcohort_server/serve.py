@@ -139,6 +139,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         progress(f"  operate: {url}/operator?room={name}#operator=" + app[OPERATOR_TOKEN])
         if room is not None and not room.stopped:
             room.on_stop.append(lambda r: _say_stopped(r, progress))
+        if room is not None:
+            room.on_final_checkpoint.append(lambda r, m: _say_final_checkpoint(r, m, progress))
     if config.any_rank_may_lead:
         progress("roles: any rank may lead (--any-rank-may-lead: for trusted groups only)")
     else:
@@ -196,6 +198,19 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
 
 
+def _say_final_checkpoint(room: Any, meta: dict, progress: Callable[[str], None]) -> None:
+    """One line when a room's final checkpoint is stored (the stop line said one would follow;
+    it was said only on Ctrl-C, not after an operator's stop or a stop condition)."""
+    if room.final_checkpoint_said:
+        return
+    room.final_checkpoint_said = True
+    line = f"tabcohort serve: room {room.name}: final checkpoint at step {meta.get('step')}"
+    try:
+        progress(line)
+    except Exception:
+        logging.getLogger("tabcohort.server").warning("%s", line)
+
+
 def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
     """One line when a room stops while the server runs: at its ``--steps`` limit (with the
     final step), or for another reason (target accuracy, duration, diverged, the operator)."""
@@ -246,7 +261,7 @@ async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], N
         await asyncio.sleep(0.05)
     for r in rooms:
         ck = r.checkpoint
-        if ck is not None:
+        if ck is not None and not (ck.get("final") and r.final_checkpoint_said):
             progress(f"tabcohort serve: room {r.name}: {'final' if ck.get('final') else 'last'} checkpoint "
                      f"at step {ck.get('step')}")
     return True

@@ -50,6 +50,10 @@ def test_serve_steps_is_an_exact_limit_and_the_final_checkpoint_is_at_it(cluster
     said = "tabcohort serve: room digits reached its step limit (--steps 30) at step 30"
     wait_for(lambda: said in cluster.server.text(), 10, "the server's step-limit line")
     assert cluster.server.text().count("reached its step limit") == 1, cluster.server.text()
+    # ... and the final checkpoint when it is stored (it said so only on Ctrl-C), once
+    wait_for(lambda: "room digits: final checkpoint at step 30" in cluster.server.text(), 10,
+             "the server's final-checkpoint line")
+    assert cluster.server.text().count("final checkpoint at step") == 1, cluster.server.text()
 
 
 def _free_port() -> int:
