@@ -52,6 +52,7 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         res = json.loads(r.stdout)
         assert res["bit_identical"] is True and res["steps"] >= 40
         assert "step" in r.stderr                      # progress went to stderr
+        assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
 
 
 def test_diverging_run_stops_with_a_clear_error():

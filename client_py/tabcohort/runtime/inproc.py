@@ -367,6 +367,10 @@ class InprocCohort:
 
     async def _finish(self, seconds: float, samples: int, leaders: list[int], *,
                       partitioned: bool = False) -> InprocResult:
+        if not leaders:
+            # a run shorter than one poll ended before a leader was seen driving: the rank that
+            # published the final parameters led it (`--steps 5` said "leaders []")
+            leaders = [d.machine.id for d in self.drivers.values() if d.machine.counters.get("published")][:1]
         ld = self.leader() or (self.drivers.get(leaders[-1]) if leaders else None)
         st = ld.state() if ld is not None else {}       # the last leader's shares and speeds
         # A run that ends inside its partition is checked inside it: healing here let the final
