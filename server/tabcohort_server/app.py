@@ -5,8 +5,10 @@ as ``?token=`` or ``Authorization: Bearer``):
 
 - ``GET /healthz``, ``GET /metrics`` (Prometheus; a token room's series only with its token or
   the operator token), ``GET /api/rooms``
-- ``GET /api/rooms/{room}``: the room and its ranks' last state reports (JSON; the ranks' pids
-  only with the operator token)
+- ``GET /api/rooms/{room}``: the room, ``trusted_id`` (the rank whose reports it trusts) and its
+  ranks' last state reports (JSON); with the operator token every report whole, the ranks' pids
+  and the kept checkpoints; without it the trusted rank's report and a few scalars of the others'
+  (``rooms.PUBLIC_REPORT_FIELDS``)
 - ``GET /api/rooms/{room}/job``: the job (JSON), with ``bucket_len``, ``state_len`` and ``job_hash``;
   with ``X-Tabcohort-Trainer-Token``, a wrong trainer credential is a 403 (a native rank checks it
   there, before any download)
@@ -444,6 +446,8 @@ async def room_job(request: web.Request) -> web.Response:
     code, data and checkpoint, where it was refused only at its register, after all of them."""
     room = _authorized_room(request)
     given = request.headers.get(TRAINER_TOKEN_HEADER)
+    if given is not None:
+        _check_auth_rate(request)    # (an open room checks no room token: this is a token check)
     if given is not None and not _same(request.app[TRAINER_TOKEN], given):
         room.drop("bad_trainer_token")
         raise _refuse_auth(request, "trainer token")
@@ -580,9 +584,10 @@ async def get_checkpoint_by_id(request: web.Request) -> web.Response:
     return _checkpoint_response(room, *got)
 
 
-#: a checkpoint body must arrive within this many seconds plus its size at this rate
-CHECKPOINT_BODY_BASE_S = 30.0
-CHECKPOINT_BODY_MIN_BYTES_PER_S = 1 << 20
+#: a checkpoint body must make progress: at least CHECKPOINT_BODY_PROGRESS_BYTES (or the rest of
+#: it) in every CHECKPOINT_BODY_WINDOW_S seconds (a slow uplink is fine; a stalled one is cut)
+CHECKPOINT_BODY_WINDOW_S = 10.0
+CHECKPOINT_BODY_PROGRESS_BYTES = 64 << 10
 _DECIMAL = re.compile(r"[0-9]{1,19}")
 
 
@@ -643,11 +648,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     async with a.upload_lock:
         buf = bytearray()
         sha = hashlib.sha256()
-        # the body within a bound (a stalled uploader held the room's upload lock, and every
-        # later leader's upload got 409, until the kernel dropped the dead connection)
-        body_s = CHECKPOINT_BODY_BASE_S + want / CHECKPOINT_BODY_MIN_BYTES_PER_S
+        # the body must make progress (a stalled uploader held the room's upload lock, and
+        # every later leader's upload got 409, until the kernel dropped the dead connection)
+        window_s, loop_time = CHECKPOINT_BODY_WINDOW_S, asyncio.get_running_loop().time
         try:
-            async with asyncio.timeout(body_s):
+            async with asyncio.timeout(window_s) as deadline:
+                in_window = 0
                 async for part in request.content.iter_chunked(1 << 16):   # streamed, capped at the size
                     if len(buf) + len(part) > limit:
                         room.drop("checkpoint_bad_length")
@@ -655,9 +661,14 @@ async def put_checkpoint(request: web.Request) -> web.Response:
                             limit, len(buf) + len(part), text=f"expected {want} bytes (bucket_len + state_len float32)")
                     buf += part
                     sha.update(part)
+                    in_window += len(part)
+                    if in_window >= CHECKPOINT_BODY_PROGRESS_BYTES:
+                        in_window = 0
+                        deadline.reschedule(loop_time() + window_s)
         except TimeoutError:
             raise _refuse_upload(room, "body_timeout", web.HTTPRequestTimeout,
-                                 f"the body did not arrive within {body_s:.0f} s") from None
+                                 f"the body stalled: less than {CHECKPOINT_BODY_PROGRESS_BYTES >> 10} KiB in "
+                                 f"{window_s:g} s") from None
         except (ConnectionError, asyncio.IncompleteReadError):
             # the uploader went away mid-body (a full traceback at ERROR per request before)
             raise _refuse_upload(room, "body_lost", web.HTTPBadRequest, "the connection closed mid-body") from None

@@ -81,7 +81,7 @@ OPERATOR_FIELDS = ("pid",)
 #: rank's (``Room.summary``): small scalars. Every report whole made one address's 64 seats of
 #: 64 KiB reports a 3.3 MB answer to each page's poll (a hostile trial); the page reads only the
 #: trusted rank's report, the operator view all of them.
-PUBLIC_REPORT_FIELDS = ("step", "is_leader", "ready", "running", "backend", "kind", "model",
+PUBLIC_REPORT_FIELDS = ("step", "is_leader", "ready", "running", "cohort", "loss", "backend", "kind", "model",
                         "samples_per_s", "steps_per_s")
 #: Offset of ``frame_id`` in a chunk's routing header (``tabcohort.wire``: u8 version, u8 flags,
 #: u32 sender, u32 recipient, u32 frame_id, ...).
@@ -981,7 +981,10 @@ class RoomRegistry:
             b = self._admission_by_address[key] = TokenBucket(self._address_rate, self._address_burst, now)
         if not b.take(1, now):
             return False
-        return self.admission.take(1, now)
+        if not self.admission.take(1, now):
+            b.tokens += 1   # (refused by the server's bucket: this address's share is not spent)
+            return False
+        return True
 
     def _prune_admission(self, now: float) -> None:
         """Forget addresses whose bucket has refilled (they are as if never seen)."""

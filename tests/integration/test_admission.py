@@ -87,6 +87,9 @@ def test_one_address_cannot_take_the_whole_admission_rate():
     # ... and the server's own bucket still bounds all addresses together
     got = [reg.admit(f"10.0.1.{i}", 0.0) for i in range(10)]
     assert sum(got) == BURST - ADDRESS_BURST - 1
+    # an address the server's bucket refused keeps its own share for when the server's refills
+    assert not reg.admit("10.0.2.1", 0.0) and not reg.admit("10.0.2.1", 0.0)
+    assert reg._admission_by_address["10.0.2.1"].tokens == ADDRESS_BURST
     # an address whose bucket refilled is forgotten at the next tick
     reg.tick(100.0)
     assert reg._admission_by_address == {}

@@ -89,6 +89,16 @@ async def test_failed_token_checks_are_limited_per_address(client):
     assert client.app[REFUSED]["auth_rate_limited"] == 2
 
 
+async def test_the_trainer_token_on_an_open_rooms_job_is_a_limited_token_check(client):
+    # a review: GET .../job with a wrong X-Tabcohort-Trainer-Token on an open room was refused
+    # each time but never limited (an open room checks no room token, and so no rate)
+    for _ in range(5):
+        assert (await client.get("/api/rooms/r/job", headers={"X-Tabcohort-Trainer-Token": "guess-0000000000"})).status == 403
+    r = await client.get("/api/rooms/r/job", headers={"X-Tabcohort-Trainer-Token": TRAINER})
+    assert r.status == 429
+    assert (await client.get("/api/rooms/r/job")).status == 200       # without the header: not a check
+
+
 async def test_metrics_answers_no_token_guess_past_the_failed_check_limit(client):
     # a hostile trial: /metrics showed a token room's series for the right token and counted no
     # failure, so it answered 201 guesses from an address the room endpoint had blocked
@@ -225,7 +235,7 @@ async def test_a_stalled_or_lost_checkpoint_body_frees_the_room_for_the_next_upl
     from array import array
 
     from tabcohort_server import app as app_module
-    monkeypatch.setattr(app_module, "CHECKPOINT_BODY_BASE_S", 0.5)
+    monkeypatch.setattr(app_module, "CHECKPOINT_BODY_WINDOW_S", 0.5)
     ws, w = await join(client, trainer_token=TRAINER)
     await lead(client, ws, w)
     a = client.app[ASSETS]["r"]
@@ -500,7 +510,7 @@ async def test_the_room_names_the_rank_it_trusts_not_one_that_says_it_leads(clie
     # without the operator token, the other ranks' reports are a few scalars (a hostile trial:
     # 64 seats of 64 KiB reports made each page's poll a 3.3 MB answer); the operator sees all
     other = next(r["report"] for r in st["ranks"] if r["id"] == s["id"])
-    assert other == {"step": 9, "is_leader": True}, other
+    assert other == {"step": 9, "is_leader": True, "loss": 1e-9}, other
     full = await (await client.get("/api/rooms/r", headers=bearer(OP))).json()
     assert len(next(r["report"] for r in full["ranks"] if r["id"] == s["id"])["links"]) == 1999
     await lead.close()

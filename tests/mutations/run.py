@@ -549,7 +549,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "cut = int(math.floor(trim * n)) if n >= 3 else 0",
      [f"{R}::test_trimmed_mean_of_three_or_four_buckets_drops_a_poisoned_one"]),
     ("direct/mesh: a peer's offers are taken at most once per connect bound", "tabcohort/bus/mesh.py",
-     "if last is not None and 0 <= now - last < self.connect_timeout_s * 1000.0:", "if False:",
+     "if last is not None and 0 <= now - last < OFFER_MIN_INTERVAL_MS:", "if False:",
      ["tests/unit/test_mesh_supervise.py::test_offers_are_taken_at_most_once_per_connect_bound"]),
     ("direct: a dial given up in its handshake closes its connection", "tabcohort/bus/aio.py",
      "            d.transport.abort()       # a connection still in its handshake: nothing to flush",

@@ -43,7 +43,7 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes, delegated, merge_counts
-from .path import CLOSED_BY_PEER, Path, PathKind, PathState
+from .path import CLOSED_BY_PEER, RETRY_BASE_MS, Path, PathKind, PathState
 from .room import DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES
 from .star import Channel, Connector, StarBus
 
@@ -53,6 +53,11 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 #: how often the connect and idle bounds are checked, seconds
 SUPERVISE_PERIOD_S = 0.25
 
+
+#: a peer's offers are taken at most once per this many ms (PROTOCOL.md "Direct TCP path":
+#: half the first retry delay, so an honest re-offer, at least RETRY_BASE_MS after the last
+#: one, is never refused, whatever either side's connect bound)
+OFFER_MIN_INTERVAL_MS = RETRY_BASE_MS / 2
 
 class MeshBus:
     """One rank's bus over a WebRTC mesh (the bus contract; :class:`RoomBus
@@ -581,6 +586,7 @@ class MeshBus:
             # neither sent to nor declared, and its chunks are dropped (``unknown_sender``); one
             # not listed left meanwhile. (``relay.peers`` already holds the welcome's list.)
             listed = set(self.relay.peers)
+            self._offer_ms.clear()   # (a resumed rank: the lower ids offer again at once)
             for k in [k for k in self.path_of if k not in listed]:
                 self._drop_path(k, declare=False)
             for k in sorted(listed - set(self.path_of)):
@@ -605,12 +611,13 @@ class MeshBus:
                 self._count("bad_signal")
             return
         if kind == self.offer_kind and frm < self.id:
-            # PROTOCOL.md "Direct TCP path": an offer replaces the channel it finds, so offers
-            # are taken at most once per connect bound (an honest lower id re-offers only after
-            # a fallback, 10 s or more later); a flood of offers opened a connection each
+            # PROTOCOL.md "Direct TCP path": an offer replaces the channel it finds, so a peer's
+            # offers are taken at most once per OFFER_MIN_INTERVAL_MS (an honest lower id offers
+            # again only after a fallback and its backoff, RETRY_BASE_MS or more later); a flood
+            # of offers opened a connection each
             now = self.now_ms()
             last = self._offer_ms.get(frm)
-            if last is not None and 0 <= now - last < self.connect_timeout_s * 1000.0:
+            if last is not None and 0 <= now - last < OFFER_MIN_INTERVAL_MS:
                 self._count("offer_too_soon")
                 return
             self._offer_ms[frm] = now
