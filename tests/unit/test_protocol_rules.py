@@ -477,14 +477,29 @@ def test_a_member_that_missed_the_final_publish_is_sent_it_again_until_it_announ
     while (d := r2.m.next_deadline_ms()) is not None and d < heard + 2 * T.beat_ms:
         r2.m.on_timer(now_ms=max(d, heard))
         got += [p["to"] for p in r2.posts(t="round")]
-    assert got == [3]
+    assert got == [3] and r2.m.republish_pending(heard + 2 * T.beat_ms)   # (a leaving runtime waits)
     r2.m.handle(beat(3, running=False, term=final[0], step=final[1]), now_ms=2 + 3 * T.beat_ms)
     r2.m.on_timer(now_ms=2 + 3 * T.beat_ms)
-    assert r2.posts(t="round") == []
+    assert r2.posts(t="round") == [] and not r2.m.republish_pending(2 + 3 * T.beat_ms)
     r2.m.handle(beat(3, running=False, term=final[0], step=final[1] - 1), now_ms=2 + 5 * T.beat_ms)
     r2.m.start(now_ms=2 + 5 * T.beat_ms)
     r2.m.on_timer(now_ms=2 + 7 * T.beat_ms)
     assert not [p for p in r2.posts(t="round") if p["assign"] == {}]
+
+
+def test_a_rank_that_adopts_a_publish_beats_its_new_step_at_once():
+    # "Publish": its sender learns who has it without waiting a beat (a leader's process left
+    # within a beat of its publish, before it could tell who missed it)
+    f = rig(5, ready=True)
+    f.m.handle(round_msg(1, 4, assign={2: 0}), now_ms=1)
+    f.drain()
+    f.m.stop(now_ms=2)
+    f.drain()
+    f.m.handle(round_msg(1, 5), now_ms=3)                  # the publish: no assignment
+    beats = f.posts(t="beat")
+    assert beats and beats[-1]["step"] == 5 and beats[-1]["term"] == 1, beats
+    f.m.handle(round_msg(1, 6, assign={2: 0}), now_ms=4)   # an ordinary round: no extra beat
+    assert f.posts(t="beat") == []
 
 
 def test_a_stopping_leader_keeps_announcing_running_until_its_final_publish():

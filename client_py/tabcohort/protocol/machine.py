@@ -1118,8 +1118,11 @@ class RankMachine:
         self._applied_samples += self.samples * advanced
         self._adopt_seq += 1
         self.counters["adopted"] += 1
-        if became_ready:
-            self._beat(now_ms)    # peers learn at once that this rank is ready (see bootstrap)
+        if became_ready or not msg["assign"]:
+            # peers learn at once that this rank is ready (see bootstrap); and a publish (the
+            # one round with no assignment) is answered at once with this rank's new step, so
+            # its sender knows who has it ("Publish", re-publish) without waiting a beat
+            self._beat(now_ms)
         shares = msg["shares"]
         self.shares = dict(shares)
         self.cursor = int(msg["cursor"]) + self.train.local_steps * sum(shares.values())
@@ -1885,6 +1888,18 @@ class RankMachine:
             self._republished[m.id] = (sent + 1, now_ms)
             self.counters["republished"] += 1
             self._actions.append(Post({**self._publish_msg(), "to": m.id}))
+
+    def republish_pending(self, now_ms: float) -> bool:
+        """Whether a live member still announces a (term, step) below this rank's final publish
+        and may be sent it again ("Publish", re-publish): a runtime that is leaving waits
+        (bounded) while this holds, so the re-sends happen before it goes."""
+        if self._final is None or self.running or (self.term, self.step) != self._final[:2]:
+            return False
+        at_ms = self._final[2]
+        # (a member last heard before the publish may have it and left: it is not waited for)
+        return any((m.term, m.step) < self._final[:2] and m.seen_ms > at_ms
+                   and self._republished.get(m.id, (0, 0.0))[0] < REPUBLISH_MAX
+                   for m in self.roster.live(now_ms, self.policy.drop_ms))
 
     def _publish_msg(self) -> dict:
         return {"t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},

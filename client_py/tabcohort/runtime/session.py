@@ -104,6 +104,9 @@ def package_version() -> str:
         return "unknown"
 
 
+#: how long a leaving leader stays for its re-publishes at most, seconds (PROTOCOL.md "Publish")
+REPUBLISH_LINGER_S = 3.0
+
 def checkpoint_term(headers: dict) -> int:
     """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
     or not an integer in [0, 2^63)."""
@@ -342,6 +345,12 @@ class RankSession:
             await asyncio.sleep(poll_s)
         if was_leader and not bus.failed:
             await upload(True)
+            # a member that missed the publish (a lost frame) is sent it again at the heartbeats
+            # ("Publish", re-publish): stay that long, bounded (a leader left within a beat, so
+            # the rule helped only where ranks stay, as in `simulate`)
+            end = time.monotonic() + REPUBLISH_LINGER_S
+            while machine.republish_pending(driver.now_ms()) and time.monotonic() < end and not bus.failed:
+                await asyncio.sleep(poll_s)
         st = final_report()
         end = time.monotonic() + 2.0
         while bus.queued_bytes() and bus.connected and time.monotonic() < end:
