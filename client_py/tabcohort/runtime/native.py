@@ -47,6 +47,9 @@ TRAINER_TOKEN_REFUSED = (
     "none to join as a rank that only contributes; a server run with --any-rank-may-lead lets any "
     "rank lead without one")
 
+#: redirects followed per request (a cluster node sends a rank to its room's owner: one hop)
+_MAX_REDIRECTS = 4
+
 @dataclass
 class RankConfig:
     """A native rank's settings. Build with :meth:`from_sources`, then :meth:`validate`."""
@@ -413,13 +416,33 @@ class RankRun(RankSession):
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.token}"} if self.cfg.token else {}
 
-    async def _get(self, http: Any, path: str) -> Any:
+    async def _open(self, http: Any, path: str, headers: dict[str, str]) -> tuple[str, Any]:
+        """``GET`` the room's ``path``, following a cluster node's redirect to the room's owner
+        (307, the same path at another node: README "Cluster") with the same headers: aiohttp
+        drops ``Authorization`` on a redirect to another origin, so a rank of a token room
+        pointed at a node that does not own it was refused its own token. Returns the URL
+        answered and the response (``async with`` it)."""
         url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
+        for _ in range(_MAX_REDIRECTS):
+            r = await http.get(url, headers=headers, allow_redirects=False)
+            loc = r.headers.get("Location")
+            if r.status not in (301, 302, 303, 307, 308) or not loc:
+                return url, r
+            to = urllib.parse.urljoin(url, loc)
+            u = urllib.parse.urlsplit(to)
+            if u.scheme not in ("http", "https") or u.path != urllib.parse.urlsplit(url).path:
+                return url, r     # not a node's redirect of this request: answered as it is
+            r.release()
+            url = to
+        return url, await http.get(url, headers=headers, allow_redirects=False)
+
+    async def _get(self, http: Any, path: str) -> Any:
         headers = self._headers()
         if path == "/job" and self.cfg.trainer_token:
             # checked first, before any download (the server answers 403 "bad trainer token")
             headers["X-Tabcohort-Trainer-Token"] = self.cfg.trainer_token
-        async with http.get(url, headers=headers) as r:
+        url, r = await self._open(http, path, headers)
+        async with r:
             if r.status == 403:
                 if "X-Tabcohort-Trainer-Token" in headers and b"trainer token" in await r.read():
                     raise ConfigError(self.cfg._name("trainer_token"), "<hidden>", TRAINER_TOKEN_REFUSED)
@@ -592,8 +615,8 @@ class RankRun(RankSession):
         return await make_module_worker(job, src, raw, batch=cfg.batch, backend=cfg.backend)
 
     async def _get_bytes(self, http: Any, path: str) -> bytes:
-        url = f"{self.cfg.base_url}/api/rooms/{self.cfg.room}{path}"
-        async with http.get(url, headers=self._headers()) as r:
+        url, r = await self._open(http, path, self._headers())
+        async with r:
             _raise_unless_ok(url, r)
             return await r.read()
 
