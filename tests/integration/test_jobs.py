@@ -114,6 +114,8 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"grads\(\) must return a number as its loss, got str '0\.7'"),
     ("missing_method", GOOD.replace("    def grads(self, offset, samples):", "    def grads_renamed(self, offset, samples):"),
      r"the worker make_worker\(\) returned has no 'grads'"),
+    ("grads_a_number", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)', "        return LOSS, 0.0"),
+     r"grads\(\) must return a vector as its gradient, got float"),
     # (it pointed at the line of tabcohort's own that called the factory)
     ("options_without_keyword", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"k": 1}')
                                     .replace("def load_data():", "def load_data(options):"),

@@ -185,11 +185,15 @@ class JobWorker:
             raise JobError(f"grads() must return a pair (loss, gradient), got {_describe(r)}", self.model) from None
         if isinstance(loss, (str, bytes)) or not isinstance(loss, (int, float)) and not hasattr(loss, "__float__"):
             raise JobError(f"grads() must return a number as its loss, got {_describe(loss)}", self.model)
-        v = _vector(self.backend, g)
-        if len(v) != self.bucket_len:
+        try:
+            v = _vector(self.backend, g)
+            n = len(v)
+        except TypeError:   # (a bare number, a 0-d array)
+            raise JobError(f"grads() must return a vector as its gradient, got {_describe(g)}", self.model) from None
+        if n != self.bucket_len:
             # checked at every bucket, not only at the start-up probe: a job whose gradient
             # changed length later was taken for a diverged run (simulate) or stalled a room
-            raise JobError(f"grads() returned {len(v)} gradient values, but the worker's bucket_len "
+            raise JobError(f"grads() returned {n} gradient values, but the worker's bucket_len "
                            f"is {self.bucket_len}", self.model)
         return float(loss), v
 
