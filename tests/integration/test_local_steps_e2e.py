@@ -87,18 +87,26 @@ def test_three_ranks_with_local_steps_survive_a_leader_kill_and_end_bit_identica
     print(f"final: outer step {ck['step']}, accuracy {ck['accuracy']:.4f}, 2 ranks bit-identical")
 
 
-def test_a_cohort_resuming_a_checkpoint_resumes_its_momentum(cluster, tmp_path):
+def _train_to_a_checkpoint_and_stop(cluster, ckdir: str, *opts: str) -> tuple[dict, bytes]:
+    """Two ranks train until a checkpoint at step >= 20 is stored; every process is stopped;
+    the stored checkpoint (metadata, body)."""
     from tabcohort_server import checkpoint
 
-    ckdir = str(tmp_path / "ck")
-    opts = ("--local-steps", "8", "--inner-lr", "0.1")
     cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "0.5", *opts)
     ranks = [cluster.rank() for _ in range(2)]
     wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["step"] >= 20 and c, 60, "a checkpoint at step >= 20")
     for p in ranks:
         p.kill()
     cluster.server.terminate()
-    meta, data = checkpoint.load(ckdir, cluster.room)
+    return checkpoint.load(ckdir, cluster.room)
+
+
+def test_a_cohort_resuming_a_checkpoint_resumes_its_momentum(cluster, tmp_path):
+    from tabcohort_server import checkpoint
+
+    ckdir = str(tmp_path / "ck")
+    opts = ("--local-steps", "8", "--inner-lr", "0.1")
+    meta, data = _train_to_a_checkpoint_and_stop(cluster, ckdir, *opts)
     n = meta["n"]
     p0, m0 = array("f", data[:4 * n]), array("f", data[4 * n:])
     assert len(m0) == n and any(abs(v) > 0 for v in m0)
@@ -127,13 +135,7 @@ def test_a_cohort_resuming_a_checkpoint_goes_on_through_the_training_set_where_i
     from tabcohort_server import checkpoint
 
     ckdir = str(tmp_path / "ck")
-    cluster.serve("--checkpoint-dir", ckdir, "--checkpoint-interval", "0.5", "--global-batch", "48")
-    ranks = [cluster.rank() for _ in range(2)]
-    wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["step"] >= 20 and c, 60, "a checkpoint at step >= 20")
-    for p in ranks:
-        p.kill()
-    cluster.server.terminate()
-    meta, _ = checkpoint.load(ckdir, cluster.room)
+    meta, _ = _train_to_a_checkpoint_and_stop(cluster, ckdir, "--global-batch", "48")
     assert meta["cursor"] >= 20 * 48 - 48, meta     # (a newcomer's first rounds may be short of 48)
     cluster.serve("--checkpoint-dir", ckdir, "--steps", str(meta["step"] + 5), "--global-batch", "48")
     solo = cluster.rank()
