@@ -743,6 +743,26 @@ def _json_num(v: Any) -> float | None:
 
 
 # ---------------------------------------------------------------------- WebSocket relay
+async def _moved_while_registering(request: web.Request, ws: web.WebSocketResponse, room: Room) -> bool:
+    """A cluster node that lost the room while this socket waited for its register (a lease
+    handover) sends it on as the middleware does at connect (4012 with the owner's URL, 1013
+    while none owns it); True when it did. A register sent late was seated at a node that no
+    longer owned the room, in a copy of it no other rank reached (a hostile trial)."""
+    from .cluster import CLOSE_MOVED, CLOSE_TRY_AGAIN
+    from .cluster_web import CLUSTER
+
+    node = request.app[CLUSTER] if CLUSTER in request.app else None
+    if node is None or node.owns(room.name):
+        return False
+    room.drop("register_moved")
+    url = await node.lookup_owner(room.name)
+    if url is None or url.rstrip("/") == node.config.advertise_url.rstrip("/"):
+        await ws.close(code=CLOSE_TRY_AGAIN, message=b"no node owns the room right now; retry")
+    else:
+        await ws.close(code=CLOSE_MOVED, message=url.encode()[:120])
+    return True
+
+
 async def room_ws(request: web.Request) -> web.WebSocketResponse:
     """The star relay for one rank: register (first text message), then chunks and controls."""
     room = _room(request)
@@ -771,6 +791,8 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
     if not isinstance(reg, dict) or reg.get("type") != "register" or check_register(reg) is not None:
         room.drop("bad_register")
         await ws.close(code=CLOSE_BAD_REGISTER, message=b"first message must be a register")
+        return ws
+    if await _moved_while_registering(request, ws, room):
         return ws
     if not _token_ok(room, reg.get("token") or request.query.get("token")):
         room.drop("bad_token")

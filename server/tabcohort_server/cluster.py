@@ -46,6 +46,9 @@ PREFIX = "tabcohort:"
 ROOM_RECORD_LEASES = 10
 #: WebSocket close code: the room is owned by another node; the reason is its base URL
 CLOSE_MOVED = 4012
+#: the longest ``--advertise-url``: ranks get it in a WebSocket close reason (4012), which the
+#: server cuts at 120 bytes (a control frame's payload is at most 125 bytes, RFC 6455 5.5)
+MAX_ADVERTISE_URL_BYTES = 120
 #: WebSocket close code (RFC 6455 registry, "Try Again Later"): no node owns the room right now
 CLOSE_TRY_AGAIN = 1013
 
@@ -244,6 +247,10 @@ class ClusterConfig:
                 raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]") from None
             if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
                 raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]")
+            if len(self.advertise_url.encode()) > MAX_ADVERTISE_URL_BYTES:
+                # (it travels in a WebSocket close reason, 4012: 123 bytes at most, RFC 6455 5.5)
+                raise ConfigError("--advertise-url", self.advertise_url,
+                                  f"at most {MAX_ADVERTISE_URL_BYTES} bytes (ranks are sent it in a close reason)")
 
 
 class ClusterNode:

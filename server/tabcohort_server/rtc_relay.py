@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from tabcohort.bus.rtc_util import add_candidate, configuration, set_host_addresses
+from tabcohort.bus.rtc_util import MAX_REMOTE_CANDIDATES, add_candidate, configuration, set_host_addresses
 from tabcohort.errors import ConfigError, RemoteProtocolError
 from tabcohort.wire.chunk import (DATA_CHANNEL_MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, negotiate_max_message_bytes,
                                   rechunk)
@@ -92,6 +92,7 @@ class RtcLink:
         self.bytes_in = 0
         self.bytes_out = 0
         self.answering = False      # a negotiation for this link is in progress
+        self.n_candidates = 0       # remote candidates taken (rtc_util.MAX_REMOTE_CANDIDATES)
         self._low = asyncio.Event()
         self._low.set()
 
@@ -193,6 +194,11 @@ class RtcTerminator:
                 self._spawn(self._answer(room, p, sig["sdp"]), room)
         elif kind == "candidate" and isinstance(sig.get("candidate"), dict) and p.rtc is not None \
                 and p.rtc.pc is not None:
+            if p.rtc.n_candidates >= MAX_REMOTE_CANDIDATES:
+                room.drop("rtc_candidate_limit")
+                p.charge("rtc_candidate_limit")
+                return
+            p.rtc.n_candidates += 1
             self._spawn(add_candidate(p.rtc.pc, sig["candidate"]), room)
         elif kind == "bye":
             self.detach(p)

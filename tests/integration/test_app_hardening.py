@@ -515,3 +515,38 @@ async def test_the_room_names_the_rank_it_trusts_not_one_that_says_it_leads(clie
     assert len(next(r["report"] for r in full["ranks"] if r["id"] == s["id"])["links"]) == 1999
     await lead.close()
     await stranger.close()
+
+
+async def test_a_rank_trickling_thousands_of_candidates_to_the_server_is_capped(client):
+    # a hostile trial: 12,000 trickled candidates to distinct addresses cost the server 54 s of
+    # CPU (aioice re-sorts its whole check list per candidate) and froze /healthz for 52 s
+    from aiortc import RTCPeerConnection
+
+    from tabcohort.bus.rtc_util import MAX_REMOTE_CANDIDATES
+
+    pc = RTCPeerConnection()
+    pc.createDataChannel("x")
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = "\r\n".join(l for l in pc.localDescription.sdp.split("\r\n") if "end-of-candidates" not in l)
+    ws, w = await join(client)
+    await ws.send_str(json.dumps({"type": "signal", "to": 0, "kind": "offer", "sdp": sdp}))
+    room = client.app[ROOMS].get("r")
+    peer = room.peers[w["id"]]
+    end = time.monotonic() + 10
+    while peer.rtc is None or peer.rtc.pc is None:
+        assert time.monotonic() < end, room.drops
+        await asyncio.sleep(0.01)
+    n = 400
+    t0 = time.monotonic()
+    for i in range(n):
+        cand = {"candidate": f"candidate:{i} 1 udp 2122260223 127.1.{i // 250}.{i % 250 + 1} {20000 + i} typ host",
+                "sdpMid": "0", "sdpMLineIndex": 0}
+        await ws.send_str(json.dumps({"type": "signal", "to": 0, "kind": "candidate", "candidate": cand}))
+    while room.drops.get("rtc_candidate_limit", 0) < n - MAX_REMOTE_CANDIDATES:
+        assert time.monotonic() < end + 10, room.drops
+        await asyncio.sleep(0.01)
+    assert peer.rtc.n_candidates == MAX_REMOTE_CANDIDATES
+    assert (await client.get("/healthz")).status == 200 and time.monotonic() - t0 < 10
+    await ws.close()
+    await pc.close()
+

@@ -359,3 +359,48 @@ def test_tabcohort_node_id_variable_is_named_when_it_is_bad():
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0",
                         "--dataset", "synthetic"], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "TABCOHORT_NODE_ID='bad id!'" in r.stderr, r.stderr
+
+
+def test_a_socket_that_registers_after_its_node_lost_the_room_is_sent_to_the_owner(redis_server, tmp_path):
+    # a hostile trial: a socket accepted while node A owned the room, registering after a lease
+    # handover, was welcomed by A, which no longer owned it: a copy of the room no rank reached
+    import asyncio
+
+    import aiohttp
+
+    procs: list[Proc] = []
+    try:
+        a, b = start_a_then_b(tmp_path, redis_server.url, procs)
+
+        def a_lost_it() -> bool:
+            return any("room_owned" in k and v == 0 for k, v in a.metrics().items())
+
+        async def main() -> tuple[int | None, str | None]:
+            async with aiohttp.ClientSession() as s:
+                late = await s.ws_connect(a.url.replace("http://", "ws://") + f"/api/rooms/{ROOM}/ws")
+                a.proc.p.send_signal(signal.SIGSTOP)       # A misses its renewals: B takes the room
+                try:
+                    await asyncio.to_thread(wait_for, lambda: _owner(b) == "B", 8, "node B to own the room")
+                finally:
+                    a.proc.p.send_signal(signal.SIGCONT)
+                await asyncio.to_thread(wait_for, a_lost_it, 5, "node A to see it lost the room")
+                await late.send_str(json.dumps({"type": "register"}))
+                msg = await late.receive(timeout=10)
+                return late.close_code, msg.extra
+        code, where = asyncio.run(main())
+        assert code == 4012 and where == b.url, (code, where, _logs(*procs))
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_an_advertise_url_longer_than_a_close_reason_is_named(tmp_path):
+    # ranks are sent the owner's URL in a WebSocket close reason (4012), cut at 120 bytes: a
+    # longer --advertise-url reached them truncated, naming another host or port
+    from tabcohort.errors import ConfigError
+    from tabcohort_server.cluster import ClusterConfig
+
+    long_url = "http://" + "n" * 120 + ".example:8080"
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig(redis_url="redis://127.0.0.1:6379/0", node_id="A", advertise_url=long_url).validate()
+    assert e.value.variable == "--advertise-url" and "120 bytes" in e.value.reason

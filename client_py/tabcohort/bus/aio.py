@@ -28,7 +28,7 @@ from .path import CLOSED_BY_PEER, PathKind
 
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .mesh import MeshBus
-from .rtc_util import (CHANNEL_LABEL, add_candidate, configuration, gate_receive, negotiated_max_message_bytes,
+from .rtc_util import (CHANNEL_LABEL, MAX_REMOTE_CANDIDATES, add_candidate, configuration, gate_receive, negotiated_max_message_bytes,
                        parse_ice_servers, set_host_addresses)
 from .star import ChannelListener, SocketListener, StarBus
 
@@ -186,6 +186,7 @@ class AiortcChannel:
 
         self.connector, self.peer, self.listener = connector, peer, listener
         self.closed = False
+        self.n_candidates = 0   # remote candidates taken (rtc_util.MAX_REMOTE_CANDIDATES)
         self.dc: Any = None
         self._gate: asyncio.Event | None = None
         self._loop = asyncio.get_running_loop()
@@ -259,6 +260,10 @@ class AiortcChannel:
         if signal.get("kind") == "answer" and isinstance(signal.get("sdp"), str):
             self.connector.spawn(self._accept(signal["sdp"]))
         elif signal.get("kind") == "candidate" and isinstance(signal.get("candidate"), dict):
+            if self.n_candidates >= MAX_REMOTE_CANDIDATES:   # (a peer's flood: rtc_util)
+                self.connector.count("rtc_candidate_limit")
+                return
+            self.n_candidates += 1
             self.connector.spawn(add_candidate(self.pc, signal["candidate"]))
 
     def buffered_bytes(self) -> int:
@@ -361,6 +366,9 @@ class AiortcConnector:
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` on the channels' loop (callable between loop runs); failures are logged."""
         self._tasks.spawn(coro)
+
+    def count(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
 
     async def aclose(self) -> None:
         await self._tasks.wait()

@@ -126,6 +126,13 @@ def gate_receive(pc: Any, gate: Any) -> None:
     ice._recv = gated_recv
 
 
+#: remote ICE candidates taken per peer connection (a browser trickles a handful: host, srflx,
+#: relay per interface). Each one costs aioice a sort of its whole check list and connectivity
+#: checks for good: 12,000 of them from one rank held the server's event loop for 52 s (a
+#: hostile trial), and each named address is sent STUN requests.
+MAX_REMOTE_CANDIDATES = 32
+
+
 async def add_candidate(pc: Any, cand: dict) -> None:
     """Add a trickled browser candidate (``{candidate, sdpMid, sdpMLineIndex}``); empty = end."""
     from aiortc.sdp import candidate_from_sdp
