@@ -15,6 +15,8 @@ Refusals are counted in a ``collections.Counter`` the app exposes (``/metrics``
 
 from __future__ import annotations
 
+import asyncio
+
 from collections import Counter, deque
 from typing import Any, Iterable
 from urllib.parse import urlsplit
@@ -45,7 +47,11 @@ class ConnectionGuard:
             made(handler, transport)
             if self.open[addr] >= self.max_per_address:
                 self.counters["connections_per_address"] += 1
-                transport.abort()
+                # aborted once the handler's task has started (aborted here, the connection was
+                # lost before the task began, and each refusal logged an AssertionError traceback
+                # from aiohttp: "Task exception was never retrieved")
+                loop = asyncio.get_running_loop()
+                loop.call_soon(loop.call_soon, transport.abort)
                 return
             self.open[addr] += 1
             self._admitted[handler] = addr
