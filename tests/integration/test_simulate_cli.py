@@ -55,6 +55,14 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
 
 
+def test_a_refused_configuration_under_json_is_one_json_document_too():
+    # a new-user trial: `--json` printed nothing on stdout for a bad --dataset (exit 2)
+    r = simulate("--ranks", "2", "--dataset", "nope.npz", "--json")
+    assert r.returncode == 2, r.stderr
+    res = json.loads(r.stdout)
+    assert res["ok"] is False and "configuration error" in res["error"] and "nope.npz" in res["error"], res
+
+
 def test_diverging_run_stops_with_a_clear_error():
     r = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60")
     assert r.returncode == 1
