@@ -282,6 +282,7 @@ class ClusterNode:
         self.redis_down_since: float | None = None
         self.counters = {"claims": 0, "renewals": 0, "lost": 0, "released": 0, "redirects": 0,
                          "reasserted": 0, "ticks": 0, "job_mismatch": 0}
+        self._mismatch_said: set[str] = set()   # rooms whose job mismatch was logged
         self._redis: Any = None
         self._renew: Any = None
         self._release: Any = None
@@ -444,6 +445,15 @@ class ClusterNode:
                 self.owners.pop(room, None)
                 if isinstance(their_hash, str) and their_hash != self.local_rooms[room]().get("job_hash"):
                     self.counters["job_mismatch"] += 1   # another job under this name: not ours to serve
+                    if room not in self._mismatch_said:
+                        # (said once: a node that will never host the room it was given said
+                        # nothing, and the room stayed without an owner; a new-user trial)
+                        self._mismatch_said.add(room)
+                        log.warning("cluster: node %s will not take over room %s: the room's job there "
+                                    "(job hash %.16s) is not this node's (%.16s); start the nodes with the "
+                                    "same room settings (--hidden, --local-steps, --job, ...)",
+                                    self.config.node_id, room, their_hash,
+                                    str(self.local_rooms[room]().get("job_hash")))
                     continue
                 rank = claim_rank(self.config.node_id, loads, room, self.load())
                 if self.book.should_claim(room, now_ms=now, rank=rank):

@@ -404,3 +404,22 @@ def test_an_advertise_url_longer_than_a_close_reason_is_named(tmp_path):
     with pytest.raises(ConfigError) as e:
         ClusterConfig(redis_url="redis://127.0.0.1:6379/0", node_id="A", advertise_url=long_url).validate()
     assert e.value.variable == "--advertise-url" and "120 bytes" in e.value.reason
+
+
+def test_a_node_whose_room_job_differs_says_why_it_does_not_take_the_room_over(redis_server, tmp_path):
+    # a new-user trial: nodes started with other room settings (--local-steps 4 and 8): after the
+    # owner died the other never took the room over, and said nothing (only a metric counted)
+    procs: list[Proc] = []
+    try:
+        ckdir = tmp_path / "shared-ckpt"
+        a = Node(tmp_path, "A", redis_url=redis_server.url, ckdir=ckdir)
+        procs.append(a.proc)
+        wait_for(lambda: _owner(a) == "A", 10, "node A to own the room")
+        b = Node(tmp_path, "B", redis_server.url, ckdir, "--local-steps", "4")
+        procs.append(b.proc)
+        a.proc.kill()
+        wait_for(lambda: "will not take over room digits" in b.proc.text(), 20, "node B to say why")
+        assert "is not this node's" in b.proc.text() and b.proc.text().count("will not take over") == 1
+    finally:
+        for p in procs:
+            p.kill()
