@@ -47,6 +47,8 @@ def test_length_mismatch_errors_on_every_rank(run_group, topology):
         assert item["rc"] == 0, item["log"][-2000:]
         assert item["error"] == "CollectiveMismatchError", item
         assert item["later"] == "CollectiveMismatchError"
+        # (a later call raised the same text and nothing said the group was broken)
+        assert any("create a new group" in n for n in item["later_notes"]), item
     assert any("n=1001" in item["message"] and "n=1000" in item["message"] for item in res)
 
 

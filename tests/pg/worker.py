@@ -100,6 +100,7 @@ async def main() -> int | None:
                 outcome["later"] = None
             except Exception as e:  # noqa: BLE001
                 outcome["later"] = type(e).__name__
+                outcome["later_notes"] = list(getattr(e, "__notes__", []))
     finally:
         with open(path + ".json", "w") as f:
             json.dump(outcome, f)

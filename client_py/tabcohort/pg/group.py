@@ -193,6 +193,9 @@ class ProcessGroup:
         if self._error is not None:
             return
         self._error = err
+        # (a later call raised the same text and nothing said why: a new-user trial)
+        err.add_note("the process group is broken by this error: every later call on it raises it; "
+                     "create a new group to go on (tabcohort.pg.errors)")
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(err)
