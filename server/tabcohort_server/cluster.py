@@ -283,6 +283,8 @@ class ClusterNode:
         self.counters = {"claims": 0, "renewals": 0, "lost": 0, "released": 0, "redirects": 0,
                          "reasserted": 0, "ticks": 0, "job_mismatch": 0}
         self._mismatch_said: set[str] = set()   # rooms whose job mismatch was logged
+        #: room -> the URLs of the other live nodes that can host it (from the last tick)
+        self.hosts: dict[str, list[str]] = {}
         self._redis: Any = None
         self._renew: Any = None
         self._release: Any = None
@@ -479,6 +481,7 @@ class ClusterNode:
             return {}
         vals = await self._redis.mget([PREFIX + "node:" + k for k in ids])
         out: dict[str, tuple[float, list[str]]] = {}
+        hosts: dict[str, list[str]] = {}
         for k, v in zip(ids, vals):
             d = _obj(v)
             if d is None:
@@ -487,6 +490,11 @@ class ClusterNode:
             rooms = d.get("rooms")
             out[k] = (float(load) if isinstance(load, (int, float)) and not isinstance(load, bool) else 0.0,
                       [x for x in rooms if isinstance(x, str)] if isinstance(rooms, list) else [])
+            url = d.get("url")
+            if k != self.config.node_id and isinstance(url, str):
+                for room in out[k][1]:
+                    hosts.setdefault(room, []).append(url)
+        self.hosts = hosts
         return out
 
     async def rooms(self) -> list[dict] | None:

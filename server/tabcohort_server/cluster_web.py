@@ -44,6 +44,10 @@ def install(app: web.Application, config: ClusterConfig) -> ClusterNode:
                        on_release=lambda name, url: _release(app, name, url),
                        load=lambda: float(sum(len(r.connected) for r in rooms.rooms.values())))
     app[CLUSTER] = node
+    for name, room in rooms.rooms.items():
+        # a welcome names the other nodes that can host the room: a rank whose --server is the
+        # owner that dies asks them (README "Cluster")
+        room.other_nodes = lambda name=name: list(node.hosts.get(name, ()))
     app.middlewares.append(_owner_middleware)
     app.cleanup_ctx.append(_lifecycle)
     return node

@@ -200,6 +200,9 @@ class Room:
         self.stop_reason: str | None = None
         #: called with the room once it stops (``tabcohort serve`` prints a line)
         self.on_stop: list[Callable[[Room], None]] = []
+        #: in a cluster: the URLs of the other nodes that can host the room (``welcome``'s
+        #: ``nodes``, where a rank goes when its node and its --server do not answer)
+        self.other_nodes: Callable[[], list[str]] | None = None
         #: called with the room and the checkpoint's metadata when a final checkpoint is stored
         #: (``tabcohort serve`` prints it: the stop line said one would follow)
         self.on_final_checkpoint: list[Callable[[Room, dict], None]] = []
@@ -328,7 +331,8 @@ class Room:
                 "checkpoint": None if newest is None else {
                     "id": newest["id"], "step": newest["step"], "accuracy": newest.get("accuracy")},
                 "high_water_bytes": self.limits.queue_high_water_bytes,
-                "max_message_bytes": self.limits.max_ws_message_bytes}
+                "max_message_bytes": self.limits.max_ws_message_bytes,
+                **({"nodes": self.other_nodes()[:16]} if self.other_nodes is not None else {})}
 
     def announce(self, p: Peer, up: bool) -> None:
         """Tell the other connected ranks that ``p`` joined or left the relay, and its role."""

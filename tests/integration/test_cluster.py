@@ -423,3 +423,29 @@ def test_a_node_whose_room_job_differs_says_why_it_does_not_take_the_room_over(r
     finally:
         for p in procs:
             p.kill()
+
+
+def test_ranks_whose_server_is_the_owner_that_dies_find_the_other_node(redis_server, tmp_path):
+    # a new-user trial: ranks pointed at the owner node (the `join:` line it prints) kept no other
+    # node to ask when it died; each trained alone until it gave up reconnecting (30 s). Their
+    # welcome now names the other nodes that can host the room, which a reconnect asks in turn.
+    procs: list[Proc] = []
+    try:
+        a, b = start_a_then_b(tmp_path, redis_server.url, procs)
+        wait_for(lambda: any(n.get("url") == b.url for n in a.rooms().get("nodes", [])), 10,
+                 "node A to see node B")
+        ranks = [_rank(tmp_path, a.url, i) for i in range(2)]   # pointed at the owner itself
+        procs += ranks
+        st = wait_for(lambda: (s := a.state())["n_connected"] == 2 and s["step"] >= 200 and s, 60,
+                      "2 ranks to train on node A")
+        ids_before = sorted(r["id"] for r in st["ranks"] if r["connected"])
+        a.proc.p.send_signal(signal.SIGKILL)
+        a.proc.p.wait(10)
+        wait_for(lambda: _owner(b) == "B", FAILOVER_BOUND_S + 5, "node B to own the room")
+        sb = wait_for(lambda: (s := b.state()) and s.get("n_connected") == 2 and s["step"] > 0 and s,
+                      25, "both ranks to resume on node B, whose URL they never had")
+        assert sorted(r["id"] for r in sb["ranks"] if r["connected"]) == ids_before
+        assert all(p.p.poll() is None for p in ranks), _logs(*ranks)
+    finally:
+        for p in procs:
+            p.kill()

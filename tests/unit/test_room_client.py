@@ -168,6 +168,22 @@ def test_a_cluster_redirect_is_followed_then_a_dead_owner_sends_the_attempt_back
     assert rc.url == entry
 
 
+def test_when_the_entry_node_is_the_owner_that_died_the_other_nodes_of_the_welcome_are_asked():
+    # a new-user trial: a rank whose --server was the owner kept no other node to ask; it trained
+    # alone until it gave up reconnecting (30 s), a second model beside the room's
+    entry = "ws://a:8080/api/rooms/r/ws"
+    rc = RoomClient(entry)
+    rc.new_attempt()
+    rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [],
+                "nodes": ["http://b:8081", "https://c.example", "ftp://x", 7, "http://a:8080"]})
+    assert rc.alternates == ["ws://b:8081/api/rooms/r/ws", "wss://c.example/api/rooms/r/ws"]
+    rc.new_attempt()                          # the socket to a (the owner) is gone: a reconnect
+    assert rc.redirect(None, "connection refused", reached=False) == ("ws://b:8081/api/rooms/r/ws", None)
+    assert rc.redirect(None, "connection refused", reached=False) == ("wss://c.example/api/rooms/r/ws", None)
+    assert rc.redirect(None, "connection refused", reached=False) == (None, None)   # each once an attempt
+    assert rc.new_attempt() == "wss://c.example/api/rooms/r/ws"
+
+
 def test_redirects_are_bounded_per_attempt_and_a_linked_socket_moved_keeps_the_owner():
     rc = RoomClient("ws://a:1/api/rooms/r/ws")
     rc.new_attempt()

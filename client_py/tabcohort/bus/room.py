@@ -60,6 +60,10 @@ FATAL_CLOSE = frozenset({CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_UNKNOWN_ID, 
 MAX_MOVES = 4
 
 
+#: other nodes' URLs kept from a ``welcome`` (``RoomClient.alternates``)
+MAX_ALTERNATES = 16
+
+
 def moved_ws_url(current: str, owner_base: str) -> str | None:
     """The room's WebSocket URL at ``owner_base`` (``http(s)://host:port``, a 4012 close reason),
     keeping ``current``'s path and query; ``None`` for anything that is not such a URL."""
@@ -131,6 +135,9 @@ class RoomClient:
         #: which a reconnect that cannot reach the owner asks again to learn the new one
         self.url = url
         self.entry_url = url
+        #: the room's WebSocket URL at the cluster's other nodes that can host it (``welcome``'s
+        #: ``nodes``): asked when neither the node it was at nor the entry URL answers
+        self.alternates: list[str] = []
         self.n_moves = 0          # cluster redirects followed (4012)
         self._moves = 0           # ... in this attempt
         self._dead: set[str] = set()
@@ -196,6 +203,10 @@ class RoomClient:
             if self._resuming:
                 self.n_reconnects += 1
             self.id, self.secret, self.peers = rid, secret, peers - {rid}
+            nodes = obj.get("nodes")
+            if isinstance(nodes, list):
+                alts = [moved_ws_url(self.url, u) for u in nodes[:MAX_ALTERNATES] if isinstance(u, str) and len(u) <= 200]
+                self.alternates = [u for u in alts if u is not None and u != self.url]
             self.may_lead = obj.get("may_lead") is True
             self.lead_roles = {k: k in leads for k in self.peers}
             self.connected, self._resuming, self._attempt, self._give_up_ms = True, False, 0, None
@@ -281,10 +292,15 @@ class RoomClient:
                 return None, CLOSE_TRY_AGAIN   # the entry node still names the owner that died
             self.url, self._moves, self.n_moves = to, self._moves + 1, self.n_moves + 1
             return to, code
-        if code is None and not reached and self.url != self.entry_url:
+        if code is None and not reached:
+            # the node did not answer: the entry URL (it learns the new owner), then the other
+            # nodes the room's welcome named (the entry may be the owner that died: README
+            # "Cluster"), each once per attempt
             self._dead.add(self.url)
-            self.url = self.entry_url
-            return self.url, code
+            for to in [self.entry_url, *self.alternates]:
+                if to not in self._dead:
+                    self.url = to
+                    return to, code
         return None, code
 
     def moved(self, reason: str) -> None:
