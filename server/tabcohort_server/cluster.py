@@ -321,7 +321,21 @@ class ClusterNode:
         self.redis_up = True
 
     async def start(self) -> None:
-        """First tick (claims the rooms nobody holds), then tick every ``tick_ms`` in a held task."""
+        """First tick (claims the rooms nobody holds), then tick every ``tick_ms`` in a held task.
+
+        Raises:
+            ConfigError: naming ``--node-id``: a live node at another URL has this id (two
+                nodes with one id overwrote each other's record, and the node list was wrong).
+        """
+        from redis.exceptions import RedisError
+        try:
+            other = _obj(await self._redis.get(PREFIX + "node:" + self.config.node_id)) or {}
+        except RedisError:
+            other = {}    # (Redis down: the outage path takes over at the first tick)
+        url = other.get("url")
+        if isinstance(url, str) and url.rstrip("/") != self.config.advertise_url.rstrip("/"):
+            raise ConfigError("--node-id", self.config.node_id,
+                              f"a live node at {url} has this id: give each node its own")
         await self.tick()
         self._task = asyncio.create_task(self._run())
 

@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from tabcohort.errors import ConfigError
+
 from .config import ROOM_NAME
 from .cluster import CLOSE_MOVED, CLOSE_TRY_AGAIN, ClusterConfig, ClusterNode
 
@@ -58,6 +60,11 @@ async def start(app: web.Application, advertise_url: str) -> ClusterNode:
     (claims rooms nobody holds), then tick in the background."""
     node = app[CLUSTER]
     if not node.config.advertise_url:
+        host = urllib.parse.urlsplit(advertise_url).hostname or ""
+        if host in ("0.0.0.0", "::"):
+            # (the other nodes sent ranks and pages to http://0.0.0.0:PORT: a new-user trial)
+            raise ConfigError("--advertise-url", None, f"needed with --host {host}: other nodes send ranks "
+                              "and pages to this node's URL, and an unspecified address reaches no one")
         node.config.advertise_url = advertise_url.rstrip("/")
     await node.start()
     return node

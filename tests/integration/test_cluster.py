@@ -449,3 +449,25 @@ def test_ranks_whose_server_is_the_owner_that_dies_find_the_other_node(redis_ser
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_second_node_with_a_live_nodes_id_or_an_unspecified_advertised_address_is_refused(redis_server, tmp_path):
+    # a new-user trial: two nodes with --node-id dup both started and overwrote each other's
+    # record (the node list named the wrong URL); a node on --host 0.0.0.0 advertised
+    # http://0.0.0.0:PORT to the others
+    procs: list[Proc] = []
+    try:
+        a = Node(tmp_path, "dup", redis_server.url, tmp_path / "ck")
+        procs.append(a.proc)
+        wait_for(lambda: _owner(a) == "dup", 10, "the first node to own the room")
+        for extra, flag, why in (([], "--node-id", "a live node at"),
+                                 (["--host", "0.0.0.0"], "--advertise-url", "needed with --host 0.0.0.0")):
+            node_id = "dup" if not extra else "other"
+            p = Proc(["serve", "--port", "0", "--room", ROOM, "--redis", redis_server.url, "--node-id", node_id,
+                      "--checkpoint-dir", str(tmp_path / "ck"), *extra], tmp_path / f"serve-{node_id}.log")
+            procs.append(p)
+            assert p.p.wait(60) == 2, p.text()
+            assert f"configuration error: {flag}" in p.text() and why in p.text(), p.text()
+    finally:
+        for p in procs:
+            p.kill()
