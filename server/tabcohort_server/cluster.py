@@ -335,7 +335,8 @@ class ClusterNode:
         url = other.get("url")
         if isinstance(url, str) and url.rstrip("/") != self.config.advertise_url.rstrip("/"):
             raise ConfigError("--node-id", self.config.node_id,
-                              f"a live node at {url} has this id: give each node its own")
+                              f"a live node at {url} has this id: give each node its own (if that node "
+                              f"has just stopped, its record expires within {self.timing.lease_ms:g} ms)")
         await self.tick()
         self._task = asyncio.create_task(self._run())
 
