@@ -55,6 +55,13 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
 
 
+def test_a_run_whose_links_are_too_slow_for_its_rounds_says_why_its_ranks_differ():
+    # a new-user trial: `--link-bandwidth 1000` ended "NO" with no word on why
+    r = simulate("--ranks", "3", "--steps", "300", "--link-bandwidth", "1000")
+    assert r.returncode == 1 and "bit-identical parameters on all 3 ranks: NO" in r.stdout, r.stdout[-1500:]
+    assert "--link-bandwidth 1000 bytes/s carries one round" in r.stdout, r.stdout[-1500:]
+
+
 def test_a_refused_configuration_under_json_is_one_json_document_too():
     # a new-user trial: `--json` printed nothing on stdout for a bad --dataset (exit 2)
     r = simulate("--ranks", "2", "--dataset", "nope.npz", "--json")

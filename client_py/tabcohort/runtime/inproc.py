@@ -401,6 +401,14 @@ class InprocCohort:
                           f"--link-loss {self.cfg.loss:g} lost it and each re-send within 10 s (PROTOCOL.md, "
                           f"\"Publish\": at most 8 per rank, a beat apart); the model the run reports is "
                           f"the leader's")
+        elif off and self._note is None and self.cfg.bandwidth_bytes_per_s:
+            # (it said "NO" and nothing more: a new-user trial)
+            behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
+            n = 4 * best.worker.bucket_len
+            self._note = (f"{behind} did not receive the leader's final publish of step {best.machine.step} "
+                          f"within 10 s: --link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one "
+                          f"round ({n:,} bytes of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s; the "
+                          f"model the run reports is the leader's")
         acc: float | None = float(best.worker.evaluate())
         if not 0.0 <= acc <= 1.0:
             acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
