@@ -110,6 +110,123 @@ def _weighted_mean_np(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
     return out
 
 
+class RunningMean:
+    """:func:`weighted_mean` accumulated as the vectors arrive, so a leader's reduce is done by
+    the time the last bucket of a round is in (PROTOCOL.md "Leader: driving one round", step 7:
+    the sample-weighted mean; its weights ``samples_i / S`` are known in advance when ``S`` is
+    the round's planned global batch).
+
+    :meth:`add` folds one float32 vector of shape ``(n,)`` with its weight into a float64 sum
+    of shape ``(n,)``: a numpy array held across rounds (``8 n`` bytes, allocated once per
+    length: no page faults per round), or a list of floats for ``array('f')`` vectors (no
+    numpy, as in a tab). :meth:`result` returns the float32 mean only for exactly the vectors
+    added, the same objects in the same order with equal weights, and then bit-identical to
+    ``weighted_mean(vectors, weights)`` (the same float64 operations on each element in the same
+    order: ``0.0 + w_0 v_0``, then ``+ w_i v_i``); otherwise ``None`` and the caller reduces anew.
+    """
+
+    __slots__ = ("_acc", "_tmp", "_vectors", "_weights", "_n", "_deferred")
+
+    def __init__(self) -> None:
+        self._acc: Any = None
+        self._tmp: Any = None
+        self._vectors: list[Any] = []
+        self._weights: list[float] = []
+        self._n = 0
+        self._deferred = False
+
+    @staticmethod
+    def worth(v: Any) -> bool:
+        """Whether folding ``v`` in as it arrives shortens the reduce at the end: a numpy vector
+        of at least :data:`BLOCK` elements (below that its reduce is shorter than the
+        bookkeeping), or any ``array('f')`` vector (the pure-Python reduce costs per element)."""
+        if np is not None and isinstance(v, np.ndarray):
+            return len(v) >= BLOCK
+        return isinstance(v, array) and v.typecode == "f"
+
+    def reset(self) -> None:
+        """Forget the vectors added (a numpy sum's buffers stay for the next round)."""
+        self._vectors, self._weights, self._n, self._deferred = [], [], 0, False
+        if isinstance(self._acc, list):
+            self._acc = None
+
+    def add(self, v: Any, w: float, *, last: bool = False) -> None:
+        """Fold ``w * v`` into the sum (``v`` a numpy float32 vector or an ``array('f')``;
+        anything else, another kind than the first vector's, or another length, stops the
+        accumulation until :meth:`reset`). ``last``: the caller expects no further vector; it is
+        then folded in by :meth:`result`, together with the rounding to float32 (one pass over
+        the sum, not two)."""
+        if self._n < 0:
+            return
+        kind = _kind(v)
+        if kind is None or (self._vectors and (len(v) != self._n or kind != _kind(self._vectors[0]))):
+            self._n = -1
+            return
+        if self._deferred:   # "last" was not: fold it in now
+            self._deferred = False
+            self._fold(self._vectors[-1], self._weights[-1], first=len(self._vectors) == 1)
+        n, w = len(v), float(w)
+        if kind == "np" and (self._acc is None or not isinstance(self._acc, np.ndarray) or len(self._acc) != n):
+            self._acc = np.empty(n, dtype=np.float64)
+            self._tmp = np.empty(min(n, BLOCK), dtype=np.float64)
+        self._n = n
+        self._vectors.append(v)
+        self._weights.append(w)
+        if last:
+            self._deferred = True
+        else:
+            self._fold(v, w, first=len(self._vectors) == 1)
+
+    def _fold(self, v: Any, w: float, *, first: bool, out: bool = False) -> Any:
+        """``acc = (0.0 if first else acc) + w * float64(v)``, as :func:`weighted_mean` does it
+        (numpy: per block, the temporary in cache); with ``out``, rounded to float32 and
+        returned (numpy: block by block as each is summed)."""
+        if not isinstance(v, np.ndarray if np is not None else ()):
+            if first:
+                acc = [0.0 + w * x for x in v]
+            else:
+                acc = [a + w * x for a, x in zip(self._acc, v)]
+            self._acc = acc
+            return array("f", acc) if out else None
+        acc = self._acc
+        n = len(acc)
+        res = np.empty(n, dtype=np.float32) if out else None
+        for a in range(0, n, BLOCK):
+            b = min(n, a + BLOCK)
+            tmp = self._tmp[:b - a]
+            tmp[...] = v[a:b]          # exact (float32 -> float64)
+            tmp *= w
+            blk = acc[a:b]
+            if first:
+                blk[...] = 0.0
+            blk += tmp
+            if res is not None:
+                res[a:b] = blk
+        return res
+
+    def result(self, vectors: Sequence[Any], weights: Sequence[float]) -> Any:
+        """The float32 mean of ``vectors`` when they are exactly those added (see the class),
+        else ``None``."""
+        if self._n <= 0 or len(vectors) != len(self._vectors) or len(vectors) < 2:
+            return None
+        for v, mine, w, w_mine in zip(vectors, self._vectors, weights, self._weights):
+            if v is not mine or float(w) != w_mine:
+                return None
+        if not self._deferred:
+            acc = self._acc
+            return acc.astype(np.float32) if np is not None and isinstance(acc, np.ndarray) else array("f", acc)
+        self._deferred = False
+        self._n = -1            # the sum now holds the last vector too: no further answer
+        return self._fold(self._vectors[-1], self._weights[-1], first=len(self._vectors) == 1, out=True)
+
+
+def _kind(v: Any) -> str | None:
+    """``"np"`` for a 1-D numpy float32 vector, ``"array"`` for an ``array('f')``, else None."""
+    if np is not None and isinstance(v, np.ndarray):
+        return "np" if v.dtype == np.float32 and v.ndim == 1 else None
+    return "array" if isinstance(v, array) and v.typecode == "f" else None
+
+
 def digest(v: Any) -> str:
     """SHA-256 hex of the vector's float32 little-endian bytes (for bit-identity checks)."""
     import hashlib

@@ -1312,3 +1312,76 @@ def test_a_follower_that_adopts_only_some_rounds_reports_the_cohorts_step_rate()
     r.m.handle(round_msg(1, 110, samples=32), now_ms=1500)
     st = r.m.state(2000.0)
     assert st["step"] == 110 and st["steps_per_s"] == 100.0 and st["samples_per_s"] == 3200.0
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "clip"])
+def test_the_leader_reduces_large_buckets_as_they_arrive_bit_identically(aggregate):
+    """"Leader: driving one round", step 7: with buckets of at least vec.BLOCK elements the mean
+    is folded in as each bucket is accepted; the parameters are bit-identical to a reduce of
+    all of them at the end, and a round whose buckets are not the ones planned (one missing)
+    is reduced anew."""
+    np = pytest.importorskip("numpy")
+    from tabcohort.model.toy import ToyWorker
+    from tabcohort.vec import BLOCK, weighted_mean
+
+    n = BLOCK + 9
+    rng = np.random.default_rng(5)
+    for missing in (False, True):
+        r = rig(1, now=-T.beat_ms, ready=True, bucket_len=n, aggregate=aggregate)
+        r.m.handle(beat(2, batch=2), now_ms=-T.beat_ms)
+        r.m.handle(beat(3, batch=6), now_ms=-T.beat_ms)   # unequal shares: unequal weights
+        r.m.on_timer(now_ms=0)
+        r.drain()
+        p0 = np.array(r.w.params(), dtype=np.float32)
+        r.m.start(now_ms=0)
+        acts = r.drain()
+        own, shares = r.computes(acts)[0], r.posts(acts, "round")[0]["shares"]
+        assert len(set(shares.values())) > 1
+        g2, g3 = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+        r.m.handle(grad(2, 1, 0, g=g2, n=n, samples=shares[2]), now_ms=1)
+        loss, g = r.w.grads_sync(own.offset, own.samples)
+        r.m.bucket_ready(own.token, loss, g, now_ms=2)
+        if not missing:
+            r.m.handle(grad(3, 1, 0, g=g3, n=n, samples=shares[3]), now_ms=3)
+            got = [(g2, shares[2]), (g, shares[1]), (g3, shares[3])]
+        else:
+            end = 2 + r.m.policy.collect_ms                    # rank 3's bucket never comes
+            tick(r, end - 1, peers=[2, 3])
+            r.m.on_timer(now_ms=end)
+            got = [(g2, shares[2]), (g, shares[1])]
+        assert r.m.step == 1
+        total = sum(s for _, s in got)
+        want = weighted_mean([v for v, _ in got], [s / total for _, s in got])
+        ref = ToyWorker(bucket_len=n, batch=2)
+        ref.set_params(p0)
+        ref.apply(want, r.m.lr)
+        assert np.asarray(r.w.params(), dtype=np.float32).tobytes() == np.asarray(ref.params()).tobytes()
+        assert r.m.counters["rounds_reduced_on_arrival"] == (0 if missing else 1)
+
+
+def test_a_leader_without_numpy_reduces_as_buckets_arrive_bit_identically():
+    """"Leader: driving one round", step 7, as a tab leads (array('f') vectors, no numpy): the
+    mean folded in as each bucket arrives is bit-identical to the reduce at the end, whether the
+    last bucket is folded in with the rounding or not."""
+    import random
+    import struct
+    from array import array
+
+    from tabcohort.vec import RunningMean, weighted_mean
+
+    rnd = random.Random(11)
+    for k in (2, 3, 5):
+        n = 257
+        vectors = [array("f", [struct.unpack("f", struct.pack("f", rnd.gauss(0, 1) * 10 ** rnd.randint(-40, 38)))[0]
+                               if rnd.random() > 0.02 else -0.0 for _ in range(n)]) for _ in range(k)]
+        samples = [rnd.randint(1, 100) for _ in range(k)]
+        weights = [s / sum(samples) for s in samples]
+        for deferred in (False, True):
+            run = RunningMean()
+            assert RunningMean.worth(vectors[0])
+            for i, (v, w) in enumerate(zip(vectors, weights)):
+                run.add(v, w, last=deferred and i == k - 1)
+            got = run.result(vectors, weights)
+            want = weighted_mean(vectors, weights)
+            assert bytes(array("f", got)) == bytes(array("f", want))
+            assert run.result(vectors[::-1], weights[::-1]) is None

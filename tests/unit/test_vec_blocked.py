@@ -106,3 +106,46 @@ def test_the_pure_python_reduce_and_finiteness_check_agree_with_numpy_bit_for_bi
             assert not vec.all_finite(b)
     assert vec.all_finite(array("f", [3e38] * 100_000))      # a sum past float32's range is still finite
     assert not vec.all_finite([1e308, 1e308, float("nan")]) and vec.all_finite([1e308, 1e308])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [vec.BLOCK - 1, vec.BLOCK + 1, 3 * vec.BLOCK + 17])
+def test_a_mean_accumulated_as_buckets_arrive_is_bit_identical_to_the_reduce_at_the_end(seed, n):
+    rng = np.random.default_rng(seed * 7919 + n)
+    k = int(rng.integers(2, 6))
+    vectors = [hostile_values(rng, n) for _ in range(k)]
+    samples = rng.integers(1, 1000, k)
+    weights = [s / samples.sum() for s in samples]
+    run = vec.RunningMean()
+    for _ in range(2):             # the buffers are reused by the next round
+        run.reset()
+        for i, (v, w) in enumerate(zip(vectors, weights)):
+            run.add(v, w, last=i == k - 1 and seed % 2 == 0)   # the last folded in at the end, or not
+        got = run.result(vectors, weights)
+        assert got.dtype == np.float32 and got.shape == (n,)
+        assert got.tobytes() == vec.weighted_mean(vectors, weights).tobytes()
+        assert got.tobytes() == reference_mean(vectors, weights).tobytes()
+
+
+def test_a_running_mean_answers_only_for_exactly_the_buckets_added():
+    rng = np.random.default_rng(3)
+    a, b, c = (hostile_values(rng, vec.BLOCK + 3) for _ in range(3))
+    run = vec.RunningMean()
+    run.add(a, 0.25)
+    run.add(b, 0.75)
+    assert run.result([a, b], [0.25, 0.75]) is not None
+    assert run.result([b, a], [0.75, 0.25]) is None          # another order: another rounding
+    assert run.result([a, b.copy()], [0.25, 0.75]) is None   # a clipped (replaced) bucket
+    assert run.result([a, b], [0.25, 0.5]) is None           # other weights (a bucket missing)
+    assert run.result([a, b, c], [0.2, 0.6, 0.2]) is None and run.result([a], [1.0]) is None
+    run.reset()
+    run.add(a, 0.25, last=True)                              # "last" was not: folded in at the next
+    run.add(b, 0.75, last=True)
+    assert run.result([a, b], [0.25, 0.75]).tobytes() == vec.weighted_mean([a, b], [0.25, 0.75]).tobytes()
+    assert run.result([a, b], [0.25, 0.75]) is None          # the sum holds the last now: asked once
+    run.reset()
+    run.add(a, 0.25)
+    run.add(np.ones(5, np.float32), 0.5)                     # a length that differs: stops
+    assert run.result([a, b], [0.25, 0.75]) is None
+    run.reset()
+    assert run.result([], []) is None

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from .. import PROTOCOL_VERSION
 from ..errors import LocalProtocolError
-from ..vec import all_finite, to_vector, weighted_mean
+from ..vec import RunningMean, all_finite, to_vector, weighted_mean
 from .actions import Action, Compute, Post, Report
 from .assign import windows
 from .optim import TrainConfig, empty, outer_step
@@ -289,6 +289,8 @@ class RankMachine:
         self.roles_enforced = False
         self.lr_max = float(lr_max)
         self.aggregate = aggregate
+        #: the round's mean as its buckets arrive (weights = samples / the planned global batch)
+        self._running_mean = RunningMean()
         self.clipped: Counter[int] = Counter()             # rank -> buckets clipped
         self._clip_recent: dict[int, deque[bool]] = {}
         self._bias = BiasMonitor()                          # "Untrusted ranks": steady pushes
@@ -1298,6 +1300,7 @@ class RankMachine:
                                            min(len(awaited), self.policy.quorum), now_ms)
         else:
             self._collection = None
+        self._running_mean.reset()
         if self._collection is not None:
             self._collection.assign = assign
         self._sent_rounds[(self.term, self.step)] = (now_ms, dict(shares))
@@ -1420,6 +1423,7 @@ class RankMachine:
             if norm is not None:
                 col.norms[self.id] = norm
             _arrived(col, now_ms, self.id)
+            self._accumulate(col, samples, g)
         else:
             # the leader's own bucket is not coming: the round waits only for the others'
             col.wanted.discard(self.id)
@@ -1472,6 +1476,7 @@ class RankMachine:
         if norm is not None:
             col.norms[sender] = norm
         _arrived(col, now_ms, sender)
+        self._accumulate(col, int(msg["samples"]), g)
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
             self._silent.discard(sender)
@@ -1729,6 +1734,18 @@ class RankMachine:
             return math.isfinite(norm), norm
         return all_finite(g), None
 
+    def _accumulate(self, col: _Collection, samples: int, g: Any) -> None:
+        """Fold an accepted bucket into the round's running mean ("Leader: driving one round",
+        step 7), weighted by its samples over the planned global batch: when every assigned
+        bucket arrives unclipped, the mean is ready when the last one is (bit-identical to
+        reducing them all then, vec.RunningMean); otherwise the round is reduced anew. Only
+        under the weighted mean, and where it pays (vec.RunningMean.worth)."""
+        if self.aggregate == "trimmed-mean" or not RunningMean.worth(g):
+            return
+        planned = self.train.local_steps * sum(col.shares.values())
+        if planned > 0:   # the round's last bucket is folded in with the rounding, at the reduce
+            self._running_mean.add(g, samples / planned, last=len(col.received) == len(col.wanted))
+
     def _measures_norms(self, col: _Collection) -> bool:
         """Whether the buckets of ``col`` are measured (their L2 norms) as they are accepted: under
         the clip rule, in a round with other ranks than the leader. The buckets that arrive while
@@ -1800,7 +1817,13 @@ class RankMachine:
         if self.aggregate == "trimmed-mean":
             avg = trimmed_mean([g for _, _, g in buckets], [s for _, s, _ in buckets])
         else:
-            avg = weighted_mean([g for _, _, g in buckets], weights)
+            vectors = [g for _, _, g in buckets]
+            avg = self._running_mean.result(vectors, weights)
+            if avg is None:
+                avg = weighted_mean(vectors, weights)
+            else:
+                self.counters["rounds_reduced_on_arrival"] += 1
+        self._running_mean.reset()
         if not all_finite(avg):
             self.drops["reduce_non_finite"] += 1
             self.counters["empty_round"] += 1
