@@ -432,8 +432,18 @@ async def list_rooms(request: web.Request) -> web.Response:
 
 
 async def room_state(request: web.Request) -> web.Response:
+    """The room's summary; the operator's (all reports, checkpoints) for the operator token. In
+    an open room a token is checked only against the operator's, and the two answers differ: a
+    token that is not the operator's is a failed token check like any other (README "Limits"),
+    or this endpoint would answer guesses of the operator token without a limit."""
     room = _authorized_room(request)
-    return _json(_clean(room.summary(time.monotonic(), operator=_is_operator(request))))
+    operator = _is_operator(request)
+    if room.job.token is None and _request_token(request) is not None:
+        _check_auth_rate(request)
+        if not operator:
+            request.app[AUTH].fail(request.remote, time.monotonic())
+            request.app[REFUSED]["auth_failed"] += 1
+    return _json(_clean(room.summary(time.monotonic(), operator=operator)))
 
 
 #: the header a native rank sends its trainer credential in with its first request (``GET .../job``)
@@ -801,6 +811,11 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
         await ws.close(code=CLOSE_BAD_TOKEN, message=b"bad or missing room token")
         return ws
     given = reg.get("trainer_token")
+    if given is not None and room.job.token is None and auth.blocked(request.remote, time.monotonic()):
+        # a trainer token is a token check in an open room too (a token room's was gated above)
+        request.app[REFUSED]["auth_rate_limited"] += 1
+        await ws.close(code=CLOSE_RATE_LIMITED, message=b"too many failed token checks from this address")
+        return ws
     trainer = given is not None and _same(request.app[TRAINER_TOKEN], given)
     if given is not None and not trainer:   # a wrong credential is a configuration error: say so
         room.drop("bad_trainer_token")

@@ -99,6 +99,30 @@ async def test_the_trainer_token_on_an_open_rooms_job_is_a_limited_token_check(c
     assert (await client.get("/api/rooms/r/job")).status == 200       # without the header: not a check
 
 
+async def test_an_open_rooms_state_answers_no_operator_token_guess_past_the_limit(client):
+    # a review: GET /api/rooms/OPEN with a token compared it with the operator token (the
+    # operator's summary differs) and counted nothing: guesses without a limit
+    for _ in range(5):
+        r = await client.get("/api/rooms/r?token=wrong-guess-000000")
+        assert r.status == 200 and "checkpoints" not in await r.json()
+    assert client.app[REFUSED]["auth_failed"] == 5
+    assert (await client.get(f"/api/rooms/r?token={OP}")).status == 429   # the right one too, for a while
+    assert (await client.get("/api/rooms/r")).status == 200                # no token: no check, served
+
+
+async def test_an_open_rooms_register_answers_no_trainer_token_guess_past_the_limit(client):
+    # a review: a WebSocket register with a wrong trainer_token in an open room was refused
+    # (4001) and counted but never blocked, so the socket answered every guess
+    for _ in range(5):
+        ws, _ = await join(client, trainer_token="guess-0000000000")
+        assert ws.close_code == 4001
+    ws, _ = await join(client, trainer_token=TRAINER)                      # blocked now, the right one too
+    assert ws.close_code == 4029
+    ws, welcome = await join(client)                                      # no credential: no check
+    assert welcome["type"] == "welcome"
+    await ws.close()
+
+
 async def test_metrics_answers_no_token_guess_past_the_failed_check_limit(client):
     # a hostile trial: /metrics showed a token room's series for the right token and counted no
     # failure, so it answered 201 guesses from an address the room endpoint had blocked
