@@ -758,3 +758,32 @@ def test_a_contributor_that_answers_at_once_holds_at_most_its_fixed_part_of_the_
     assert r.m.counters["rounds_below_global_batch"] == 0
     r, largest = _fast_contributor_rounds(True)
     assert largest > 100 and r.m.counters["contributor_share_capped"] == 0, r.m.shares
+
+
+def test_a_checkpoint_taken_while_a_round_is_in_flight_carries_that_rounds_cursor():
+    """"Leader: driving one round", step 2: a checkpoint's cursor is that of the round at its
+    step (its parameters are those before the round). A review found the periodic upload, taken
+    while the leader's round was in flight, carrying the next round's cursor: a cohort resumed
+    from it skipped that round's windows."""
+    r = rig(1, ready=True)
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=1)
+    acts, now = r.drain(), 1.0
+    while not r.computes(acts):
+        now = max(now, r.m.next_deadline_ms())
+        r.m.on_timer(now_ms=now)
+        acts = r.drain()
+    own = r.computes(acts)[0]                   # the round at step 1 is in flight
+    assert r.m.step == 1 and r.m.cursor > own.offset
+    assert r.m.checkpoint_cursor == own.offset
+    resumed = rig(1, ready=True, start_step=r.m.step, start_cursor=r.m.checkpoint_cursor)
+    resumed.m.start(now_ms=0)
+    assert resumed.computes(resumed.drain())[0].offset == own.offset   # no window skipped
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=now + 1)
+    assert r.m.step == 2 and r.m.checkpoint_cursor == r.m.cursor       # between rounds: the next one's
+    # a follower that adopted the round at step 3 holds the parameters before it: that round's cursor
+    f = rig(5)
+    f.m.start(now_ms=0)
+    f.m.handle(round_msg(1, 3, assign={1: 100, 5: 130}, shares={1: 30, 5: 7}, cursor=100), now_ms=1)
+    assert f.m.step == 3 and f.m.cursor == 137 and f.m.checkpoint_cursor == 100

@@ -356,7 +356,9 @@ class RankMachine:
         #: per rank, how long the rounds this rank drove waited for that rank's bucket after every
         #: other awaited bucket had arrived, ms in total ("Shares": who holds the rounds)
         self.held_ms: dict[int, float] = {}
-        self.cursor = start_cursor          # samples assigned before the current step
+        self.cursor = start_cursor          # samples assigned before the next round sent or adopted
+        # the cursor of the round at ``self.step`` while it is in flight (cursor has moved past it)
+        self._step_cursor, self._cursor_step = start_cursor, start_step
         self.shares: dict[int, int] = {}    # the last round's shares (driven or adopted)
         # the last round this rank drove as a broadcast: when, in which term ("Shares")
         self._broadcast_ms = -math.inf
@@ -837,6 +839,14 @@ class RankMachine:
             n = getattr(getattr(self.worker, "dataset", None), "train_len", None)
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
+    @property
+    def checkpoint_cursor(self) -> int:
+        """The samples assigned before the round at :attr:`step` (a checkpoint's cursor, with
+        that step and the parameters before that round): while the round at ``step`` is in
+        flight, ``cursor`` has already moved past its windows, and a cohort resumed with it
+        would skip them ("Resuming from a checkpoint")."""
+        return self._step_cursor if self.step < self._cursor_step else self.cursor
+
     def _epoch(self) -> float | None:
         """Epochs covered by the samples assigned so far, when the worker knows its training set."""
         n = self._train_len()
@@ -1127,7 +1137,9 @@ class RankMachine:
             self._beat(now_ms)
         shares = msg["shares"]
         self.shares = dict(shares)
-        self.cursor = int(msg["cursor"]) + self.train.local_steps * sum(shares.values())
+        self._step_cursor = int(msg["cursor"])
+        self.cursor = self._step_cursor + self.train.local_steps * sum(shares.values())
+        self._cursor_step = int(msg["step"]) + (1 if shares else 0)
         if self.at_step_limit and self.running:
             # the cohort ends at the job's step limit (note 13): nothing to compute
             self.counters["step_limit"] += 1
@@ -1337,7 +1349,9 @@ class RankMachine:
             self.counters["rounds_addressed"] += 1
             for k in to:
                 self._actions.append(Post({**msg, "to": k}))
+        self._step_cursor = self.cursor
         self.cursor += h * sum(shares.values())
+        self._cursor_step = self.step + 1
         self.last_open_ms = now_ms
         self._phase = Phase.OWN
         self._phase_deadline_ms = None

@@ -172,7 +172,7 @@ def upload_headers(machine: Any, bus: Any, body_digest: str, *, final: bool) -> 
     the run's final one."""
     h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
          "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": body_digest,
-         "X-Tabcohort-Cursor": str(int(machine.cursor)), "X-Tabcohort-Loss": repr(float(machine.loss))}
+         "X-Tabcohort-Cursor": str(int(machine.checkpoint_cursor)), "X-Tabcohort-Loss": repr(float(machine.loss))}
     acc = machine.accuracy
     if isinstance(acc, (int, float)) and math.isfinite(acc):
         h["X-Tabcohort-Accuracy"] = repr(float(acc))
@@ -267,7 +267,7 @@ class RankSession:
         self.rejoin = False
         self.stop_event.clear()
         self.start_step = machine.step
-        self.start_cursor = machine.cursor
+        self.start_cursor = machine.checkpoint_cursor   # (the cursor of the round at that step)
         self.start_state = machine.optimizer_state()
         self.start_term = max(self.start_term, machine.term)
         self.n_rejoins += 1
