@@ -234,3 +234,28 @@ def test_a_bus_the_server_refuses_releases_its_socket_before_it_raises():
         asyncio.run(asyncio.wait_for(bus.connect(timeout_s=5.0), 10.0))
     assert (e.value.code, e.value.reason) == (CLOSE_BAD_TOKEN, "bad trainer token")
     assert sock.opened == 1 and sock.aclosed == 1
+
+
+def test_a_move_never_leaves_wss_for_plain_http():
+    """A rank's register carries its tokens: a 4012 naming an http node, or a welcome listing
+    one, is not followed from a wss link (a review), while ws -> http(s) and wss -> https are."""
+    from tabcohort.bus.room import moved_ws_url
+
+    assert moved_ws_url("wss://a.example/api/rooms/r/ws", "http://b.example:8080") is None
+    assert moved_ws_url("wss://a.example/api/rooms/r/ws", "https://b.example") == "wss://b.example/api/rooms/r/ws"
+    assert moved_ws_url("ws://a:1/api/rooms/r/ws?x=1", "http://b:2") == "ws://b:2/api/rooms/r/ws?x=1"
+    assert moved_ws_url("ws://a:1/api/rooms/r/ws", "https://b:2") == "wss://b:2/api/rooms/r/ws"
+    c = RoomClient("wss://a.example/api/rooms/r/ws")
+    to, code = c.redirect(CLOSE_MOVED, "http://b.example:8080", reached=True)
+    assert to is None and code == CLOSE_MOVED and c.url == "wss://a.example/api/rooms/r/ws"
+
+
+def test_a_ranks_http_redirect_never_leaves_https_for_http():
+    from tabcohort.runtime.native import node_redirect
+
+    url = "https://a.example/api/rooms/r/job"
+    with pytest.raises(ValueError, match="in clear"):
+        node_redirect(url, "http://b.example:8080/api/rooms/r/job")
+    assert node_redirect(url, "https://b.example/api/rooms/r/job") == "https://b.example/api/rooms/r/job"
+    assert node_redirect("http://a/api/rooms/r/job", "https://b/api/rooms/r/job") == "https://b/api/rooms/r/job"
+    assert node_redirect(url, "/elsewhere") is None and node_redirect(url, "ftp://b/api/rooms/r/job") is None

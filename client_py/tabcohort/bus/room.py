@@ -66,9 +66,13 @@ MAX_ALTERNATES = 16
 
 def moved_ws_url(current: str, owner_base: str) -> str | None:
     """The room's WebSocket URL at ``owner_base`` (``http(s)://host:port``, a 4012 close reason),
-    keeping ``current``'s path and query; ``None`` for anything that is not such a URL."""
+    keeping ``current``'s path and query; ``None`` for anything that is not such a URL, and for
+    an ``http`` node when ``current`` is ``wss``: a rank's register carries its tokens, which
+    would then go in clear."""
     o = urllib.parse.urlsplit(owner_base.strip())
     if o.scheme not in ("http", "https") or not o.hostname or o.path not in ("", "/") or o.query:
+        return None
+    if urllib.parse.urlsplit(current).scheme == "wss" and o.scheme != "https":
         return None
     try:
         o.port

@@ -428,9 +428,12 @@ class RankRun(RankSession):
             loc = r.headers.get("Location")
             if r.status not in (301, 302, 303, 307, 308) or not loc:
                 return url, r
-            to = urllib.parse.urljoin(url, loc)
-            u = urllib.parse.urlsplit(to)
-            if u.scheme not in ("http", "https") or u.path != urllib.parse.urlsplit(url).path:
+            try:
+                to = node_redirect(url, loc)
+            except ValueError as e:
+                r.release()
+                raise ConfigError(self.cfg._name("server"), self.cfg.base_url, str(e)) from None
+            if to is None:
                 return url, r     # not a node's redirect of this request: answered as it is
             r.release()
             url = to
@@ -693,6 +696,26 @@ class RankRun(RankSession):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
         except Exception as e:  # a failed upload must not stop training
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+def node_redirect(url: str, location: str) -> str | None:
+    """Where a cluster node's redirect (README "Cluster") of a ``GET`` of ``url`` sends it: the
+    same path at another node. ``None`` when ``location`` is not such a redirect (another path,
+    another scheme than http/https): the response is then answered as it is.
+
+    Raises:
+        ValueError: the redirect leaves https for http. The rank re-sends its token and trainer
+            token on a redirect (aiohttp drops them across origins), so it would send them in
+            clear.
+    """
+    to = urllib.parse.urljoin(url, location)
+    u, frm = urllib.parse.urlsplit(to), urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or u.path != frm.path:
+        return None
+    if frm.scheme == "https" and u.scheme == "http":
+        raise ValueError(f"{url} redirected to {to}: refused, the room's credentials would go in clear "
+                         "(give that node an https --advertise-url)")
+    return to
 
 
 def _raise_unless_ok(url: str, r: Any) -> None:
