@@ -10,16 +10,36 @@ failed token checks per address, and the Origin of browser requests.
 - :func:`origin_allowed` is the same-origin rule (RFC 6454) with an allow-list.
 
 Refusals are counted in a ``collections.Counter`` the app exposes (``/metrics``
-``tabcohort_server_refused_total{reason}``).
+``tabcohort_server_refused_total{reason}``). "An address" is :func:`client_key`'s: an IPv4
+address, or an IPv6 /64.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 
 from collections import Counter, deque
 from typing import Any, Iterable
 from urllib.parse import urlsplit
+
+
+def client_key(addr: str | None) -> str:
+    """The client a per-address bound is kept for: an IPv4 address as it is (an IPv4-mapped
+    IPv6 one as its IPv4), an IPv6 address as its /64 network (RFC 4291 2.5.4: one host's
+    interface prefix; one host may send from any address in it, and each would otherwise get a
+    fresh budget), anything else (a Unix socket, None) as the string given or ``""``."""
+    if not addr:
+        return ""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return addr
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip)
 
 
 class ConnectionGuard:
@@ -43,7 +63,7 @@ class ConnectionGuard:
 
         def connection_made(handler: Any, transport: Any) -> None:
             peer = transport.get_extra_info("peername")
-            addr = peer[0] if isinstance(peer, (tuple, list)) and peer else str(peer)
+            addr = client_key(peer[0] if isinstance(peer, (tuple, list)) and peer else str(peer))
             made(handler, transport)
             if self.open[addr] >= self.max_per_address:
                 self.counters["connections_per_address"] += 1
@@ -83,11 +103,11 @@ class AuthLimiter:
 
     def blocked(self, addr: str | None, now: float) -> bool:
         """True when ``addr`` used up its failures in the window (its requests get 429)."""
-        d = self._fails.get(addr or "")
+        d = self._fails.get(client_key(addr))
         return d is not None and len(d) >= self.max_failures and now - d[0] < self.window_s
 
     def fail(self, addr: str | None, now: float) -> None:
-        key = addr or ""
+        key = client_key(addr)
         d = self._fails.pop(key, None)
         if d is None:
             d = deque(maxlen=self.max_failures)
@@ -97,7 +117,7 @@ class AuthLimiter:
         self._fails[key] = d                                # most recent last
 
     def retry_after_s(self, addr: str | None, now: float) -> float:
-        d = self._fails.get(addr or "")
+        d = self._fails.get(client_key(addr))
         return 0.0 if not d else max(0.0, self.window_s - (now - d[0]))
 
 

@@ -43,6 +43,7 @@ from tabcohort.wire.limits import WireLimits
 
 from .config import JobConfig, ServerLimits, same_secret
 from .fairness import SERVER, FairQueue, TokenBucket
+from .guard import client_key
 from .schema import parse_control
 
 #: WebSocket close codes (application range 4000-4999) with their reasons.
@@ -104,7 +105,8 @@ class Peer:
     def __init__(self, rank_id: int, secret: str, address: str | None = None) -> None:
         self.id = rank_id
         self.secret = secret
-        self.address = address     # the client's network address (per-address seat bound)
+        #: the client's address as its per-address bounds see it (guard.client_key), or None
+        self.address = None if address is None else client_key(address)
         self.connected = False
         self.disconnected_at: float | None = None
         self.queue = FairQueue()
@@ -240,8 +242,12 @@ class Room:
 
     # ------------------------------------------------------------------ membership
     def seats_of(self, address: str | None) -> int:
-        """Seats (connected and reserved) held from ``address``."""
-        return 0 if address is None else sum(1 for q in self.peers.values() if q.address == address)
+        """Seats (connected and reserved) held from ``address`` (its guard.client_key: an IPv6
+        /64 is one address)."""
+        if address is None:
+            return 0
+        key = client_key(address)
+        return sum(1 for q in self.peers.values() if q.address == key)
 
     def _check_address(self, address: str | None, now: float) -> None:
         cap = self.limits.max_ranks_per_address
@@ -977,7 +983,7 @@ class RoomRegistry:
     def admit(self, address: str | None, now: float) -> bool:
         """Spend one admission (a registration or resume) for ``address``: its own bucket first,
         then the server's (README "Limits"); False when either is empty (close 4029)."""
-        key = address or ""
+        key = client_key(address)
         b = self._admission_by_address.get(key)
         if b is None:
             if len(self._admission_by_address) >= MAX_ADMISSION_ADDRESSES:

@@ -93,3 +93,31 @@ def test_one_address_cannot_take_the_whole_admission_rate():
     # an address whose bucket refilled is forgotten at the next tick
     reg.tick(100.0)
     assert reg._admission_by_address == {}
+
+
+def test_an_ipv6_host_rotating_its_source_address_is_one_address():
+    """A review: the per-address buckets were keyed on the full address, so one IPv6 host sending
+    from a new address of its /64 for each registration got a fresh share each time (and so the
+    failed-token and seat bounds too). Every per-address bound keys an IPv6 address by its /64."""
+    from tabcohort_server.guard import AuthLimiter, client_key
+    from tabcohort_server.rooms import RoomRegistry
+
+    assert client_key("2001:db8:1:2::5") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::5") != client_key("2001:db8:1:2::5")
+    assert client_key("::ffff:10.0.0.1") == "10.0.0.1" and client_key("10.0.0.1") == "10.0.0.1"
+    assert client_key(None) == ""
+    reg = RoomRegistry({"r": JobConfig(dataset="synthetic")},
+                       ServerLimits(register_rate_per_s=RATE_PER_S, register_burst=BURST))
+    got = [reg.admit(f"2001:db8:1:2::{i:x}", 0.0) for i in range(1, 10)]
+    assert got == [True] * ADDRESS_BURST + [False] * (9 - ADDRESS_BURST)
+    assert reg.admit("2001:db8:9::1", 0.0)              # another /64 still gets in
+    auth = AuthLimiter(max_failures=3, window_s=60.0)
+    for i in range(3):
+        auth.fail(f"2001:db8:1:2::{i + 100:x}", 0.0)
+    assert auth.blocked("2001:db8:1:2::ab:cd", 1.0) and not auth.blocked("2001:db8:1:3::1", 1.0)
+    room = reg.get("r")
+    room.limits = ServerLimits(max_ranks_per_address=2)
+    room.register(now=0.0, address="2001:db8:1:2::1")
+    room.register(now=0.0, address="2001:db8:1:2::2")
+    with pytest.raises(Exception, match="too many ranks from one address"):
+        room.register(now=0.0, address="2001:db8:1:2::3")
