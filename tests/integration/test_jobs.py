@@ -390,6 +390,17 @@ def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_pat
         p.wait(10)
 
 
+def _evaluate_failing_later() -> str:
+    """GOOD, whose evaluate() raises from its 4th call on (a job bug the start-up check, which
+    calls it once, does not meet)."""
+    return GOOD.replace('    def evaluate(self):\n        return 0.5\n',
+                        '    def evaluate(self):\n'
+                        '        self.evals = getattr(self, "evals", 0) + 1\n'
+                        '        if self.evals > 3:\n'
+                        '            raise KeyError("eval oops")\n'
+                        '        return 0.5\n')
+
+
 def _failing_later(how: str) -> str:
     """GOOD, whose grads() goes bad after its 20th call: ``nan`` returns NaN gradients, ``raise``
     raises, ``short`` returns a gradient one value short (a job bug that a warm-up did not meet)."""
@@ -429,17 +440,34 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
     assert codes == [1, 1]
 
 
+def test_a_job_whose_evaluate_starts_raising_ends_each_rank_with_the_job_s_line(cluster, tmp_path):
+    # a new-user trial: evaluate() raising mid-run made every evaluation a round fault (a beat's
+    # wait: 25 steps/s for 5,000) with a frozen accuracy and no word on the rank's console
+    job = tmp_path / "eval_later.py"
+    job.write_text(_evaluate_failing_later())
+    cluster.serve("--job", str(job))
+    ranks = [cluster.rank("--trust-job") for _ in range(2)]
+    codes = [p.p.wait(60) for p in ranks]
+    out = "".join(p.text() for p in ranks)
+    assert "the job's evaluate() failed: KeyError: 'eval oops' (at eval_later.py:" in out, out[-2000:]
+    assert "job failed: the job's evaluate() failed 3 times in a row" in out, out[-2000:]
+    assert 1 in codes, codes
+
+
 @pytest.mark.parametrize("how,expect", [
     ("nan", r"training diverged at step \d+: .*NaN in the job's loss or gradients"),
     ("raise", r"the job's compute failed 3 times in a row: RuntimeError: boom in grads \(at .*raise\.py:\d+ in grads\)"),
     # (it said "training diverged ... try a smaller --lr", and a real room stalled without a word)
     ("short", r"the job's compute failed 3 times in a row: JobError: .*grads\(\) returned 9 gradient values, "
               r"but the worker's bucket_len is 10$"),
+    # (a new-user trial: it trained on at a beat per evaluation and ended in a raw traceback)
+    ("evaluate", r"the job's evaluate\(\) failed 3 times in a row: KeyError: 'eval oops' "
+                 r"\(at evaluate\.py:\d+ in evaluate\)"),
 ])
 def test_simulate_ends_a_job_that_goes_bad_with_an_error(tmp_path, how, expect):
     # simulate ran the raising job to --max-seconds and exited 0 with "bit-identical: yes"
     job = tmp_path / f"{how}.py"
-    job.write_text(_failing_later(how))
+    job.write_text(_evaluate_failing_later() if how == "evaluate" else _failing_later(how))
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "simulate", "--job", str(job), "--ranks", "2",
                         "--steps", "500", "--max-seconds", "60"],
                        capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))

@@ -1385,3 +1385,24 @@ def test_a_leader_without_numpy_reduces_as_buckets_arrive_bit_identically():
             want = weighted_mean(vectors, weights)
             assert bytes(array("f", got)) == bytes(array("f", want))
             assert run.result(vectors[::-1], weights[::-1]) is None
+
+
+def test_an_evaluate_that_raises_leaves_the_round_applied_and_is_no_round_fault():
+    """"Worker contract": the job's evaluate() raising (a new-user trial) made each evaluation a
+    round fault, a beat's wait: the round stays applied, the accuracy unknown, the exception kept
+    once for the runtime (which says where and stops a job that keeps failing)."""
+    r = rig(1, ready=True, eval_every=1)
+    calls = []
+
+    def evaluate():
+        calls.append(1)
+        raise KeyError("eval oops")
+    r.w.evaluate = evaluate
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    assert r.m.step == 1 and calls and r.m.accuracy is None
+    assert r.m.counters["evaluate_failed"] == 1 and r.m.counters["round_fault"] == 0
+    assert r.m._phase is not Phase.FAULT and "evaluate() raised KeyError" in r.m.fault
+    exc = r.m.take_evaluate_error()
+    assert isinstance(exc, KeyError) and r.m.take_evaluate_error() is None and r.m.evaluate_failures == 1

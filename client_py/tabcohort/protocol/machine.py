@@ -291,6 +291,9 @@ class RankMachine:
         self.aggregate = aggregate
         #: the round's mean as its buckets arrive (weights = samples / the planned global batch)
         self._running_mean = RunningMean()
+        #: the job's evaluate() raised in this many evaluations in a row (0 after one that did not)
+        self.evaluate_failures = 0
+        self._evaluate_error: Exception | None = None
         self.clipped: Counter[int] = Counter()             # rank -> buckets clipped
         self._clip_recent: dict[int, deque[bool]] = {}
         self._bias = BiasMonitor()                          # "Untrusted ranks": steady pushes
@@ -772,6 +775,12 @@ class RankMachine:
     def applied_samples(self) -> int:
         """Samples of every reduce this rank applied (its own rounds and adopted ones)."""
         return self._applied_samples
+
+    def take_evaluate_error(self) -> Exception | None:
+        """The exception the worker's ``evaluate()`` last raised, once (then None): the runtime
+        says where in the job it came from (:attr:`evaluate_failures` counts them in a row)."""
+        exc, self._evaluate_error = self._evaluate_error, None
+        return exc
 
     def bucket_failed(self, token: int, error: str, *, now_ms: float) -> None:
         """A requested :class:`Compute` raised; ``error`` becomes ``fault`` in the report."""
@@ -1877,7 +1886,20 @@ class RankMachine:
         self._applied_samples += int(total)
         self.counters["buckets_reduced"] += len(buckets)
         if self.eval_every > 0 and self.step % self.eval_every == 0:
-            acc = float(self.worker.evaluate())
+            try:
+                acc = float(self.worker.evaluate())
+            except Exception as exc:
+                # "Worker contract": a job's evaluate() that raises leaves the round applied and
+                # the accuracy unknown; it is not a round fault (which waited a beat after each
+                # evaluation: a room ran 200 x slower with no word why). The runtime reads the
+                # exception (take_evaluate_error) to say where, and stops a job that keeps failing
+                self.accuracy = None
+                self.counters["evaluate_failed"] += 1
+                self.evaluate_failures += 1
+                self.fault = f"evaluate() raised {type(exc).__name__}: {str(exc)[:160]}"
+                self._evaluate_error = exc
+                return
+            self.evaluate_failures = 0
             if 0.0 <= acc <= 1.0:
                 self.accuracy = acc
             else:

@@ -251,9 +251,24 @@ class RankDriver:
             self._flush()
 
     # ------------------------------------------------------------------ outputs
+    def _evaluate_failed(self, exc: Exception) -> None:
+        """The job's evaluate() raised (the machine applied the round and carries on): said once
+        per run of failures, with the job's line; fatal after COMPUTE_FAILURES_FATAL in a row,
+        as a failing compute is (README "Write your own job")."""
+        where = job_frame(exc, getattr(self.worker, "job_files", None))
+        error = f"{type(exc).__name__}: {str(exc)[:160]}" + (f" (at {where})" if where else "")
+        n = self.machine.evaluate_failures
+        if n == 1:
+            log.warning("rank %08x: the job's evaluate() failed: %s", self.machine.id, error)
+        if n == COMPUTE_FAILURES_FATAL and self.on_compute_failed is not None:
+            self.on_compute_failed(f"the job's evaluate() failed {n} times in a row: {error}")
+
     def _flush(self) -> None:
         if self._closed:
             return
+        exc = self.machine.take_evaluate_error()
+        if exc is not None:
+            self._evaluate_failed(exc)
         computes = []
         for action in self.machine.drain():
             if isinstance(action, Post):

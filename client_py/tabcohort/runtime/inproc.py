@@ -22,7 +22,7 @@ from ..protocol import RankMachine, Timing
 from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
 from ..vec import digest
-from .driver import RankDriver
+from .driver import RankDriver, job_frame
 
 #: More ranks than this in one process are a configuration error, not a slow death.
 MAX_RANKS = 256
@@ -409,7 +409,14 @@ class InprocCohort:
                           f"within 10 s: --link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one "
                           f"round ({n:,} bytes of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s; the "
                           f"model the run reports is the leader's")
-        acc: float | None = float(best.worker.evaluate())
+        try:
+            acc: float | None = float(best.worker.evaluate())
+        except Exception as exc:
+            where = job_frame(exc, getattr(best.worker, "job_files", None))
+            for d in list(self.drivers.values()):
+                await d.close()
+            raise TabcohortError(f"the job's evaluate() raised {type(exc).__name__}: {str(exc)[:160]}"
+                                 + (f" (at {where})" if where else "")) from None
         if not 0.0 <= acc <= 1.0:
             acc = None          # ("Worker contract": no accuracy; NaN is not JSON either)
         steps = max(d.machine.step for d in self.drivers.values())
