@@ -525,7 +525,7 @@ async def set_room_lr(request: web.Request) -> web.Response:
         room.drop("bad_lr")
         return _json({"error": f"lr must be a number in (0, {top:g}] (the room's lr_max: serve --lr-max)"},
                      status=400)
-    room.job.lr = float(lr)
+    room.job.lr = room.operator_lr = float(lr)
     room.broadcast_control({"type": "lr", "lr": float(lr)})
     return _json({"lr": float(lr)})
 

@@ -200,6 +200,9 @@ class Room:
         self.started_at: float | None = None
         self.stopped = False
         self.stop_reason: str | None = None
+        #: the learning rate the operator set (``POST .../lr``), told to every rank that joins
+        #: later in its ``welcome`` (the served job keeps the lr it started with)
+        self.operator_lr: float | None = None
         #: called with the room once it stops (``tabcohort serve`` prints a line)
         self.on_stop: list[Callable[[Room], None]] = []
         #: in a cluster: the URLs of the other nodes that can host the room (``welcome``'s
@@ -326,7 +329,8 @@ class Room:
     def welcome(self, p: Peer, *, resumed: bool) -> dict:
         """The ``welcome`` control: the rank's id, secret and role (``may_lead``), the peers
         already connected and which of them may lead (``lead_peers``), and the checkpoint a
-        fresh cohort resumes from (``checkpoint``: id, step, accuracy; None if none)."""
+        fresh cohort resumes from (``checkpoint``: id, step, accuracy; None if none), and the
+        learning rate the operator set, once set (``lr``)."""
         newest = None if self.store is None else self.store.latest_meta()
         return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
                 "topology": self.job.topology,
@@ -338,7 +342,8 @@ class Room:
                     "id": newest["id"], "step": newest["step"], "accuracy": newest.get("accuracy")},
                 "high_water_bytes": self.limits.queue_high_water_bytes,
                 "max_message_bytes": self.limits.max_ws_message_bytes,
-                **({"nodes": self.other_nodes()[:16]} if self.other_nodes is not None else {})}
+                **({"nodes": self.other_nodes()[:16]} if self.other_nodes is not None else {}),
+                **({"lr": self.operator_lr} if self.operator_lr is not None else {})}
 
     def announce(self, p: Peer, up: bool) -> None:
         """Tell the other connected ranks that ``p`` joined or left the relay, and its role."""

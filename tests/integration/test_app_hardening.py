@@ -475,6 +475,11 @@ async def test_only_the_operator_sets_the_rooms_learning_rate(client):
             told.append(msg["lr"])
     assert told == [0.4, 0.25]
     await ws.close()
+    # a rank that joins later is told the operator's lr in its welcome (the served job keeps the
+    # lr the room started with: a new-user trial's ranks, restarted, trained at that one again)
+    ws2, w2 = await join(client, trainer_token=TRAINER)
+    assert w2["type"] == "welcome" and w2["lr"] == 0.25
+    await ws2.close()
     # a stopped room: 409, the lr unchanged (it answered 200 with no rank left to apply it)
     assert (await client.post("/api/rooms/r/stop", headers=bearer(OP))).status == 200
     r = await client.post("/api/rooms/r/lr", json={"lr": 0.125}, headers=bearer(OP))

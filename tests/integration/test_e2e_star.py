@@ -141,3 +141,23 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     assert time.monotonic() - t_late < 15, late.text()
     assert "stopped (server: steps" in late.text(), late.text()[-2000:]
     assert cluster.state()["checkpoint"]["step"] == fin["checkpoint"]["step"]
+
+
+def test_a_rank_that_joins_after_the_operator_set_the_lr_trains_with_it(cluster):
+    # a new-user trial: POST .../lr, then every rank restarted (Ctrl-C, start again): the new
+    # leader trained at serve's --lr again, the operator's lr silently lost
+    import urllib.request
+
+    cluster.serve("--lr", "0.5")
+    first = cluster.rank()
+    wait_for(lambda: any(r.get("is_leader") and (r.get("step") or 0) > 5 for r in cluster.reports()), 60,
+             "a leader")
+    req = urllib.request.Request(f"{cluster.url}/api/rooms/{cluster.room}/lr", data=b'{"lr": 0.01}', method="POST",
+                                 headers={**cluster._auth(), "Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).close()
+    wait_for(lambda: any(r.get("lr") == 0.01 for r in cluster.reports()), 30, "the leader to take the lr")
+    first.terminate()
+    assert first.p.wait(30) == 0, first.text()
+    cluster.rank()
+    wait_for(lambda: any(r.get("is_leader") and r.get("lr") == 0.01 and (r.get("step") or 0) > 5
+                         for r in cluster.reports()), 60, "the new rank leading at the operator's lr")

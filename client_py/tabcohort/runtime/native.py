@@ -553,7 +553,7 @@ class RankRun(RankSession):
                 self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
                               f"bucket_len {worker.bucket_len}; role: "
                               f"{'may lead' if machine.may_lead else 'contributes only (no trainer token)'})")
-                driver.start(job["lr"])
+                driver.start(self.job_lr(job))
                 t0 = time.monotonic()
                 next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                 period = job["report_interval_s"]

@@ -231,6 +231,8 @@ class RankSession:
         self.start_term = 0
         #: the samples assigned before the start step (the checkpoint's cursor, or the last seat's)
         self.start_cursor = 0
+        #: the learning rate the operator set, from the room's ``welcome`` (None: the job's)
+        self.operator_lr: float | None = None
         self.rejoin = False
         self.n_rejoins = 0
 
@@ -242,7 +244,7 @@ class RankSession:
 
         may_lead, peer_roles = bus_role(bus)
         machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(asyncio.get_running_loop()),
-                              timing=Timing(**job["timing"]), lr=job["lr"], eval_every=job["eval_every"],
+                              timing=Timing(**job["timing"]), lr=self.job_lr(job), eval_every=job["eval_every"],
                               precision=job["precision"], collect_rule=job.get("collect_rule", "quorum"),
                               global_batch=job.get("global_batch"), step_limit=step_limit(job),
                               aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
@@ -261,6 +263,11 @@ class RankSession:
             self.request_stop(f"job failed: {why}")
         self.driver = RankDriver(machine, worker, bus, on_report=at_limit, on_compute_failed=compute_failed)
         return machine, self.driver
+
+    def job_lr(self, job: dict) -> float:
+        """The learning rate a seat starts with: the operator's (``POST .../lr``, told in the
+        room's ``welcome``) once set, else the job's."""
+        return self.operator_lr if self.operator_lr is not None else job["lr"]
 
     def rejoined(self, machine: Any) -> None:
         """The server refused this seat's resume: the next seat starts where this one was."""
@@ -287,14 +294,18 @@ class RankSession:
             # the link opened again: the ranks the server lists are the room's connected ranks,
             # and a member it omits left meanwhile (PROTOCOL.md, "Membership and majority")
             self.driver.roll_call(obj["peers"])
-        elif t == "lr":
-            # the operator's learning rate (the server sends it only on the operator's word):
-            # applied by the leader, whose rounds carry it (PROTOCOL.md "Controls": set_lr)
+        if t == "lr" or (t == "welcome" and "lr" in obj):
+            # the operator's learning rate (the server sends it only on the operator's word, and
+            # in each later welcome): applied by the leader, whose rounds carry it (PROTOCOL.md
+            # "Controls": set_lr); a rank that joins after it starts with it
             lr = obj.get("lr")
             # (above the room's lr_max the machine refuses it: followers would drop the rounds)
-            if (self.driver is not None and isinstance(lr, (int, float)) and not isinstance(lr, bool)
-                    and math.isfinite(lr) and 0 < lr <= min(1e6, self.driver.machine.lr_max)):
-                self.driver.set_lr(float(lr))
+            if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and 0 < lr <= 1e6:
+                if self.driver is None:
+                    self.operator_lr = float(lr)
+                elif lr <= self.driver.machine.lr_max:
+                    self.operator_lr = float(lr)
+                    self.driver.set_lr(float(lr))
         elif t == "stop":
             reason = str(obj.get("reason"))
             if reason.startswith("diverged"):   # the room ended because training diverged

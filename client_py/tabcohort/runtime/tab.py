@@ -175,7 +175,7 @@ class TabRun(RankSession):
             self.progress(f"rank {bus.id:08x} joined room {cfg['room']} ({worker.backend}, batch {worker.batch})")
             self.ui("joined", id=bus.id, t=round(time.monotonic() - self.t0, 3))
             if running if self.n_rejoins else cfg.get("autostart", True):
-                driver.start(job["lr"])
+                driver.start(self.job_lr(job))
             next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
             period = job["report_interval_s"]
             ui_period = min(period, 0.5)
