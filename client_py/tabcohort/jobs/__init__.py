@@ -40,6 +40,7 @@ import json
 import math
 import operator
 import os
+import sys
 from typing import Any, Callable
 
 from .._compat import np
@@ -151,16 +152,21 @@ class LoadedJob:
     def make_worker(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
         """The job's worker, wrapped in :class:`JobWorker`.
 
+        An asynchronous factory (``async def``, or one returning an awaitable) is awaited to the
+        end here: on an event loop of its own, in a thread of its own when this thread runs one
+        (README "Write your own job": a factory may return an awaitable of its worker).
+
         Raises:
-            JobError: the factory raised (with its file and line), returned no worker, or
-                returned an awaitable (use :meth:`make_worker_async`).
+            JobError: the factory raised (with its file and line), or returned no worker.
             ConfigError: ``backend`` is not one the job runs on.
         """
         w = self._build(batch, seed, self._backend(backend))
         if isinstance(w, _Pending):
-            w.close()
-            raise JobError(f"the factory {self.source.factory}() is asynchronous here: build it with "
-                           "make_worker_async", self.source.ref)
+            if sys.platform == "emscripten":   # (a tab builds with make_worker_async)
+                w.close()
+                raise JobError(f"the factory {self.source.factory}() is asynchronous, and no event loop "
+                               "can be run to its end in this interpreter (Pyodide)", self.source.ref)
+            return _run_to_end(w)
         return w
 
     async def make_worker_async(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
@@ -209,6 +215,32 @@ class LoadedJob:
         from ..protocol.job import module_job_hash
         return module_job_hash(self.source.code_sha256, self.data.sha256, self.spec, self.source.factory,
                                worker.bucket_len, train)
+
+
+def _run_to_end(pending: "_Pending") -> JobWorker:
+    """Await ``pending`` from synchronous code: ``asyncio.run`` here, or in a thread of its own
+    while this thread runs an event loop (one cannot be run inside another)."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(pending._run())
+    import threading
+
+    out: list[Any] = []
+
+    def build() -> None:
+        try:
+            out.append(asyncio.run(pending._run()))
+        except BaseException as e:   # (raised in the caller's thread below)
+            out.append(e)
+    t = threading.Thread(target=build, name="tabcohort-async-factory", daemon=True)
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 class _Pending:
