@@ -488,7 +488,11 @@ def _evaluate(a: argparse.Namespace) -> int:
             raise ConfigError("--job", "(not given)", f"the model was trained as the job {info.get('name')!r}: "
                               "give --job PATH naming it")
         ref = os.path.join(own.root, own.module + ".py")
-    elif find_source(ref).code_sha256 != info.get("code_sha256"):
+    elif (src := find_source(ref)).code_sha256 != info.get("code_sha256"):
+        from .runtime.session import renamed_copy_hint
+        hint = renamed_copy_hint(src, info, "--job")
+        if hint is not None:
+            raise ConfigError("--job", a.job, f"it is the model's job {info.get('name')!r} {hint}")
         raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
                           f"{str(info.get('code_sha256'))[:16]}): another job, or another version of it")
     options = info.get("options")

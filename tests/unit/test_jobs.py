@@ -414,3 +414,20 @@ def test_a_job_whose_grads_never_return_fails_the_start_up_check_within_its_time
     monkeypatch.setattr(JobWorker, "grads_sync", lambda self, offset, samples=None: (float("nan"), [0.0]))
     with pytest.raises(JobError):
         probe(job, batch=8, seed=0, backend="python", timeout_s=30)
+
+
+def test_a_copy_of_the_rooms_job_under_another_name_is_told_what_to_rename(tmp_path):
+    # a new-user trial: a byte-identical copy saved as another file was refused as "another job,
+    # or another version of it" (the code hash covers the module and factory names)
+    room = find_source(_job(tmp_path, name="constjob.py"))
+    info = {"name": "const", "module": room.module, "factory": room.factory, "code_sha256": room.code_sha256}
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / "my_copy.py"
+    copy.write_bytes((tmp_path / "constjob.py").read_bytes())
+    with pytest.raises(ConfigError, match=r"under another name: its module is 'constjob' .*name the copy "
+                                          r"constjob\.py and pass --job PATH"):
+        trusted_job_source(info, trust=False, local=str(copy))
+    copy.write_bytes((tmp_path / "constjob.py").read_bytes() + b"\n# edited\n")   # really another version
+    with pytest.raises(ConfigError, match="another job, or another version of it"):
+        trusted_job_source(info, trust=False, local=str(copy))
+    assert trusted_job_source(info, trust=False, local=str(tmp_path / "constjob.py")).code_sha256 == room.code_sha256

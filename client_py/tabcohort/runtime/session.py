@@ -56,6 +56,9 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
     if local:
         src = find_source(local)
         if src.code_sha256 != want:
+            hint = renamed_copy_hint(src, info, job_var)
+            if hint is not None:
+                raise ConfigError(job_var, local, f"this copy is the room's job {name!r} {hint}")
             raise ConfigError(job_var, local, f"this copy's code hash {src.code_sha256[:16]} is not the room's job "
                               f"{name!r} (code sha256 {str(want)[:16]}): another job, or another version of it; get the room's "
                               f"version or use {trust_var} to run the server's")
@@ -66,6 +69,39 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
                       f"{info.get('code_bytes')} bytes) that the server serves; a native rank never runs a "
                       f"server's code silently: pass --trust-job (or TABCOHORT_TRUST_JOB=1) to run it, or "
                       f"--job PATH naming your local copy of the job (its hash must match)")
+
+
+def renamed_copy_hint(src: Any, info: dict, option: str) -> str | None:
+    """When ``src`` (a :class:`tabcohort.jobs.JobSource`) is the job ``info`` describes (its
+    ``module``, ``factory``, ``code_sha256``) under another module or factory name, what to do
+    ("under another name: ..."), else None. The job's code hash covers both names, so a
+    byte-identical copy saved as another file was refused as another job (a new-user trial)."""
+    module, factory, want = info.get("module"), info.get("factory"), info.get("code_sha256")
+    if not (isinstance(module, str) and isinstance(factory, str) and module.isidentifier()
+            and factory.isidentifier() and _same_code_other_name(src, module, factory, want)):
+        return None
+    return (f"under another name: its module is {module!r} with factory {factory!r}, this copy's "
+            f"{src.module!r} with {src.factory!r} (both are part of the job's code hash); name the copy "
+            f"{module}{'/' if src.is_package else '.py'} and pass {option} PATH"
+            + (f":{factory}" if factory != "make_worker" else ""))
+
+
+def _same_code_other_name(src: Any, module: str, factory: str, want: Any) -> bool:
+    """Whether ``src``'s files, renamed to ``module`` with ``factory``, are the code of hash
+    ``want``."""
+    import hashlib
+
+    from ..jobs.source import source_bundle
+
+    old = src.module
+    files = {}
+    for rel, data in src.files.items():
+        if rel == f"{old}.py":
+            rel = f"{module}.py"
+        elif rel.startswith(f"{old}/"):
+            rel = f"{module}/{rel[len(old) + 1:]}"
+        files[rel] = data
+    return hashlib.sha256(source_bundle(module, files, factory)).hexdigest() == want
 
 
 async def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int | None,
