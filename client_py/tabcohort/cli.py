@@ -90,7 +90,8 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--outer-optimizer", default=None, metavar="NAME",
                    help="sgd or nesterov (default: sgd for H = 1, nesterov for H > 1)")
     g.add_argument("--outer-lr", type=float, default=None,
-                   help="the leader's learning rate (default: --lr for H = 1, 0.7 for H > 1)")
+                   help="the leader's learning rate, the round's: --lr under another name (default: 0.5 "
+                        "for H = 1, 0.7 for H > 1)")
     g.add_argument("--outer-momentum", type=float, default=None, help="Nesterov momentum (default: 0.9)")
 
 
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
-    s.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5; see --outer-lr)")
+    s.add_argument("--lr", type=float, default=None, help="the round's learning rate (with --local-steps H > 1 the outer one; the inner "
+                        "one is --inner-lr); default 0.5, 0.7 for H > 1")
     s.add_argument("--steps", type=int, default=400, help="stop at exactly this step")
     s.add_argument("--target-accuracy", type=float, default=0.0,
                    help="stop once held-out accuracy reaches this fraction (0 = off)")
@@ -285,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=int, default=0,
                    help="the most samples one rank computes per round (0 = the global batch; a rank may "
                         "pick its own with rank --batch)")
-    v.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5; see --outer-lr)")
+    v.add_argument("--lr", type=float, default=None, help="the round's learning rate (with --local-steps H > 1 the outer one; the inner "
+                        "one is --inner-lr); default 0.5, 0.7 for H > 1")
     _train_options(v)
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")

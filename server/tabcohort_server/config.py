@@ -175,7 +175,8 @@ class JobConfig:
             raise bad("lr_max", "must be a number in (0, 1e6]")
         if self.lr > v:
             # name the value the user most likely set: the lr, against the bound it passed
-            raise bad("lr", f"above the room's lr_max ({v:g}): lower the lr or raise lr_max")
+            raise bad("lr", f"above the room's lr_max ({v:g}): lower the lr (--lr, or --outer-lr with local "
+                            f"steps) or raise lr_max (--lr-max)")
         from tabcohort.protocol.optim import TrainConfig
         TrainConfig.from_job(self)          # ConfigError naming --local-steps etc.
         check_precision(self.precision)

@@ -290,12 +290,15 @@ def test_options_take_diloco_defaults_for_local_steps_and_name_bad_values():
     cfg, lr = from_options(local_steps=16)
     assert (cfg.outer_optimizer, cfg.outer_momentum, lr, cfg.inner_lr) == ("nesterov", 0.9, 0.7, 0.1)
     assert from_options(local_steps=4, inner_optimizer="adam")[0].inner_lr == 0.001
-    assert from_options(local_steps=4, lr=0.3)[1] == 0.3 and from_options(lr=0.3, outer_lr=0.2)[1] == 0.2
+    assert from_options(local_steps=4, lr=0.3)[1] == 0.3 and from_options(outer_lr=0.2)[1] == 0.2
+    assert from_options(local_steps=4, lr=0.2, outer_lr=0.2)[1] == 0.2
     # (settings that do nothing were accepted in silence: inner ones at H = 1, momentum for SGD)
     for kw, name in (({"outer_lr": 0.0}, "--outer-lr"), ({"lr": math.inf}, "--lr"),
                      ({"local_steps": 5000}, "--local-steps"), ({"inner_optimizer": "adam"}, "--inner-optimizer"),
                      ({"inner_lr": 0.1}, "--inner-lr"), ({"outer_momentum": 0.5}, "--outer-momentum"),
-                     ({"local_steps": 4, "outer_optimizer": "sgd", "outer_momentum": 0.5}, "--outer-momentum")):
+                     ({"local_steps": 4, "outer_optimizer": "sgd", "outer_momentum": 0.5}, "--outer-momentum"),
+                     # (--lr is the round's lr too: it was silently ignored beside --outer-lr)
+                     ({"local_steps": 4, "lr": 0.3, "outer_lr": 0.5}, "--outer-lr")):
         with pytest.raises(ConfigError) as e:
             from_options(**kw)
         assert e.value.variable == name

@@ -118,6 +118,10 @@ def from_options(*, local_steps: Any = 1, inner_optimizer: str = "sgd", inner_lr
     TrainConfig(local_steps=local_steps)               # H first: the defaults depend on it
     h = local_steps
     outer = outer_optimizer if outer_optimizer is not None else ("nesterov" if h > 1 else "sgd")
+    if outer_lr is not None and lr is not None and outer_lr != lr:
+        # (the round's lr under two names: --lr was silently ignored; a new-user trial)
+        raise ConfigError("--outer-lr", outer_lr, f"and --lr {lr} both set the round's (the leader's) learning "
+                                                  "rate: give one")
     if outer_lr is not None:
         name, the_lr = "--outer-lr", outer_lr
     else:

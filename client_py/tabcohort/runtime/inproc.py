@@ -202,6 +202,15 @@ class InprocCohort:
             if k not in self.drivers:
                 return k
 
+    def _lr_advice(self) -> str:
+        """What to lower after a divergence: the round's lr, and with local steps the inner one
+        too (a diverging inner lr was answered "try a smaller --lr": a new-user trial)."""
+        t = self.cfg.train
+        if t.local_steps > 1:
+            return (f"try a smaller --inner-lr (now {t.inner_lr:g}, {t.inner_optimizer}) or --lr (the outer "
+                    f"one, now {self.cfg.lr:g})")
+        return f"try a smaller --lr (now {self.cfg.lr:g})"
+
     def add_rank(self) -> RankDriver:
         cfg = self.cfg
         k = self._new_id()
@@ -297,7 +306,7 @@ class InprocCohort:
                 raise TabcohortError(
                     f"training diverged at step {step}: gradients or updates are no longer finite and "
                     f"no round has applied for {DIVERGED_AFTER_S:g} s (the parameters stay the last finite "
-                    f"ones: a NaN or infinity never reaches them); try a smaller --lr (now {cfg.lr}), or "
+                    f"ones: a NaN or infinity never reaches them); {self._lr_advice()}, or "
                     f"look for a NaN in the job's loss or gradients")
             acc = self._accuracy()
             if now - last_print >= 1.0:
@@ -327,7 +336,7 @@ class InprocCohort:
             raise TabcohortError(
                 f"training diverged at step {last_step}: the training loss ended at {last_loss:.4g}, "
                 f"{LOSS_BLOWUP:g}x a guess's ({ceiling / LOSS_BLOWUP:.3g}: gradients stayed finite, "
-                f"the parameters ran away); try a smaller --lr (now {cfg.lr})")
+                f"the parameters ran away); {self._lr_advice()}")
         return await self._finish(seconds, samples, leaders, partitioned=heal_at is not None)
 
     def _non_finite(self) -> int:
