@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dataset", default=None, metavar="PATH.npz",
                    help="the built-in job trained on an .npz: where that file is here (default: its file name "
                         "in the working directory)")
+    e.add_argument("--job-option", type=_job_option, action="append", default=[], metavar="NAME=VALUE",
+                   help="one of the --job's LOCAL_OPTIONS as it is here (e.g. where its data file lies; VALUE as "
+                        "JSON, else a string); its OPTIONS are the model's; repeatable")
     e.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
@@ -499,6 +502,17 @@ def _evaluate(a: argparse.Namespace) -> int:
         raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
                           f"{str(info.get('code_sha256'))[:16]}): another job, or another version of it")
     options = info.get("options")
+    given = dict(a.job_option)
+    if given and not a.job:
+        raise ConfigError("--job-option", next(iter(given)), "sets a LOCAL_OPTIONS entry of a module job (--job)")
+    for k, v in given.items():
+        # (a model trained with a LOCAL_OPTIONS override, e.g. another data file, could not be
+        # evaluated: a new-user trial); the published OPTIONS are the model's own
+        if isinstance(options, dict) and k in options and options[k] != v:
+            raise ConfigError("--job-option", f"{k}={v!r}", f"the model was trained with {k}={options[k]!r} (one of "
+                              "the job's OPTIONS, part of its hash): only LOCAL_OPTIONS may be given here")
+    if given:
+        options = {**(options or {}), **given}
     if a.dataset is not None:
         if not info.get("builtin") or not str((options or {}).get("dataset", "")).startswith("npz:"):
             raise ConfigError("--dataset", a.dataset, "only for a model of the built-in job trained on an .npz file")
@@ -521,8 +535,12 @@ def _evaluate(a: argparse.Namespace) -> int:
             # (it blamed --job=.../builtin_mlp.py, which the user never gave: the data differ)
             raise ConfigError("--dataset", a.dataset, f"not the data the model was trained on (job hash {jh} "
                               f"is not the model's {job['job_hash']})")
+        local = getattr(loaded.module, "LOCAL_OPTIONS", None)
+        hint = (f"; if the model was trained with one of its LOCAL_OPTIONS ({', '.join(sorted(map(str, local)))}) "
+                f"set otherwise (e.g. another data file), give it with --job-option NAME=VALUE"
+                if isinstance(local, dict) and local and not given else "")
         raise ConfigError("--job", a.job or ref, f"its job hash {jh} is not the model's "
-                          f"{job['job_hash']} (other code, data or spec)")
+                          f"{job['job_hash']} (other code, data or spec){hint}")
     worker.set_params(params.data)
     loss, acc = float(worker.evaluate_loss()), float(worker.evaluate())
     if not 0.0 <= acc <= 1.0:

@@ -510,3 +510,41 @@ def test_evaluate_names_the_dataset_it_was_given(cluster, tmp_path):
     data.rename(tmp_path / "moved.npz")
     gone = evaluate()
     assert gone.returncode == 2 and "give the data file's path with --dataset PATH" in gone.stderr, gone.stderr
+
+
+#: GOOD, reading its data from a file its LOCAL_OPTIONS name (README "Write your own job")
+LOCAL_JOB = GOOD.replace('SPEC = {"name": "tiny"}\n', 'SPEC = {"name": "tiny"}\nOPTIONS = {"scale": 1.0}\n'
+                         'LOCAL_OPTIONS = {"data_file": "rows.npz"}\n').replace(
+    "def load_data():\n    import numpy as np\n",
+    "def load_data(options):\n    import numpy as np\n    d = np.load(options['data_file'])\n"
+    "    return {'x': d['x'], 'y': d['y']}\n").replace(
+    "def make_worker(data, *, batch, seed, backend):", "def make_worker(data, *, batch, seed, backend, options):")
+
+
+def test_evaluate_takes_the_local_options_a_model_was_trained_with(cluster, tmp_path):
+    # a new-user trial: a model trained with --job-option data_file=ELSEWHERE (a LOCAL_OPTIONS
+    # entry: not in the model) could not be evaluated: evaluate had no --job-option
+    import numpy as np
+    job = tmp_path / "localjob.py"
+    job.write_text(LOCAL_JOB)
+    x = np.array([[i % 2, (i // 2) % 2, 1, 0] for i in range(16)], dtype=np.float32)
+    np.savez(tmp_path / "rows.npz", x=x, y=x[:, 0].astype(np.int32))
+    np.savez(tmp_path / "other.npz", x=x[::-1].copy(), y=x[::-1, 0].astype(np.int32))
+    cluster.serve("--job", str(job), "--job-option", f"data_file={tmp_path / 'other.npz'}", "--steps", "30",
+                  "--checkpoint-interval", "1")
+    p = cluster.rank("--trust-job")
+    assert p.p.wait(120) == 0, p.text()
+    wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 20, "the final checkpoint")
+    model = tmp_path / "m.npz"
+    model.write_bytes(_fetch(cluster, "/model"))
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(model), "--job",
+                               str(job), *args], capture_output=True, text=True, timeout=120, env=_env(),
+                              cwd=str(tmp_path))
+    plain = evaluate()
+    assert plain.returncode == 2 and "give it with --job-option NAME=VALUE" in plain.stderr, plain.stderr
+    ok = evaluate("--job-option", f"data_file={tmp_path / 'other.npz'}")
+    assert ok.returncode == 0 and "held-out accuracy" in ok.stdout, ok.stderr
+    changed = evaluate("--job-option", "scale=2.0")
+    assert changed.returncode == 2 and "only LOCAL_OPTIONS may be given here" in changed.stderr, changed.stderr
