@@ -431,3 +431,13 @@ def test_a_copy_of_the_rooms_job_under_another_name_is_told_what_to_rename(tmp_p
     with pytest.raises(ConfigError, match="another job, or another version of it"):
         trusted_job_source(info, trust=False, local=str(copy))
     assert trusted_job_source(info, trust=False, local=str(tmp_path / "constjob.py")).code_sha256 == room.code_sha256
+
+
+@pytest.mark.parametrize("name,why", [("tabcohort", "tabcohort's own"), ("asyncio", "standard library"),
+                                      ("random", "standard library")])
+def test_a_job_named_like_a_module_the_process_uses_is_told_to_rename_it(tmp_path, name, why):
+    # a new-user trial: a first job saved as tabcohort.py (or asyncio.py, numpy.py, random.py)
+    # replaced that module in the process: tracebacks from inside tabcohort or the factory
+    with pytest.raises(JobError, match=f"the job's module name '{name}' is .*{why}.*rename the file"):
+        load_job(_job(tmp_path, name=f"{name}.py"))
+    assert sys.modules[name].__name__ == name and getattr(sys.modules[name], "__file__", "") != str(tmp_path / f"{name}.py")

@@ -91,6 +91,7 @@ class JobSource:
             raise JobError(f"cannot import {self.module} from {self.root}", self.ref)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[self.module] = mod
+        _JOB_MODULES.add(self.module)
         files = {os.path.abspath(os.path.join(self.root, r)) for r in self.files}
         try:
             spec.loader.exec_module(mod)
@@ -126,6 +127,26 @@ def _split_ref(ref: str) -> tuple[str, str]:
     if sep and tail.isidentifier() and head and not (len(head) == 1 and head.isalpha()):
         return head, tail
     return ref, DEFAULT_FACTORY
+
+
+#: module names this process imported as jobs (:meth:`JobSource.import_module`): another job of
+#: the same name may replace one, a module of the interpreter's may not
+_JOB_MODULES: set[str] = set()
+
+
+def _taken_name(module: str, root: str) -> str | None:
+    """What ``module`` (a job's module name, its files under ``root``) already names in this
+    process, or None: the standard library's, tabcohort's, or an imported module's."""
+    if module in getattr(sys, "stdlib_module_names", ()):
+        return "a module of Python's standard library"
+    if module in ("tabcohort", "tabcohort_server"):
+        return "tabcohort's own"
+    mod = sys.modules.get(module)
+    where = getattr(mod, "__file__", None)
+    if mod is not None and module not in _JOB_MODULES and (
+            where is None or not os.path.abspath(where).startswith(os.path.abspath(root) + os.sep)):
+        return f"that of the imported module {module!r} ({where or 'built in'})"
+    return None
 
 
 def find_source(ref: str) -> JobSource:
@@ -173,6 +194,12 @@ def find_source(ref: str) -> JobSource:
         raise JobError("no such file, package directory or importable module", ref)
     if not module.isidentifier():
         raise JobError(f"{module!r} is not a valid module name (rename the file)", ref)
+    taken = _taken_name(module, root)
+    if taken is not None:
+        # (a job saved as tabcohort.py, asyncio.py or numpy.py replaced that module in the
+        # process: tracebacks from deep inside tabcohort; a new-user trial)
+        raise JobError(f"the job's module name {module!r} is {taken}: importing the job would replace it; "
+                       f"rename the {'directory' if os.path.isdir(os.path.join(root, module)) else 'file'}", ref)
     return JobSource(module, files, factory, root, ref)
 
 
