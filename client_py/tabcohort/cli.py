@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--topology", default="star", help="star (ranks link to the server) or mesh (WebRTC data channels between ranks)")
     v.add_argument("--steps", type=int, default=0, help="stop the room at exactly this step (0 = no limit)")
     v.add_argument("--target-accuracy", type=float, default=0.0, help="stop at this held-out accuracy (0 = off)")
+    v.add_argument("--eval-every", type=int, default=10,
+                   help="the leader evaluates held-out accuracy every K steps (0: never); it waits for a job's "
+                        "evaluate(), so a slow one slows the room")
     v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
     v.add_argument("--token", default=None, help="room token ranks and tabs must present (16+ characters); "
                    "it lets one join and read the room, not stop it")
@@ -589,6 +592,9 @@ def _serve_checked(a: argparse.Namespace) -> int:
         if isinstance(val, (int, float)) and isinstance(a.beat_ms, (int, float)) and 0 < a.beat_ms and val < k * a.beat_ms:
             raise ConfigError(flag, val, f"must be at least {k} x --beat-ms ({k * a.beat_ms:g} ms): "
                               f"docs/PROTOCOL.md \"Timing\" derives it from the beat, so a smaller value has no effect")
+    if a.target_accuracy and a.eval_every == 0:
+        raise ConfigError("--target-accuracy", a.target_accuracy, "needs evaluations: with --eval-every 0 the "
+                          "leader never evaluates")
     train, lr = _train_from(a, 0.5)
     job = JobConfig(dataset=a.dataset, hidden=a.hidden, activation=a.activation, job_options=job_options,
                     batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
@@ -596,6 +602,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
                     outer_optimizer=train.outer_optimizer, outer_momentum=train.outer_momentum,
                     precision=a.precision, topology=a.topology, steps=a.steps, collect_rule=a.collect_rule,
                     aggregate=a.aggregate, lr_max=a.lr_max, job=a.job, target_accuracy=a.target_accuracy, duration_s=a.duration, token=a.token,
+                    eval_every=a.eval_every,
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
     from tabcohort.bus.rtc_util import parse_ice_servers

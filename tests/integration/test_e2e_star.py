@@ -161,3 +161,13 @@ def test_a_rank_that_joins_after_the_operator_set_the_lr_trains_with_it(cluster)
     cluster.rank()
     wait_for(lambda: any(r.get("is_leader") and r.get("lr") == 0.01 and (r.get("step") or 0) > 5
                          for r in cluster.reports()), 60, "the new rank leading at the operator's lr")
+
+
+def test_serve_eval_every_reaches_the_ranks(cluster):
+    # serve had no --eval-every (simulate had): a job's slow evaluate() held every tenth round
+    cluster.serve("--eval-every", "0", "--steps", "40")
+    job = json.load(urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}/job", timeout=5))
+    assert job["eval_every"] == 0
+    p = cluster.rank()
+    assert p.p.wait(60) == 0, p.text()
+    assert all(r.get("accuracy") is None for r in cluster.reports(connected_only=False)), cluster.reports(False)

@@ -160,6 +160,9 @@ def test_a_lossy_run_ends_bit_identical_because_a_missed_final_publish_is_sent_a
     ("rank", ["--server", "http://127.0.0.1:1", "--room", "d"], {"TABCOHORT_ICE_SERVERS": "http://x"},
      "TABCOHORT_ICE_SERVERS='http://x'"),
     ("serve", ["--bogus"], {}, "see tabcohort serve --help"),
+    # (serve had no --eval-every: a slow evaluate() slowed the room with no way to space it out)
+    ("serve", ["--eval-every", "-1"], {}, "--eval-every=-1"),
+    ("serve", ["--eval-every", "0", "--target-accuracy", "0.9"], {}, "--target-accuracy=0.9: needs evaluations"),
 ])
 def test_every_command_names_the_option_or_variable_it_refuses(command, args, env, named):
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "client_py"), str(REPO / "server")]), **env)
