@@ -441,3 +441,14 @@ def test_a_job_named_like_a_module_the_process_uses_is_told_to_rename_it(tmp_pat
     with pytest.raises(JobError, match=f"the job's module name '{name}' is .*{why}.*rename the file"):
         load_job(_job(tmp_path, name=f"{name}.py"))
     assert sys.modules[name].__name__ == name and getattr(sys.modules[name], "__file__", "") != str(tmp_path / f"{name}.py")
+
+
+def test_a_worker_whose_set_params_does_nothing_never_starts(tmp_path):
+    # a new-user trial: set_params() that did nothing passed every check; the ranks "trained",
+    # the loss never moved, and the run ended "bit-identical: yes"
+    src = JOB.replace("def set_params(self, v):", "def set_params(self, v):\n        return\n\n    def _unused(self, v):")
+    assert src != JOB
+    with pytest.raises(JobError, match=r"set_params\(v\) does not set the parameters"):
+        probe(load_job(_job(tmp_path, src, name="noop.py")), batch=4, seed=0)
+    w = probe(load_job(_job(tmp_path)), batch=4, seed=0)          # a good one: its parameters as they were
+    assert list(w.params()) == list(load_job(_job(tmp_path)).make_worker(batch=4, seed=0).params())
