@@ -424,6 +424,8 @@ def _simulate(a: argparse.Namespace) -> int:
               f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})")
         if res.note:
             print(f"  ({res.note})")
+        if res.stopped_by == "max_seconds":   # (it ended short of --steps in silence: a new-user trial)
+            print(f"  (--max-seconds {a.max_seconds:g} ended the run before --steps {a.steps}: raise it to run them all)")
     return 0 if res.bit_identical else 1
 
 

@@ -510,8 +510,13 @@ async def set_room_lr(request: web.Request) -> web.Response:
     except (ConnectionError, asyncio.IncompleteReadError):   # the operator's client went away
         room.drop("bad_lr")
         return _json({"error": "the connection closed mid-body"}, status=400)
-    body, _why = parse_json(raw)
-    extra = sorted(str(k)[:40] for k in body) if isinstance(body, dict) else []
+    body, why = parse_json(raw)
+    if not isinstance(body, dict):   # (it said "lr must be a number" for a body of `garbage`)
+        room.drop("bad_lr")
+        what = {"bad_json": "it is not JSON", "too_deep": "it is nested too deep"}.get(
+            why or "", f"it is a JSON {type(body).__name__}")
+        return _json({"error": f'the body must be a JSON object {{"lr": x}} ({what})'}, status=400)
+    extra = sorted(str(k)[:40] for k in body)
     extra = [k for k in extra if k != "lr"]
     if extra:          # (a typo such as {"lr": 0.1, "momentum": 0.9} must not pass as applied)
         room.drop("bad_lr")

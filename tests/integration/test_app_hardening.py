@@ -458,11 +458,13 @@ async def test_only_the_operator_sets_the_rooms_learning_rate(client):
         r = await client.post("/api/rooms/r/lr", json=bad, headers=bearer(OP))
         assert r.status == 400, bad
     assert "'momentum'" in (await r.json())["error"] and room.job.lr == 0.5
+    r = await client.post("/api/rooms/r/lr", data=b"garbage", headers=bearer(OP))   # (it said "lr must be a number")
+    assert r.status == 400 and "it is not JSON" in (await r.json())["error"]
     # a body that is not UTF-8: 400, and one naming an unknown charset is read as UTF-8 (both
     # answered 500, with a traceback in the log)
     r = await client.post("/api/rooms/r/lr", data=b'\xff\xfe{"lr":0.5}',
                           headers={**bearer(OP), "Content-Type": "application/json"})
-    assert r.status == 400 and room.drops["bad_lr"] == 10 and room.job.lr == 0.5
+    assert r.status == 400 and room.drops["bad_lr"] == 11 and room.job.lr == 0.5
     r = await client.post("/api/rooms/r/lr", data=b'{"lr":0.4}',
                           headers={**bearer(OP), "Content-Type": "application/json; charset=bogus"})
     assert r.status == 200 and room.job.lr == 0.4

@@ -120,6 +120,13 @@ def test_good_tiny_job_is_accepted(tmp_path):
     ("options_without_keyword", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"k": 1}')
                                     .replace("def load_data():", "def load_data(options):"),
      r"unexpected keyword argument 'options' \(.*badjob\.py:\d+ \(where make_worker is defined\)\)"),
+    # (each pointed at a line of tabcohort's own, or named a "function" that is not one: a new-user trial)
+    ("loss_an_array", GOOD.replace("LOSS = N, N, 0.7", "LOSS = N, N, __import__('numpy').array([0.7, 0.7])"),
+     r"grads\(\) must return a number as its loss \(the batch's mean\), got ndarray"),
+    ("evaluate_none", GOOD.replace("        return 0.5", "        return None"),
+     r"evaluate\(\) must return a number \(held-out accuracy in \[0, 1\]\), got NoneType None"),
+    ("set_params_noop", GOOD.replace("        self.p = array(\"f\", v)", "        pass"),
+     r"set_params\(v\) does not set the parameters"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)
@@ -459,7 +466,7 @@ def test_a_job_whose_evaluate_starts_raising_ends_each_rank_with_the_job_s_line(
     ("raise", r"the job's compute failed 3 times in a row: RuntimeError: boom in grads \(at .*raise\.py:\d+ in grads\)"),
     # (it said "training diverged ... try a smaller --lr", and a real room stalled without a word)
     ("short", r"the job's compute failed 3 times in a row: JobError: .*grads\(\) returned 9 gradient values, "
-              r"but the worker's bucket_len is 10$"),
+              r"but the worker's bucket_len is 10 \(a share of \d+ samples\)$"),
     # (a new-user trial: it trained on at a beat per evaluation and ended in a raw traceback)
     ("evaluate", r"the job's evaluate\(\) failed 3 times in a row: KeyError: 'eval oops' "
                  r"\(at evaluate\.py:\d+ in evaluate\)"),
@@ -548,3 +555,20 @@ def test_evaluate_takes_the_local_options_a_model_was_trained_with(cluster, tmp_
     assert ok.returncode == 0 and "held-out accuracy" in ok.stdout, ok.stderr
     changed = evaluate("--job-option", "scale=2.0")
     assert changed.returncode == 2 and "only LOCAL_OPTIONS may be given here" in changed.stderr, changed.stderr
+
+
+def test_a_rank_asking_for_a_backend_the_job_lacks_is_refused_before_any_download(cluster, tmp_path):
+    # a new-user trial: `rank --backend python` on a numpy-only job said `backend='python'` (no
+    # dashes), after the job's data had downloaded; and TABCOHORT_TRUST_JOB=0 was named
+    # TABCOHORT-TRUST-JOB
+    job = tmp_path / "numpy_only.py"
+    job.write_text(GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nBACKENDS = ("numpy",)'))
+    cluster.serve("--job", str(job))
+    p = cluster.rank("--trust-job", "--backend", "python")
+    assert p.p.wait(60) == 2
+    out = p.text()
+    assert "--backend='python': the room's job 'tiny' runs on numpy" in out and "fetching" not in out, out
+    env_rank = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank", "--server", cluster.url, "--room",
+                               cluster.room], capture_output=True, text=True, timeout=60,
+                              env={**_env(), "TABCOHORT_TRUST_JOB": "0"}, cwd=str(ROOT))
+    assert env_rank.returncode == 2 and "TABCOHORT_TRUST_JOB=" in env_rank.stderr, env_rank.stderr

@@ -169,3 +169,13 @@ def test_every_command_names_the_option_or_variable_it_refuses(command, args, en
     r = subprocess.run([sys.executable, "-m", "tabcohort", command, *args], capture_output=True, text=True,
                        timeout=60, env=e, cwd=REPO)
     assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_run_that_max_seconds_ends_early_says_so():
+    # a new-user trial: `--max-seconds 1 --steps 100000` printed "done: 1108 steps", exit 0, and
+    # nothing said --max-seconds ended it
+    r = simulate("--ranks", "2", "--steps", "100000000", "--max-seconds", "1")
+    assert r.returncode == 0 and "--max-seconds 1 ended the run before --steps 100000000" in r.stdout, r.stdout
+    j = json.loads(simulate("--ranks", "2", "--steps", "100000000", "--max-seconds", "1", "--json").stdout)
+    assert j["stopped_by"] == "max_seconds"
+    assert json.loads(simulate("--ranks", "2", "--steps", "20", "--json").stdout)["stopped_by"] == "steps"

@@ -452,3 +452,11 @@ def test_a_worker_whose_set_params_does_nothing_never_starts(tmp_path):
         probe(load_job(_job(tmp_path, src, name="noop.py")), batch=4, seed=0)
     w = probe(load_job(_job(tmp_path)), batch=4, seed=0)          # a good one: its parameters as they were
     assert list(w.params()) == list(load_job(_job(tmp_path)).make_worker(batch=4, seed=0).params())
+
+
+def test_a_factory_name_that_is_not_a_function_says_what_it_is(tmp_path):
+    path = _job(tmp_path)
+    with pytest.raises(JobError, match=r"has SPEC, a dict, not a function"):   # (it said "has no function SPEC()")
+        load_job(path + ":SPEC")
+    with pytest.raises(JobError, match=r"has no function nothere\(\)"):
+        load_job(path + ":nothere")

@@ -100,8 +100,10 @@ class JobSource:
             raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)})",
                            self.ref) from None
         if not callable(getattr(mod, self.factory, None)):
-            raise JobError(f"the job module {self.module} has no function {self.factory}() "
-                           f"(the factory; name another with PATH:NAME)", self.ref)
+            what = (f"has no function {self.factory}()" if not hasattr(mod, self.factory) else
+                    f"has {self.factory}, a {type(getattr(mod, self.factory)).__name__}, not a function")
+            raise JobError(f"the job module {self.module} {what} (the factory; name another with PATH:NAME)",
+                           self.ref)
         return mod
 
 

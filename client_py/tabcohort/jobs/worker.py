@@ -166,7 +166,7 @@ class JobWorker:
         else:
             await asyncio.sleep(0)
             r = self.inner.grads(offset, n)
-        return self._loss_and_gradient(r)
+        return self._loss_and_gradient(r, n)
 
     def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)
@@ -174,9 +174,9 @@ class JobWorker:
             r = self._own_sync(offset, n)
         else:
             r = asyncio.run(self.inner.grads(offset, n)) if self._async else self.inner.grads(offset, n)
-        return self._loss_and_gradient(r)
+        return self._loss_and_gradient(r, n)
 
-    def _loss_and_gradient(self, r: Any) -> tuple[float, Any]:
+    def _loss_and_gradient(self, r: Any, samples: int | None = None) -> tuple[float, Any]:
         """``(loss, gradient)`` of what the job's ``grads`` returned, or a JobError saying what
         the worker contract wants (docs/PROTOCOL.md, "Worker contract")."""
         try:
@@ -194,8 +194,13 @@ class JobWorker:
             # checked at every bucket, not only at the start-up probe: a job whose gradient
             # changed length later was taken for a diverged run (simulate) or stalled a room
             raise JobError(f"grads() returned {n} gradient values, but the worker's bucket_len "
-                           f"is {self.bucket_len}", self.model)
-        return float(loss), v
+                           f"is {self.bucket_len}" + (f" (a share of {samples} samples)" if samples else ""),
+                           self.model)
+        try:
+            return float(loss), v
+        except (TypeError, ValueError):   # (an array of losses: the error pointed into tabcohort)
+            raise JobError(f"grads() must return a number as its loss (the batch's mean), got "
+                           f"{_describe(loss)}", self.model) from None
 
     def params(self) -> Any:
         return _vector(self.backend, self.inner.params())
@@ -215,7 +220,12 @@ class JobWorker:
         self.inner.set_params(new)
 
     def evaluate(self) -> float:
-        return float(self.inner.evaluate())
+        acc = self.inner.evaluate()
+        try:
+            return float(acc)
+        except (TypeError, ValueError):   # (None, an array: the error pointed into tabcohort)
+            raise JobError(f"evaluate() must return a number (held-out accuracy in [0, 1]), got "
+                           f"{_describe(acc)}", self.model) from None
 
     def evaluate_loss(self) -> float:
         f = getattr(self.inner, "evaluate_loss", None)

@@ -164,6 +164,8 @@ class InprocResult:
     #: why the ranks may not have ended on one model (a partition still open, or healed only
     #: just before the end), or None
     note: str | None = None
+    #: what ended the run: ``steps``, ``target_accuracy`` or ``max_seconds``
+    stopped_by: str = "steps"
 
 
 class InprocCohort:
@@ -190,6 +192,7 @@ class InprocCohort:
         self._note: str | None = None
         #: ranks whose job's compute failed every time, and why (the run ends with an error)
         self._compute_failed: dict[int, str] = {}
+        self._stopped_by = "steps"
         #: the two sides of the partition (--partition-at), once it began
         self._sides: list[set[int]] = []
         #: seconds since the run began when its partition healed, or None
@@ -312,10 +315,14 @@ class InprocCohort:
             if now - last_print >= 1.0:
                 last_print = now
                 self._print_progress(now, step, acc)
-            if step >= cfg.steps or (cfg.target_accuracy and acc is not None and acc >= cfg.target_accuracy):
+            if step >= cfg.steps:
+                break
+            if cfg.target_accuracy and acc is not None and acc >= cfg.target_accuracy:
+                self._stopped_by = "target_accuracy"
                 break
             if now >= cfg.max_seconds:
                 self._event(f"stopping: max_seconds={cfg.max_seconds} reached at step {step}")
+                self._stopped_by = "max_seconds"
                 break
         seconds = time.monotonic() - t0
         if heal_at is not None:
@@ -437,7 +444,8 @@ class InprocCohort:
                             bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
                             events=self.events, shares=dict(st.get("shares") or {}),
                             speeds=dict(st.get("speeds") or {}),
-                            note=None if len(set(ds.values())) == 1 else self._note)
+                            note=None if len(set(ds.values())) == 1 else self._note,
+                            stopped_by=self._stopped_by)
 
 
 async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:

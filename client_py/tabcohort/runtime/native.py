@@ -607,8 +607,15 @@ class RankRun(RankSession):
         from ..jobs import load_bundle
         cfg = self.cfg
         info = job["job_info"]
+        accepts, works = info.get("accepts"), info.get("backends")
+        b = cfg.backend
+        if b != "auto" and ((isinstance(accepts, list) and b not in accepts)
+                            or (accepts is None and isinstance(works, list) and b not in works)):
+            # (said after the job's data had downloaded, naming 'backend': a new-user trial)
+            raise ConfigError(cfg._name("backend"), b, f"the room's job {info.get('name')!r} runs on "
+                              f"{', '.join(map(str, accepts if isinstance(accepts, list) else works))}")
         src = trusted_job_source(info, trust=cfg.trust_job, local=cfg.job,
-                                 trust_var=cfg._name("trust_job").replace("_", "-"), job_var=cfg._name("job"))
+                                 trust_var=cfg._name("trust_job"), job_var=cfg._name("job"))
         if src is None:
             self.progress(f"fetching job {info['name']} from the server ({info['code_bytes']} bytes, "
                           f"sha256 {info['code_sha256'][:16]}; --trust-job)")
