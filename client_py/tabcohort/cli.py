@@ -709,12 +709,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _evaluate(a)
     except ConfigError as exc:
         print(f"tabcohort: configuration error: {exc}", file=sys.stderr)
-        if a.command == "simulate" and getattr(a, "json", False):
+        if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
             # (stdout is one JSON document under --json, a refused configuration's too)
             print(json.dumps({"ok": False, "error": f"configuration error: {exc}"}, indent=2))
         return 2
     except TabcohortError as exc:
         print(f"tabcohort: error: {exc}", file=sys.stderr)
+        if a.command == "evaluate" and getattr(a, "json", False):
+            print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         return 1
     except KeyboardInterrupt:
         return 130

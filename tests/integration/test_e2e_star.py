@@ -171,3 +171,11 @@ def test_serve_eval_every_reaches_the_ranks(cluster):
     p = cluster.rank()
     assert p.p.wait(60) == 0, p.text()
     assert all(r.get("accuracy") is None for r in cluster.reports(connected_only=False)), cluster.reports(False)
+
+
+def test_a_rank_given_a_room_the_server_lacks_is_told_the_rooms_it_has(cluster):
+    # (a new-user trial: `--room digitz` said "no such room on the server" and nothing more)
+    cluster.serve()
+    p = cluster.rank("--room", "digitz")
+    assert p.p.wait(60) == 2
+    assert f"--room='digitz': no such room on the server (its rooms: {cluster.room})" in p.text(), p.text()

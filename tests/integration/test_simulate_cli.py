@@ -179,3 +179,12 @@ def test_a_run_that_max_seconds_ends_early_says_so():
     j = json.loads(simulate("--ranks", "2", "--steps", "100000000", "--max-seconds", "1", "--json").stdout)
     assert j["stopped_by"] == "max_seconds"
     assert json.loads(simulate("--ranks", "2", "--steps", "20", "--json").stdout)["stopped_by"] == "steps"
+
+
+def test_evaluate_json_prints_its_error_as_json():
+    # (a new-user trial: evaluate --json printed nothing on stdout when it failed; simulate's did)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "client_py"), str(REPO / "server")]))
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "evaluate", "--model", "/nonexistent/m.npz", "--json"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    j = json.loads(r.stdout)
+    assert r.returncode == 2 and j["ok"] is False and "--model" in j["error"], (r.stdout, r.stderr)

@@ -84,7 +84,8 @@ class NdArray:
             a = value.astype(np.uint8) if value.dtype == np.bool_ else value
             descr = a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str
             if descr not in DTYPES:
-                raise ArrayFormatError(f"dtype {a.dtype} is not supported (one of {sorted(DTYPES)})")
+                raise ArrayFormatError(f"dtype {a.dtype} is not supported (one of {sorted(DTYPES)}, or bool, "
+                                       "kept as |u1)")
             flat = array(DTYPES[descr])
             flat.frombytes(np.ascontiguousarray(a).astype(descr).tobytes())
             if not _LITTLE:  # pragma: no cover - big-endian hosts only

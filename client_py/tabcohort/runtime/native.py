@@ -460,13 +460,27 @@ class RankRun(RankSession):
                     raise ConfigError(self.cfg._name("server"), self.cfg.base_url,
                                       f"answered {url} with HTTP 404 and no tabcohort error: is this the URL "
                                       "`tabcohort serve` printed?")
-                raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server")
+                names = await self._room_names(http)
+                raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server"
+                                  + (f" (its rooms: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''})"
+                                     if names else ""))
             if r.status == 404:
                 return None
             _raise_unless_ok(url, r)
             if path == "/checkpoint":
                 return dict(r.headers), await r.read()
             return await r.json()
+
+    async def _room_names(self, http: Any) -> list[str]:
+        """The names ``GET /api/rooms`` lists (a typo'd ``--room`` is told them), or [] if that
+        fails: only a hint."""
+        try:
+            async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
+                                      allow_redirects=False) as r:
+                rooms = (await r.json()).get("rooms") if r.status == 200 else None
+            return [str(x["room"])[:64] for x in rooms if isinstance(x, dict) and isinstance(x.get("room"), str)]
+        except Exception:
+            return []
 
     def _server_setting(self) -> str:
         """Where the server URL came from: ``--server``, ``TABCOHORT_SERVER`` or discovery."""
