@@ -111,6 +111,16 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                      f"{job.topology})")
         else:
             progress(f"tabcohort serve: {url}  room {name} (dataset {job.dataset}, {job.topology})")
+        # what training runs with (a new-user trial could not see H, the inner lr or the options)
+        train = (f"  training: lr {job.lr:g}, global batch {job.global_batch or 'the ranks batches'}, "
+                 f"eval every {job.eval_every or 'never'}")
+        if job.local_steps > 1:
+            train += (f"; local steps {job.local_steps} (inner {job.inner_optimizer} lr {job.inner_lr:g}, outer "
+                      f"{job.outer_optimizer}" + (f" momentum {job.outer_momentum:g}" if job.outer_optimizer == "nesterov"
+                                                  else "") + ")")
+        if job.job_options:
+            train += "; job options " + ", ".join(f"{k}={v!r}" for k, v in sorted(job.job_options.items()))
+        progress(train)
         lead = "" if config.any_rank_may_lead else " --trainer-token ..."
         # a module job's code is run natively only when the user says so (README "Trust model for job code")
         trust = " --trust-job (or --job YOUR_COPY)" if job.job else ""
