@@ -1406,3 +1406,26 @@ def test_an_evaluate_that_raises_leaves_the_round_applied_and_is_no_round_fault(
     assert r.m._phase is not Phase.FAULT and "evaluate() raised KeyError" in r.m.fault
     exc = r.m.take_evaluate_error()
     assert isinstance(exc, KeyError) and r.m.take_evaluate_error() is None and r.m.evaluate_failures == 1
+
+
+def test_re_publishing_ends_once_the_cohort_goes_on_under_another_leader():
+    # "Publish", re-publish: a member that announces a newer (term, step) than the publish means
+    # another leader took over; a joiner still announcing term 0 was sent the stale publish up to
+    # 8 times and a leaving runtime lingered for it (a review)
+    r = leader_rig([2])
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    r.m.handle(grad(2, 1, 0, n=4), now_ms=1)
+    r.m.stop(now_ms=2)
+    pub = [p for p in r.posts(t="round") if p["assign"] == {}][-1]
+    final = (pub["term"], pub["step"])
+    now, sent = 2.0, []
+    for i in range(6):
+        now += T.beat_ms
+        r.m.handle(beat(2, term=final[0] + 1, step=final[1] + i), now_ms=now)     # the new leader
+        r.m.handle(beat(9, ready=False, term=0, step=0), now_ms=now)             # a joiner, behind
+        r.m.on_timer(now_ms=now)
+        sent += [p for p in r.posts(t="round") if p.get("to") == 9]
+        assert not r.m.republish_pending(now)
+    assert sent == [] and r.m.counters["republished"] == 0

@@ -1931,14 +1931,18 @@ class RankMachine:
         live member that still announces a (term, step) below the published one although it
         was heard from at least a beat after this rank's last send to it; at most
         :data:`REPUBLISH_MAX` times per member. Ends when this rank runs again or its own
-        (term, step) moved on (it led or adopted a newer round)."""
+        (term, step) moved on (it led or adopted a newer round), or a live member announces a
+        newer (term, step) than the publish: the cohort went on under another leader, whose
+        rounds carry newer parameters to the members behind."""
         if self._final is None:
             return
         term, step, at_ms = self._final
-        if self.running or (self.term, self.step) != (term, step):
+        live = list(self.roster.live(now_ms, self.policy.drop_ms))
+        if self.running or (self.term, self.step) != (term, step) or any((m.term, m.step) > (term, step)
+                                                                          for m in live):
             self._final = None
             return
-        for m in self.roster.live(now_ms, self.policy.drop_ms):
+        for m in live:
             if (m.term, m.step) >= (term, step):
                 continue
             sent, last_ms = self._republished.get(m.id, (0, at_ms))
@@ -1955,10 +1959,13 @@ class RankMachine:
         if self._final is None or self.running or (self.term, self.step) != self._final[:2]:
             return False
         at_ms = self._final[2]
+        live = list(self.roster.live(now_ms, self.policy.drop_ms))
+        if any((m.term, m.step) > self._final[:2] for m in live):
+            return False                 # the cohort went on under another leader
         # (a member last heard before the publish may have it and left: it is not waited for)
         return any((m.term, m.step) < self._final[:2] and m.seen_ms > at_ms
                    and self._republished.get(m.id, (0, 0.0))[0] < REPUBLISH_MAX
-                   for m in self.roster.live(now_ms, self.policy.drop_ms))
+                   for m in live)
 
     def _publish_msg(self) -> dict:
         return {"t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr, "assign": {},
