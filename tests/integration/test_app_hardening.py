@@ -101,13 +101,18 @@ async def test_the_trainer_token_on_an_open_rooms_job_is_a_limited_token_check(c
 
 async def test_an_open_rooms_state_answers_no_operator_token_guess_past_the_limit(client):
     # a review: GET /api/rooms/OPEN with a token compared it with the operator token (the
-    # operator's summary differs) and counted nothing: guesses without a limit
-    for _ in range(5):
-        r = await client.get("/api/rooms/r?token=wrong-guess-000000")
+    # operator's summary differs) and counted nothing: guesses without a limit. A second review:
+    # counted but answered 200, a stale operator page polling each second locked its address out
+    for _ in range(50):   # a tab's link to an open room may carry a token: ignored, never compared
+        r = await client.get(f"/api/rooms/r?token={OP if _ % 2 else 'stray-token-000000'}")
         assert r.status == 200 and "checkpoints" not in await r.json()
+    assert client.app[REFUSED]["auth_failed"] == 0
+    assert "checkpoints" in await (await client.get("/api/rooms/r", headers=bearer(OP))).json()
+    for _ in range(5):    # an operator claim: a wrong one is refused (a page stops polling) and counted
+        assert (await client.get("/api/rooms/r", headers=bearer("wrong-guess-000000"))).status == 403
     assert client.app[REFUSED]["auth_failed"] == 5
-    assert (await client.get(f"/api/rooms/r?token={OP}")).status == 429   # the right one too, for a while
-    assert (await client.get("/api/rooms/r")).status == 200                # no token: no check, served
+    assert (await client.get("/api/rooms/r", headers=bearer(OP))).status == 429   # the right one too, for a while
+    assert (await client.get("/api/rooms/r")).status == 200                      # no claim: no check, served
 
 
 async def test_an_open_rooms_register_answers_no_trainer_token_guess_past_the_limit(client):
