@@ -139,9 +139,10 @@ class RunningMean:
     def worth(v: Any) -> bool:
         """Whether folding ``v`` in as it arrives shortens the reduce at the end: a numpy vector
         of at least :data:`BLOCK` elements (below that its reduce is shorter than the
-        bookkeeping), or any ``array('f')`` vector (the pure-Python reduce costs per element)."""
-        if np is not None and isinstance(v, np.ndarray):
-            return len(v) >= BLOCK
+        bookkeeping), or, without numpy, any ``array('f')`` vector (the pure-Python reduce costs
+        per element)."""
+        if np is not None:   # (an array('f') here goes through numpy at the end, faster than folding it)
+            return isinstance(v, np.ndarray) and len(v) >= BLOCK
         return isinstance(v, array) and v.typecode == "f"
 
     def reset(self) -> None:
@@ -149,6 +150,11 @@ class RunningMean:
         self._vectors, self._weights, self._n, self._deferred = [], [], 0, False
         if isinstance(self._acc, list):
             self._acc = None
+
+    def release(self) -> None:
+        """:meth:`reset`, and free the buffers (``8 n`` bytes): this rank no longer leads."""
+        self.reset()
+        self._acc = self._tmp = None
 
     def add(self, v: Any, w: float, *, last: bool = False) -> None:
         """Fold ``w * v`` into the sum (``v`` a numpy float32 vector or an ``array('f')``;

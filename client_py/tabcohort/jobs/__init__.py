@@ -41,11 +41,11 @@ import math
 import operator
 import os
 import sys
-from array import array
 from typing import Any, Callable
 
 from .._compat import np
 from ..errors import ConfigError
+from ..vec import to_vector
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
                      source_bundle)
@@ -450,21 +450,17 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
     # set_params must set them: a worker whose set_params() does nothing passed every check, and
     # its ranks "trained" with the loss never moving (a new-user trial); the probe gives it the
     # parameters with their first value changed and reads them back, then restores them
-    orig = array("f", [float(x) for x in p])   # (a copy: params() may return the worker's own array)
-    moved = array("f", orig)
-    if len(moved):
-        moved[0] = moved[0] + 1.0 if abs(moved[0]) < 1e30 else 0.0
-    call("set_params()", lambda: w.set_params(_vector_like(p, moved)))
-    back = call("params()", w.params)
-    if len(back) != len(moved) or any(float(a) != float(b) for a, b in zip(back[:1], moved[:1])):
-        raise JobError("set_params(v) does not set the parameters: params() afterwards is not v (every round's "
-                       "parameters reach a rank through set_params)", ref)
-    call("set_params()", lambda: w.set_params(_vector_like(p, orig)))
+    if len(p):
+        orig = to_vector(p)            # (copies: params() may return the worker's own array)
+        p0 = float(orig[0])
+        # moved well past the rounding of a job that keeps its weights in float16 or bfloat16
+        target = p0 + max(1.0, abs(p0)) * 0.5 if abs(p0) < 1e30 else 0.0
+        moved = to_vector(orig)
+        moved[0] = target
+        call("set_params()", lambda: w.set_params(moved))
+        back = call("params()", w.params)
+        if len(back) != len(orig) or not abs(float(back[0]) - target) < abs(target - p0) / 2:
+            raise JobError("set_params(v) does not set the parameters: params() afterwards is not v (every "
+                           "round's parameters reach a rank through set_params)", ref)
+        call("set_params()", lambda: w.set_params(orig))
     return w
-
-
-def _vector_like(like: Any, values: Any) -> Any:
-    """``values`` (an ``array('f')``) as ``like``'s vector type (numpy float32 or ``array('f')``)."""
-    if np is not None and isinstance(like, np.ndarray):
-        return np.frombuffer(values.tobytes(), dtype=np.float32).copy()
-    return values

@@ -136,18 +136,26 @@ def _split_ref(ref: str) -> tuple[str, str]:
 _JOB_MODULES: set[str] = set()
 
 
+#: standard-library modules a rank or the server may import after the job is loaded (importing
+#: the job under one of these names would hand them the job instead)
+_LATER_IMPORTS = frozenset({"asyncio", "base64", "concurrent", "email", "hashlib", "hmac", "http", "ipaddress",
+                            "json", "logging", "random", "secrets", "select", "selectors", "signal", "socket",
+                            "ssl", "struct", "threading", "urllib", "zipfile", "zlib"})
+
+
 def _taken_name(module: str, root: str) -> str | None:
     """What ``module`` (a job's module name, its files under ``root``) already names in this
-    process, or None: the standard library's, tabcohort's, or an imported module's."""
-    if module in getattr(sys, "stdlib_module_names", ()):
-        return "a module of Python's standard library"
+    process, or None: tabcohort's, a module imported here (not an earlier job's), or a
+    standard-library module tabcohort imports later (:data:`_LATER_IMPORTS`)."""
     if module in ("tabcohort", "tabcohort_server"):
         return "tabcohort's own"
     mod = sys.modules.get(module)
     where = getattr(mod, "__file__", None)
     if mod is not None and module not in _JOB_MODULES and (
-            where is None or not os.path.abspath(where).startswith(os.path.abspath(root) + os.sep)):
+            where is None or not os.path.realpath(where).startswith(os.path.realpath(root) + os.sep)):
         return f"that of the imported module {module!r} ({where or 'built in'})"
+    if mod is None and module in _LATER_IMPORTS:
+        return "a module of Python's standard library that tabcohort imports"
     return None
 
 

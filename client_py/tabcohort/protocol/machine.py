@@ -1198,6 +1198,7 @@ class RankMachine:
         self._phase = None
         self._phase_deadline_ms = None
         self._collection = None
+        self._running_mean.release()   # (not leading: its buckets and sum go)
         self._own_token = None
         self._own_bucket = None
 
@@ -1913,6 +1914,7 @@ class RankMachine:
         self.fault = error
         self.counters["round_fault"] += 1
         self._collection = None
+        self._running_mean.reset()
         self._own_bucket = None
         self._phase = Phase.FAULT
         self._phase_deadline_ms = now_ms + self.policy.beat_ms
