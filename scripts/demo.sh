@@ -76,7 +76,7 @@ else:
           f"accuracy {'n/a' if acc is None else f'{acc * 100:.1f} %'}, in {ck.path_for(sys.argv[1], 'digits')}")
 PY
 }
-cleanup() {
+cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
   trap - INT TERM EXIT
   echo "[demo] stopping: the ranks finish, the leader uploads the final checkpoint, then the server exits"
   # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored (a Ctrl-C at the
@@ -84,13 +84,23 @@ cleanup() {
   # (bounded) for them, then it is told too
   [ ${#rank_pids[@]} -gt 0 ] && kill -TERM "${rank_pids[@]}" 2>/dev/null || true
   [ ${#rank_pids[@]} -gt 0 ] && wait_bounded 20 "${rank_pids[@]}"
-  [ -n "$server_pid" ] && kill -TERM "$server_pid" 2>/dev/null || true
-  [ -n "$server_pid" ] && wait_bounded 15 "$server_pid"
+  if [ -n "$server_pid" ]; then
+    # the server's SIGINT is its ordered stop: its tabs are told to stop and their leader uploads
+    # the final checkpoint (SIGTERM would close their sockets at once). A terminal's Ctrl-C already
+    # sent it one, and a second signal stops it at once: with tabs only (RANKS=0) that lost the
+    # final checkpoint (a new-user trial). So it is signalled only when the demo ended otherwise.
+    [ "${1:-EXIT}" = INT ] || kill -INT "$server_pid" 2>/dev/null || true
+    wait_bounded 15 "$server_pid"
+    kill -TERM "$server_pid" 2>/dev/null || true
+    wait_bounded 5 "$server_pid"
+  fi
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   report_checkpoint
 }
-trap cleanup INT TERM EXIT
+trap 'cleanup INT' INT
+trap 'cleanup TERM' TERM
+trap 'cleanup EXIT' EXIT
 prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
 [ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
