@@ -57,7 +57,21 @@ async function init() {
     let r;
     try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}${q}`, { cache: "no-store", headers: authHeaders() }); }
     catch { $("status").textContent = "The server is unreachable; retrying…"; return; }
+    if (r.status === 403 && op.token) {
+      // the operator token this tab kept was refused: a restarted `tabcohort serve` makes a new one
+      // (unless given --operator-token), and it was sent ahead of the room token, so the view said
+      // the room token was wrong and a reload did not help (a new-user trial). Drop it, say so,
+      // and poll on with the room token alone.
+      sessionStorage.removeItem("tc-operator");
+      op.token = "";
+      op.staleOperatorToken = true;
+      $("error").hidden = false;
+      $("error").textContent = "The operator token this page had was refused (tabcohort serve makes a new one " +
+        "at each start unless given --operator-token): open the operate: link it printed to act as the operator.";
+      return;
+    }
     if (r.status === 403) { fail("The room token is wrong or missing."); return "stop"; }
+    if (r.status === 429) { $("status").textContent = "Too many failed token checks from this address: retrying…"; return; }
     if (r.status === 404) { fail(`There is no room named “${room}”.`); return "stop"; }
     const s = await r.json();
     op.polls++;

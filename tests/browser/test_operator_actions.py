@@ -36,3 +36,15 @@ def test_the_operator_link_stops_the_room_and_the_room_token_does_not(cluster, t
     assert cluster.state()["stop_reason"] == "stopped by the operator"
     wait_for(lambda: "Stopped" in op2.page.inner_text("#status"), 10, "the page to show it")
     assert not op2.console_errors, op2.console_errors
+
+
+def test_a_stale_operator_token_is_said_and_the_view_goes_on_with_the_room_token(cluster, tabs):
+    # a new-user trial: the operate: link of an earlier `serve` (each start makes a new operator
+    # token) left that token in the tab; sent ahead of the room token, every poll was refused and
+    # the view said "The room token is wrong or missing.", a reload too
+    url = cluster.serve("--token", ROOM_TOKEN)
+    op = tabs(url, f"operator?room={cluster.room}&token={ROOM_TOKEN}#operator=stale-operator-token-0000")
+    wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "a poll with the room token")
+    assert "operator token this page had was refused" in op.page.inner_text("#error")
+    assert op.page.evaluate("sessionStorage.getItem('tc-operator')") is None
+    assert "Not available" not in op.page.inner_text("#status")
