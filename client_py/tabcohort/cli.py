@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(docs/PROTOCOL-NOTES.md note 7)")
     v.add_argument("--aggregate", default="clip", choices=("clip", "trimmed-mean", "mean"),
                    help="how the leader combines buckets (docs/PROTOCOL.md \"Untrusted ranks\"): clip "
-                        "(each bucket's norm bounded by 4x the cohort's median), trimmed-mean "
+                        "(each bucket's norm bounded by a multiple of the cohort's median: 4x for ranks that may "
+                        "lead, 1x for contributors), trimmed-mean "
                         "(coordinate-wise, 20%% each end), or mean (trusted groups)")
     v.add_argument("--lr-max", type=float, default=10.0,
                    help="the largest learning rate a round may carry; ranks drop rounds above it")
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seats (connected + reserved) one client address may hold in a room (default 64)")
     v.add_argument("--max-connections-per-address", type=int, default=256,
                    help="open TCP connections one client address may hold (default 256)")
+    v.add_argument("--max-auth-failures", type=int, default=20,
+                   help="failed token checks one client address may make per minute before its checks get 429 "
+                        "(default 20; behind a proxy every client shares the proxy's address)")
     v.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints; a room resumes from its file "
                    "there (ROOM.ckpt) at start (default: none, nothing is kept)")
     v.add_argument("--checkpoint-interval", type=float, default=5.0, help="the leader uploads a checkpoint every this many seconds")
@@ -623,7 +627,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
         from tabcohort_server.config import check_token
         check_token("--trainer-token", trainer)
     origins = tuple(o.strip().rstrip("/") for o in (a.allow_origin or "").split(",") if o.strip())
-    for name in ("max_ranks_per_address", "max_connections_per_address"):
+    for name in ("max_ranks_per_address", "max_connections_per_address", "max_auth_failures"):
         if getattr(a, name) < 1:
             raise ConfigError("--" + name.replace("_", "-"), getattr(a, name), "must be an integer >= 1")
     cfg = ServerConfig(rooms={a.room: job}, checkpoint_dir=a.checkpoint_dir,
@@ -631,7 +635,8 @@ def _serve_checked(a: argparse.Namespace) -> int:
                        trainer_token=trainer, any_rank_may_lead=a.any_rank_may_lead,
                        checkpoint_keep=a.checkpoint_keep,
                        limits=ServerLimits(resume_grace_s=a.grace, max_ranks_per_address=a.max_ranks_per_address,
-                                           max_connections_per_address=a.max_connections_per_address),
+                                           max_connections_per_address=a.max_connections_per_address,
+                                           max_auth_failures=a.max_auth_failures),
                        rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers, "--ice-servers")),
                        rtc_host_addresses=None if not a.rtc_hosts else _ip_list("--rtc-hosts", a.rtc_hosts))
     redis_url = a.redis or os.environ.get("TABCOHORT_REDIS") or None

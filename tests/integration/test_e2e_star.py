@@ -179,3 +179,17 @@ def test_a_rank_given_a_room_the_server_lacks_is_told_the_rooms_it_has(cluster):
     p = cluster.rank("--room", "digitz")
     assert p.p.wait(60) == 2
     assert f"--room='digitz': no such room on the server (its rooms: {cluster.room})" in p.text(), p.text()
+
+
+def test_serve_max_auth_failures_sets_the_failed_check_bound(cluster):
+    # README's remedy behind a proxy named a setting serve had no flag for (a new-user trial)
+    import urllib.error
+
+    cluster.serve("--token", "room-token-0123456789", "--max-auth-failures", "2")
+    codes = []
+    for _ in range(3):
+        try:
+            urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}?token=wrong-guess-000000", timeout=5)
+        except urllib.error.HTTPError as e:
+            codes.append(e.code)
+    assert codes == [403, 403, 429], codes

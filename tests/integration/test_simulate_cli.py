@@ -162,6 +162,7 @@ def test_a_lossy_run_ends_bit_identical_because_a_missed_final_publish_is_sent_a
     ("serve", ["--bogus"], {}, "see tabcohort serve --help"),
     # (serve had no --eval-every: a slow evaluate() slowed the room with no way to space it out)
     ("serve", ["--eval-every", "-1"], {}, "--eval-every=-1"),
+    ("serve", ["--max-auth-failures", "0"], {}, "--max-auth-failures=0"),
     ("serve", ["--eval-every", "0", "--target-accuracy", "0.9"], {}, "--target-accuracy=0.9: needs evaluations"),
 ])
 def test_every_command_names_the_option_or_variable_it_refuses(command, args, env, named):
