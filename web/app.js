@@ -379,8 +379,10 @@ function render(s) {
   const bound = s.may_lead === true ? "may lead" : s.may_lead === false ? "contributes" : null;
   const doing = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
   // a rank that only contributes cannot start training: say what it waits for
-  const waits = !s.is_leader && !s.ready && s.may_lead === false
-    ? ": waiting for a rank that may lead (one started with the trainer token)" : "";
+  // (and a ready one whose leader is gone: it said "follower" with the step frozen, a new-user trial)
+  const waits = !s.is_leader && s.may_lead === false && (!s.ready || s.leader_live === false)
+    ? (s.ready ? ": no rank that may lead is in the room; training waits for one (started with the trainer token)"
+       : ": waiting for a rank that may lead (one started with the trainer token)") : "";
   $("s-role").textContent = (bound ? `${doing} (${bound})` : doing) + waits;
   $("s-role").className = s.is_leader ? "leader" : "";
   $("s-cohort").textContent = s.cohort;

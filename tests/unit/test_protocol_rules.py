@@ -1431,3 +1431,16 @@ def test_re_publishing_ends_once_the_cohort_goes_on_under_another_leader():
         sent += [p for p in r.posts(t="round") if p.get("to") == 9]
         assert not r.m.republish_pending(now)
     assert sent == [] and r.m.counters["republished"] == 0
+
+
+def test_the_state_says_when_the_leader_followed_is_no_longer_heard():
+    # a new-user trial: a tab whose only leader was killed kept saying "follower", step frozen
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(beat(1, term=1), now_ms=0)
+    r.m.handle(round_msg(1, 3, assign={1: 0, 5: 2}), now_ms=1)
+    st = r.m.state(2)
+    assert st["leader"] == 1 and st["leader_live"] is True
+    late = 1 + 2 * r.m.policy.drop_ms
+    r.m.handle(beat(7, term=0), now_ms=late)      # (another rank keeps this one's inputs going)
+    assert r.m.state(late)["leader_live"] is False

@@ -808,6 +808,9 @@ class RankMachine:
         live = {m.id: m for m in self.roster.live(now_ms, pol.drop_ms)}
         return {
             "id": self.id, "id_hex": f"{self.id:08x}", "leader": self.leader_id(now_ms),
+            # whether that leader is still heard (a rank whose leader died kept naming it, and a
+            # tab said "follower" with its step frozen: a new-user trial)
+            "leader_live": self.is_leader(now_ms) or self.looping or self.following in live,
             "is_leader": self.is_leader(now_ms) or self.looping,
             "ready": self.ready, "running": self.running, "joining": self.joining,
             "step": self.step, "cohort": len(self.cohort_ids(now_ms)),

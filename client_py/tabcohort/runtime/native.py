@@ -702,7 +702,8 @@ class RankRun(RankSession):
                       + ("  (waiting for a rank that may lead: start one with --trainer-token, which "
                          "`tabcohort serve` prints at start, and keeps in CHECKPOINT_DIR/.trainer-token when "
                          "it has a --checkpoint-dir; README \"Roles\")"
-                         if lead is None and st.get("may_lead") is False else ""))
+                         if (lead is None or st.get("leader_live") is False) and st.get("may_lead") is False
+                         else ""))
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
         up = checkpoint_upload(machine, worker, bus, self.progress, final=final)
