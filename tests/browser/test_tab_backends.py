@@ -179,3 +179,16 @@ def test_tabs_on_js_and_webgpu_train_with_a_native_rank_fall_back_and_end_bit_id
     assert native.p.wait(20) == 0, native.text()
     errs = [e for t in (a, b) for e in t.console_errors]
     assert not errs, errs
+
+
+def test_a_tab_asking_for_numpy_without_it_falls_back_as_auto_would(cluster, tabs):
+    # a new-user trial: ?backend=numpy (no numpy in a tab here) fell back to webgpu on SwiftShader,
+    # about 10x slower than the js that auto picks, with a note in the Python API's words
+    url = cluster.serve()
+    cluster.rank()
+    forced = tabs(url, "?room=digits&backend=numpy")
+    auto = tabs(url, "?room=digits")
+    sf = wait_tab(forced, lambda s: s["ready"] and s.get("backend"), 120, "the numpy-asking tab ready")
+    sa = wait_tab(auto, lambda s: s["ready"] and s.get("backend"), 120, "the auto tab ready")
+    assert sf["backend"] == sa["backend"], (sf["backend"], sa["backend"], sf.get("backend_note"))
+    assert "numpy was asked for" in sf["backend_note"] and "backend='python'" not in sf["backend_note"], sf["backend_note"]

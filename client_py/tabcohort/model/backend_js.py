@@ -309,7 +309,7 @@ async def make_tab_worker(dataset, *, backend: str = "auto", hidden: Any = (32,)
         try:
             if name == "webgpu":
                 w: Any = await GpuMLPWorker.create(dataset, wgsl_suffix=wgsl_suffix, **kw)
-                if backend == "auto":
+                if backend != "webgpu":   # (auto, or a fallback: as auto chooses, a new-user trial)
                     await w.keep_if_faster(min(batch, 64))
             elif name == "js":
                 w = JsMLPWorker(dataset, **kw)
@@ -320,6 +320,8 @@ async def make_tab_worker(dataset, *, backend: str = "auto", hidden: Any = (32,)
                 w = model.make_worker(dataset, backend=name, **kw)
         except Exception as e:
             text = e.reason if isinstance(e, ConfigError) else (str(e).splitlines() or [type(e).__name__])[0]
+            # (the page's own words: ?backend=, not the Python API's backend='python')
+            text = text.replace("(use backend='python' or 'auto')", "(?backend=js, python or auto works here)")
             why.append(f"{name}: {text[:200]}")
             continue
         note = "; ".join(why + [getattr(w, "backend_note", None) or ""]).strip("; ") or None
