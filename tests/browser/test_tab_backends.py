@@ -187,8 +187,8 @@ def test_a_tab_asking_for_numpy_without_it_falls_back_as_auto_would(cluster, tab
     url = cluster.serve()
     cluster.rank()
     forced = tabs(url, "?room=digits&backend=numpy")
-    auto = tabs(url, "?room=digits")
     sf = wait_tab(forced, lambda s: s["ready"] and s.get("backend"), 120, "the numpy-asking tab ready")
-    sa = wait_tab(auto, lambda s: s["ready"] and s.get("backend"), 120, "the auto tab ready")
-    assert sf["backend"] == sa["backend"], (sf["backend"], sa["backend"], sf.get("backend_note"))
+    # (here the GPU is SwiftShader, a CPU implementation about 10x slower than the js kernels:
+    # auto's start probe keeps js, and so does the fallback now)
+    assert sf["backend"] == "js" and "slower than js in the start probe" in sf["backend_note"], sf
     assert "numpy was asked for" in sf["backend_note"] and "backend='python'" not in sf["backend_note"], sf["backend_note"]
