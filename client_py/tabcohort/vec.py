@@ -75,14 +75,18 @@ def weighted_mean(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
         return _weighted_mean_np(vectors, weights)
     # the same float64 operations in the same order as the numpy path (``0.0 + w * x`` first,
     # so a -0.0 element gives +0.0 there too), as list comprehensions: no index arithmetic
-    pairs = iter(zip(weights, vectors))
-    w, v = next(pairs)
-    w = float(w)
-    acc = [0.0 + w * x for x in v]
-    for w, v in pairs:
-        w = float(w)
-        acc = [a + w * x for a, x in zip(acc, v)]
+    acc = None
+    for w, v in zip(weights, vectors):
+        acc = _fold_list(acc, float(w), v)
     return array("f", acc)
+
+
+def _fold_list(acc: list[float] | None, w: float, v: Any) -> list[float]:
+    """``(0.0 if acc is None else acc) + w * v`` elementwise in float64, as a new list (the
+    pure-Python reduce: ``0.0 + w * x`` first, so a -0.0 element gives +0.0 as numpy's does)."""
+    if acc is None:
+        return [0.0 + w * x for x in v]
+    return [a + w * x for a, x in zip(acc, v)]
 
 
 def _weighted_mean_np(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
@@ -188,12 +192,8 @@ class RunningMean:
         (numpy: per block, the temporary in cache); with ``out``, rounded to float32 and
         returned (numpy: block by block as each is summed)."""
         if not isinstance(v, np.ndarray if np is not None else ()):
-            if first:
-                acc = [0.0 + w * x for x in v]
-            else:
-                acc = [a + w * x for a, x in zip(self._acc, v)]
-            self._acc = acc
-            return array("f", acc) if out else None
+            self._acc = _fold_list(None if first else self._acc, w, v)
+            return array("f", self._acc) if out else None
         acc = self._acc
         n = len(acc)
         res = np.empty(n, dtype=np.float32) if out else None

@@ -308,11 +308,15 @@ def _token_ok(room: Room, given: str | None, operator: str | None = None) -> boo
     return want is None or _same(want, given) or (operator is not None and _same(operator, given))
 
 
-def _request_token(request: web.Request) -> str | None:
+def _bearer_token(request: web.Request) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, or None."""
     auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":        # (the scheme is case-insensitive: RFC 7235, 2.1)
-        return auth[7:]
-    return request.query.get("token")
+    return auth[7:] if auth[:7].lower() == "bearer " else None   # (case-insensitive: RFC 7235, 2.1)
+
+
+def _request_token(request: web.Request) -> str | None:
+    bearer = _bearer_token(request)
+    return bearer if bearer is not None else request.query.get("token")
 
 
 def _is_operator(request: web.Request) -> bool:
@@ -443,11 +447,10 @@ async def room_state(request: web.Request) -> web.Response:
     if room.job.token is not None:
         operator = _is_operator(request)
     else:
-        auth = request.headers.get("Authorization")
         operator = False
-        if auth is not None:
+        if "Authorization" in request.headers:
             _check_auth_rate(request)
-            operator = auth[:7].lower() == "bearer " and _same(request.app[OPERATOR_TOKEN], auth[7:])
+            operator = _same(request.app[OPERATOR_TOKEN], _bearer_token(request))
             if not operator:
                 raise _refuse_auth(request, "operator token (an open room needs no other)")
     return _json(_clean(room.summary(time.monotonic(), operator=operator)))

@@ -806,12 +806,13 @@ class RankMachine:
         rate = (lambda a, b: (a - b) / dt) if dt > 0 else (lambda a, b: 0.0)
         pol = self.policy
         live = {m.id: m for m in self.roster.live(now_ms, pol.drop_ms)}
+        leading = self.is_leader(now_ms) or self.looping
         return {
             "id": self.id, "id_hex": f"{self.id:08x}", "leader": self.leader_id(now_ms),
             # whether that leader is still heard (a rank whose leader died kept naming it, and a
             # tab said "follower" with its step frozen: a new-user trial)
-            "leader_live": self.is_leader(now_ms) or self.looping or self.following in live,
-            "is_leader": self.is_leader(now_ms) or self.looping,
+            "leader_live": leading or self.following in live,
+            "is_leader": leading,
             "ready": self.ready, "running": self.running, "joining": self.joining,
             "step": self.step, "cohort": len(self.cohort_ids(now_ms)),
             "loss": self.loss, "accuracy": self.accuracy,

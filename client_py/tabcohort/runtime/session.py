@@ -89,9 +89,7 @@ def renamed_copy_hint(src: Any, info: dict, option: str) -> str | None:
 def _same_code_other_name(src: Any, module: str, factory: str, want: Any) -> bool:
     """Whether ``src``'s files, renamed to ``module`` with ``factory``, are the code of hash
     ``want``."""
-    import hashlib
-
-    from ..jobs.source import source_bundle
+    from ..jobs.source import JobSource
 
     old = src.module
     files = {}
@@ -101,7 +99,7 @@ def _same_code_other_name(src: Any, module: str, factory: str, want: Any) -> boo
         elif rel.startswith(f"{old}/"):
             rel = f"{module}/{rel[len(old) + 1:]}"
         files[rel] = data
-    return hashlib.sha256(source_bundle(module, files, factory)).hexdigest() == want
+    return JobSource(module, files, factory, src.root, src.ref).code_sha256 == want
 
 
 async def make_module_worker(job: dict, src: Any, data_raw: bytes, *, batch: int | None,
@@ -336,11 +334,10 @@ class RankSession:
             # "Controls": set_lr); a rank that joins after it starts with it
             lr = obj.get("lr")
             # (above the room's lr_max the machine refuses it: followers would drop the rounds)
-            if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and 0 < lr <= 1e6:
-                if self.driver is None:
-                    self.operator_lr = float(lr)
-                elif lr <= self.driver.machine.lr_max:
-                    self.operator_lr = float(lr)
+            if (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and 0 < lr <= 1e6
+                    and (self.driver is None or lr <= self.driver.machine.lr_max)):
+                self.operator_lr = float(lr)
+                if self.driver is not None:
                     self.driver.set_lr(float(lr))
         elif t == "stop":
             reason = str(obj.get("reason"))
