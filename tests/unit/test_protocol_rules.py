@@ -1444,3 +1444,15 @@ def test_the_state_says_when_the_leader_followed_is_no_longer_heard():
     late = 1 + 2 * r.m.policy.drop_ms
     r.m.handle(beat(7, term=0), now_ms=late)      # (another rank keeps this one's inputs going)
     assert r.m.state(late)["leader_live"] is False
+
+
+def test_a_welcome_lr_that_is_not_a_learning_rate_is_ignored():
+    # the operator's lr in a welcome (the server's word, still checked): a bad one never becomes
+    # the rate a seat starts with
+    from tabcohort.runtime.session import RankSession
+    s = RankSession()
+    for bad in (float("nan"), float("inf"), -1.0, 0.0, 1e7, True, "0.1", None):
+        s.on_control({"type": "welcome", "peers": [], "lr": bad})
+        assert s.operator_lr is None, bad
+    s.on_control({"type": "welcome", "peers": [], "lr": 0.05})
+    assert s.operator_lr == 0.05 and s.job_lr({"lr": 0.5}) == 0.05
