@@ -138,3 +138,9 @@ class TokenBucket:
             self.tokens -= n
             return True
         return False
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds from ``now`` until the bucket holds ``n`` tokens (0.0: it does now; nothing
+        is spent). ``n`` above ``burst`` is taken as ``burst``."""
+        missing = min(n, self.burst) - min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
+        return max(0.0, missing / self.rate)

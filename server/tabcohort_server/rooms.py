@@ -8,7 +8,9 @@ routing header (:func:`tabcohort.wire.parse_route`) without decoding the payload
 ``from`` disagrees with the link's bound id is dropped (``spoofed``). Each link may send at most
 ``sender_max_msgs_per_s`` messages and ``sender_max_bytes_per_s`` bytes per second (token
 buckets); beyond that its messages are dropped (``rate_limited``) and a link that keeps on is
-closed (4029). Each receiver's queue holds one FIFO per sender, served round-robin with the
+closed (4029), except a WebSocket link's bytes: its reader waits for the byte budget
+(:meth:`Room.byte_wait_s`) instead, so TCP back-pressure slows the sender and no chunk of a
+frame is lost. Each receiver's queue holds one FIFO per sender, served round-robin with the
 server's controls first (:class:`~.fairness.FairQueue`); when a receiver's queue is full the
 sender holding the most of it loses its newest items there (``fair_share``: the rest of that frame
 is dropped for that receiver too), so one sender's flood never closes another rank. A receiver is
@@ -196,6 +198,9 @@ class Room:
         self.bytes_in = 0
         self.frames_relayed = 0
         self.bytes_relayed = 0
+        #: WebSocket messages whose relay waited for the sender's byte budget, and the seconds waited
+        self.byte_paced = 0
+        self.byte_paced_s = 0.0
         self.drops: dict[str, int] = {}
         self.started_at: float | None = None
         self.stopped = False
@@ -410,6 +415,23 @@ class Room:
             self.drop("rate_limit_close")
             self._disconnect(sender, now, reason=(CLOSE_RATE_LIMITED, "sending over the rate limit"))
         return False
+
+    def byte_wait_s(self, sender: Peer, n_bytes: int, now: float | None = None) -> float:
+        """Seconds the reader of ``sender``'s WebSocket waits before relaying ``n_bytes`` (0.0:
+        none), within ``sender_max_bytes_per_s``. Why a wait and not a drop: a chunk dropped
+        for the byte rate loses the whole frame it belongs to; a leader sending 1M float32
+        parameters 50 times a second (200 MB/s) lost the tail of a round every few seconds, and
+        its follower, which never saw the round, was marked silent after a whole collect
+        window. Not reading the socket makes TCP slow the sender down: its socket buffer fills,
+        its bus reports pressure and its leader paces (PROTOCOL.md, "The leader loop")."""
+        b = sender.byte_bucket
+        if b is None or not sender.connected:
+            return 0.0
+        wait = b.wait_s(n_bytes, self.clock() if now is None else now)
+        if wait > 0.0:
+            self.byte_paced += 1
+            self.byte_paced_s += wait
+        return wait
 
     def relay(self, sender: Peer, chunk: bytes) -> None:
         """Route one chunk from ``sender``'s link by its header; never decodes the payload."""
@@ -941,7 +963,8 @@ class Room:
                 "checkpoint": self.checkpoint, "pressure": round(self.pressure(), 3),
                 **({"checkpoints": [] if self.store is None else self.store.list()} if operator else {}),
                 "counters": {"frames_in": self.frames_in, "bytes_in": self.bytes_in,
-                             "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed},
+                             "frames_relayed": self.frames_relayed, "bytes_relayed": self.bytes_relayed,
+                             "byte_paced": self.byte_paced, "byte_paced_s": round(self.byte_paced_s, 3)},
                 "drops": dict(self.drops), "rank_drops": self.rank_drops(), "ranks": ranks}
 
 

@@ -362,6 +362,47 @@ async def test_slowloris_connections_are_bounded_per_address_and_timed_out(caplo
         await runner.cleanup()
 
 
+async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no_chunk():
+    # server "Server controls" (docs/PROTOCOL.md): a dropped chunk loses its whole frame, so a
+    # WebSocket over sender_max_bytes_per_s is not read until its budget allows
+    from tabcohort.vec import to_vector
+    from tabcohort.wire import FrameReader
+
+    rate = 1 << 20
+    app = create_app(config(sender_max_bytes_per_s=rate))
+    runner, site, port = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def connect():
+                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
+                await ws.send_str(json.dumps({"type": "register"}))
+                return ws, json.loads((await ws.receive(5)).data)
+            (a, wa), (b, wb) = await connect(), await connect()
+            n = 3 * rate // 4                               # 3 MiB of float32: 3 s of budget, 1 s of burst
+            values = [float(i % 1000) for i in range(n)]
+            msg = {"t": "grad", "term": 1, "step": 1, "loss": 0.5, "samples": 1, "g": to_vector(values),
+                   "to": wb["id"]}
+            chunks = FrameWriter(wa["id"], max_message_bytes=64 << 10).write(msg)
+            t0 = time.monotonic()
+            for c in chunks:
+                await a.send_bytes(c)
+            reader, got = FrameReader(), []
+            while not got:
+                m = await b.receive(10)
+                assert m.type == aiohttp.WSMsgType.BINARY or m.type == aiohttp.WSMsgType.TEXT, m
+                if m.type == aiohttp.WSMsgType.BINARY:
+                    got = reader.feed(m.data, now_ms=0.0)
+            elapsed = time.monotonic() - t0
+            room = app[ROOMS].get("r")
+            assert list(got[0]["g"]) == values                 # the whole frame, every chunk
+            assert "rate_limited" not in room.drops, room.drops
+            assert room.byte_paced > 0 and elapsed >= 1.5, (room.byte_paced, elapsed)
+            assert room.summary(time.monotonic())["counters"]["byte_paced"] == room.byte_paced
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic():
     app = create_app(config(sender_max_msgs_per_s=2000, rate_limit_close_s=1.0))
     runner, site, port = await start_site(app, "127.0.0.1", 0)

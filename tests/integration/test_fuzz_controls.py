@@ -250,6 +250,17 @@ def test_a_flooding_sender_is_rate_limited_then_closed_and_honest_ranks_are_not_
     assert honest_a.charged == {}
 
 
+def test_a_link_over_its_byte_budget_is_told_how_long_to_wait_not_dropped():
+    r, clock = make_room(sender_max_bytes_per_s=1000)
+    p = r.register(now=0)
+    assert r.byte_wait_s(p, 600, 0.0) == 0.0                 # within the burst (1 s worth)
+    assert r.admit(p, 600, 0.0)
+    assert r.byte_wait_s(p, 600, 0.0) == 0.2                 # 200 bytes short at 1000 bytes/s
+    assert r.byte_wait_s(p, 600, 0.1) == 0.1 and r.byte_wait_s(p, 600, 0.2) == 0.0
+    assert r.byte_wait_s(p, 5000, 0.2) == 0.4                # more than a burst: waits for a full one
+    assert r.byte_paced == 3 and abs(r.byte_paced_s - 0.7) < 1e-9 and not r.drops
+
+
 def test_a_full_queue_sheds_the_heaviest_senders_frames_not_the_receiver():
     # rate limits high: only the fair queue is in play
     r, clock = make_room(queue_high_water_bytes=4000, queue_max_bytes=20_000, queue_max_items=100,
