@@ -611,6 +611,53 @@ def test_a_held_back_rank_that_answers_at_once_is_probed_at_most_once_per_probe_
     assert all(b - a >= PROBE_INTERVAL_MS for a, b in zip(probed, probed[1:])), probed
 
 
+def _held_back_answering_late(answer_after_ms, *, rounds=3000, twice=False):
+    """A leader (1) that covers the global batch alone and a follower (2) marked silent, whose
+    every probe is answered ``answer_after_ms`` after it was sent: after the round it probes
+    has finished (a probe is not awaited, and the leader's own bucket takes 0.5 ms)."""
+    r = leader_with([2], global_batch=64, batches={2: 64})
+    r.m._silent.add(2)
+    r.m._silences[2] = 1
+    r.m.start(now_ms=0)
+    t, probes, late = 0.0, 0, []
+    for _ in range(rounds):
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        if col is not None and 2 in col.shares:
+            probes += 1
+            late.append((t + answer_after_ms, grad(2, 1, col.step, samples=col.shares[2], term=col.term)))
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t + 0.5)
+        assert r.m._collection is None                       # the round did not wait for the probe
+        t += 1.0
+        for at, msg in [x for x in late if x[0] <= t]:
+            for _ in range(2 if twice else 1):
+                r.m.handle(msg, now_ms=at)
+        late = [x for x in late if x[0] > t]
+        tick(r, t, peers=(2,), batch=64)
+        if 2 not in r.m._silent and 2 not in r.m._probation:
+            break
+    return r, probes
+
+
+def test_a_held_back_rank_whose_probes_are_answered_after_their_round_finished_is_readmitted():
+    # "Untrusted ranks" / "Flapping ranks": a probe is not awaited, so when the others' buckets
+    # are faster than its turnaround its round finishes first; an answer within a collect window
+    # of the probe's send still counts as in time (else such a rank is never readmitted)
+    r, probes = _held_back_answering_late(2.0, twice=True)     # (its round is still among those kept)
+    c = r.m.counters
+    assert c["silent_delivered"] == 1 and c["readmitted"] == 1, (dict(c), probes)
+    # one credit per probe, a duplicate answer none: 1 out of silence, then 3 x 2^1 - 1 more
+    assert c["late_delivery_counted"] == 6, dict(c)
+    assert r.m.drops["grad_no_collection"] >= 2 * 6
+
+
+def test_a_held_back_rank_whose_probes_come_later_than_a_collect_window_stays_held_back():
+    r, probes = _held_back_answering_late(3 * T.collect_ms + 200.0, rounds=12000)   # (a policy's window <= 3x)
+    assert probes >= 4 and 2 in r.m._silent, probes
+    assert r.m.counters["late_delivery_counted"] == 0 and r.m.counters["readmitted"] == 0
+
+
 def _minor_round():
     """A leader (1), a native follower (2) and a slow rank (3) at global batch 2000, with the
     shares a plan gives a rank 50x slower (set on the collection directly: the rule reads only

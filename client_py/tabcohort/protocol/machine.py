@@ -301,6 +301,10 @@ class RankMachine:
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
         self._silences: Counter[int] = Counter()
+        # a held-back rank (silent or on probation) -> when it last delivered in time, and the
+        # (term, step) of that bucket ("Untrusted ranks", "Flapping ranks": late answers count)
+        self._in_time_ms: dict[int, float] = {}
+        self._credited: dict[int, tuple[int, int]] = {}
         # "Shares", minor stragglers: id -> when a run of rounds finished without its bucket began
         self._minor_since: dict[int, float] = {}
         self._passed_over: dict[int, float] = {}   # takeover candidate -> since when it is owed a round
@@ -596,6 +600,8 @@ class RankMachine:
         self.roster.members.pop(rank_id, None)
         self._probation.pop(rank_id, None)
         self._silent.discard(rank_id)
+        self._in_time_ms.pop(rank_id, None)
+        self._credited.pop(rank_id, None)
         self._minor_since.pop(rank_id, None)
         self._bias.forget(rank_id)
         self._clip_recent.pop(rank_id, None)
@@ -1470,11 +1476,14 @@ class RankMachine:
         sender = msg["from"]
         if col is None:
             self._late_bucket(msg, now_ms)
+            self._late_delivery(msg, now_ms)
             self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
             self.drops["grad_no_collection"] += 1
             return
         if msg["term"] == col.term and msg["step"] != col.step:
             # a bucket of an earlier round: too late to count, but it tells the rank's speed
+            # (and, from a held-back rank, that it answers)
+            self._late_delivery(msg, now_ms)
             self._observe_turnaround(sender, msg["term"], msg["step"], msg["samples"], now_ms)
         if msg["term"] != col.term:
             self.drops["grad_wrong_term"] += 1
@@ -1505,20 +1514,59 @@ class RankMachine:
             col.norms[sender] = norm
         _arrived(col, now_ms, sender)
         self._accumulate(col, int(msg["samples"]), g)
+        self._delivered_in_time(sender, (col.term, col.step), now_ms)
+        self._observe_turnaround(sender, col.term, col.step, msg["samples"], now_ms)
+        self._collected(col, now_ms)
+
+    def _delivered_in_time(self, sender: int, key: tuple[int, int], now_ms: float) -> None:
+        """A bucket of ``sender`` for round ``key`` (term, step) came in time: a silent rank is
+        put on probation ("Untrusted ranks"), a rank on probation owes one bucket fewer
+        ("Flapping ranks")."""
+        if sender not in self._silent and sender not in self._probation:
+            return
+        self._credited[sender] = key
+        self._in_time_ms[sender] = now_ms
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
             self._silent.discard(sender)
             self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * 2 ** min(4, self._silences[sender]))
             self.counters["silent_delivered"] += 1
-        self._observe_turnaround(sender, col.term, col.step, msg["samples"], now_ms)
-        owed = self._probation.get(sender)
-        if owed is not None:                           # one more bucket in time
-            if owed <= 1:
-                del self._probation[sender]
-                self.counters["readmitted"] += 1
-            else:
-                self._probation[sender] = owed - 1
-        self._collected(col, now_ms)
+        owed = self._probation[sender]                 # this bucket is the first of them
+        if owed <= 1:
+            del self._probation[sender]
+            self._in_time_ms.pop(sender, None)
+            self._credited.pop(sender, None)
+            self.counters["readmitted"] += 1
+        else:
+            self._probation[sender] = owed - 1
+
+    def _late_delivery(self, msg: dict, now_ms: float) -> None:
+        """"Untrusted ranks" / "Flapping ranks": a held-back rank's bucket for a round that
+        finished before it came (a probe or a share, not awaited) still counts as in time when it
+        covers its share and came within one collect window of that round's send. Why: a probe
+        is not awaited, so when the others' buckets are faster than its turnaround the round
+        ends first; with "before the round ends" a rank slower than the rest (a tab, a native
+        rank behind the relay) that was marked silent once was never readmitted."""
+        sender = msg["from"]
+        if sender not in self._silent and sender not in self._probation:
+            return
+        key = (msg["term"], msg["step"])
+        if key <= self._credited.get(sender, (-1, -1)):
+            return                                     # one credit per round, never an older one
+        pr = next((x for x in self._probe_sent.get(sender) or () if x[:2] == key), None)
+        sent = self._sent_rounds.get(key)
+        if pr is not None:
+            sent_ms, share = pr[2], pr[3]
+        elif sent is not None:
+            sent_ms, share = sent[0], sent[1].get(sender)
+        else:
+            return
+        if share is None or msg["samples"] != self.train.local_steps * share:
+            return
+        if now_ms - sent_ms > self.policy.collect_ms or not all_finite(msg["g"]):
+            return
+        self.counters["late_delivery_counted"] += 1
+        self._delivered_in_time(sender, key, now_ms)
 
     def _collected(self, col: _Collection, now_ms: float) -> None:
         """A bucket arrived or the awaited set shrank while collecting: finish at the quorum,
@@ -1709,7 +1757,9 @@ class RankMachine:
                 if trusted and len(trusted) < len(buckets):
                     loss_from = trusted
             for k in col.wanted & self._probation.keys():
-                if k not in col.received:              # missed again: owes the full run anew
+                # missed again: owes the full run anew (unless it delivered within a collect
+                # window: its answer to this round may still come, see _late_delivery)
+                if k not in col.received and now_ms - self._in_time_ms.get(k, -math.inf) > self.policy.collect_ms:
                     self._probation[k] = min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k]))
             if self.collect_rule == "grace":
                 self._take_spread_sample()          # a round with no quorum wait has none yet
