@@ -177,8 +177,10 @@ def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None
                 w.t_round = time.perf_counter() if len(msg.get("shares") or ()) >= world else None
             post(msg, **kw)
         bus.post = timed_post
+        # a fixed global batch of every rank's cap: no rank can cover a round without the others,
+        # so every round has all of them in it, as gloo's step does ("Shares")
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,
-                        eval_every=0)
+                        eval_every=0, global_batch=world * w.batch)
         d = RankDriver(m, w, bus)
         d.start(0.01)
         with open(out, "a", buffering=1) as fh:
