@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_cursor, checkpoint_term, checkpoint_upload, load_checkpoint,
+from .session import (RankSession, check_topology, checkpoint_upload,
                       make_module_worker, path_report, trusted_job_source)
 
 LINKS = ("ws", "rtc")
@@ -524,10 +524,7 @@ class RankRun(RankSession):
             got = await self._get(http, "/checkpoint")
             if got is not None:
                 headers, data = got
-                self.start_step, self.start_state = load_checkpoint(worker, data, headers,
-                                                                    state_len=job.get("state_len", 0))
-                self.start_term = checkpoint_term(headers)
-                self.start_cursor = checkpoint_cursor(headers)
+                self.start_from_checkpoint(worker, job, headers, data)
                 self.progress(f"loaded checkpoint {headers.get('X-Tabcohort-Checkpoint', '')} at step {self.start_step} "
                               f"({headers.get('X-Tabcohort-Digest', '')[:12]})")
 

@@ -298,6 +298,16 @@ class RankSession:
         self.driver = RankDriver(machine, worker, bus, on_report=at_limit, on_compute_failed=compute_failed)
         return machine, self.driver
 
+    def start_from_checkpoint(self, worker: Any, job: dict, headers: dict, data: bytes) -> None:
+        """Load the room's checkpoint (``GET /checkpoint``'s ``headers`` and body ``data``) into
+        ``worker``; the next seat starts at its step, optimizer state, term floor and cursor.
+
+        Raises:
+            TabcohortError: the checkpoint is corrupt or does not fit (see :func:`load_checkpoint`)."""
+        self.start_step, self.start_state = load_checkpoint(worker, data, headers, state_len=job.get("state_len", 0))
+        self.start_term = checkpoint_term(headers)
+        self.start_cursor = checkpoint_cursor(headers)
+
     def job_lr(self, job: dict) -> float:
         """The learning rate a seat starts with: the operator's (``POST .../lr``, told in the
         room's ``welcome``) once set, else the job's."""

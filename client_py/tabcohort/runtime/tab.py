@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, LocalProtocolError, TabcohortError
-from .session import RankSession, check_topology, checkpoint_cursor, checkpoint_term, checkpoint_upload, load_checkpoint, path_report
+from .session import RankSession, check_topology, checkpoint_upload, path_report
 
 
 class JobLoadError(TabcohortError):
@@ -117,10 +117,7 @@ class TabRun(RankSession):
         got = await self._fetch("/checkpoint", kind="bytes")
         if got is not None:
             headers, data = got
-            self.start_step, self.start_state = load_checkpoint(worker, data, headers,
-                                                                state_len=job.get("state_len", 0))
-            self.start_term = checkpoint_term(headers)
-            self.start_cursor = checkpoint_cursor(headers)
+            self.start_from_checkpoint(worker, job, headers, data)
             self.progress(f"loaded checkpoint at step {self.start_step}")
 
         hub = self.hub = PortHub(self.port, on_other=self._on_ui).start()
