@@ -906,8 +906,11 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
         for t in (wtask, rtask):
             t.cancel()
         res = await asyncio.gather(wtask, rtask, return_exceptions=True)
-        room.disconnect(peer, time.monotonic())
-        request.app[RTC].detach(peer)
+        if peer.kick is kick or not peer.connected:
+            # this link still holds the seat (or nobody does): a resume that took the seat over
+            # re-seated the same Peer on its new link, which this cleanup must not end
+            room.disconnect(peer, time.monotonic())
+            request.app[RTC].detach(peer)
         code, reason = kicked[0] if kicked else (WSCloseCode.OK, "bye")
         if not ws.closed:
             try:

@@ -403,6 +403,41 @@ async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no
         await runner.cleanup()
 
 
+async def test_a_resume_that_takes_over_a_live_link_keeps_its_new_link():
+    # the old link's cleanup runs after the resume re-seated the same Peer: it must not end
+    # the new link (before, the server took the new link for gone: nothing was relayed to it)
+    app = create_app(config())
+    runner, site, port = await start_site(app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def connect(**reg):
+                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
+                await ws.send_str(json.dumps({"type": "register", **reg}))
+                return ws, json.loads((await ws.receive(5)).data)
+            (a, wa), (b, wb) = await connect(), await connect()
+            room = app[ROOMS].get("r")
+            a2, wa2 = await connect(resume={"id": wa["id"], "secret": wa["secret"]})
+            assert wa2["id"] == wa["id"] and wa2["resumed"]
+            while (m := await a.receive(5)).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                pass                                         # the old link is closed
+            end = time.monotonic() + 5
+            while a.closed is False or room.peers[wa["id"]].kick is None:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)                           # (its handler's cleanup has run)
+            p = room.peers[wa["id"]]
+            assert p.connected and room.connected.get(wa["id"]) is p, room.drops
+            chunk = FrameWriter(wb["id"]).write({"t": "beat", "term": 1, "batch": 1, "ready": True, "running": True,
+                                                 "step": 1, "backend": "x", "to": wa["id"]})[0]
+            await b.send_bytes(chunk)
+            while (m := await a2.receive(5)).type != aiohttp.WSMsgType.BINARY:
+                assert m.type == aiohttp.WSMsgType.TEXT, m
+            assert m.data == chunk                           # relayed to the new link
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic():
     app = create_app(config(sender_max_msgs_per_s=2000, rate_limit_close_s=1.0))
     runner, site, port = await start_site(app, "127.0.0.1", 0)
