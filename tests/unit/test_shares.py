@@ -658,6 +658,60 @@ def test_a_held_back_rank_whose_probes_come_later_than_a_collect_window_stays_he
     assert r.m.counters["late_delivery_counted"] == 0 and r.m.counters["readmitted"] == 0
 
 
+def _probation_run(*, every=1, owed=6, silences=0, quiet_after_first=False, until_ms=1000.0):
+    """Leader 1 (equal shares: a rank on probation gets a share, not awaited), an honest rank 2,
+    and rank 3 on probation (``owed`` buckets, or out of silence ``silences``) answering at
+    once every ``every``-th round it is assigned (none after its first with
+    ``quiet_after_first``). Returns the rig, the rounds assigned to 3, and what 3 owed after
+    each round."""
+    from tabcohort.protocol.machine import Phase
+
+    from .test_protocol_rules import leader_rig
+    r = leader_rig([2, 3])
+    if silences:
+        r.m._silent.add(3)
+        r.m._silences[3] = silences
+    else:
+        r.m._probation[3] = owed
+        r.m.flaps[3] = owed // 3
+    r.m.start(now_ms=0)
+    t, assigned, owed_seen, quiet = 0.0, 0, [], False
+    while t < until_ms:
+        if r.m._phase is Phase.OWN:
+            col = r.m._collection
+            own = [a for a in r.computes(r.drain()) if a.own][-1]
+            r.m.handle(grad(2, 1, col.step, term=col.term), now_ms=t)
+            if 3 in col.wanted:
+                assigned += 1
+                if assigned % every == 0 and not quiet:
+                    r.m.handle(grad(3, 1, col.step, term=col.term, samples=col.shares[3]), now_ms=t)
+                    quiet = quiet_after_first and 3 in r.m._probation
+            r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=t)
+        t += 1.0
+        tick(r, t, peers=[2, 3])
+        if 3 in r.m._probation:
+            owed_seen.append(r.m._probation[3])
+        elif not r.m._silent:
+            break
+    return r, assigned, owed_seen
+
+
+def test_a_rank_on_probation_that_misses_nine_rounds_in_ten_is_not_readmitted():
+    # "Flapping ranks": its buckets count "in a row"; one that answers every 10th round, each
+    # at once (far inside a collect window), misses the 9 between: never readmitted
+    r, assigned, _ = _probation_run(every=10)
+    assert 3 in r.m._probation and assigned > 60 and r.m.counters["readmitted"] == 0, assigned
+    r, assigned, _ = _probation_run(every=1)                 # every round: readmitted after 6
+    assert 3 not in r.m._probation and r.m.counters["readmitted"] == 1 and assigned == 6
+
+
+def test_a_miss_never_lowers_what_a_rank_out_of_silence_owes():
+    # "Untrusted ranks": out of its fourth silence a rank owes 3 x 2^4 = 24 capped at 24 (the
+    # first delivery counts: 23 left); a miss restarts the run at 24, never at 3 x flaps
+    r, _, owed = _probation_run(silences=4, quiet_after_first=True, until_ms=6000.0)
+    assert owed and owed[0] == 23 and min(owed) >= 23 and owed[-1] == 24, sorted(set(owed))
+
+
 def _minor_round():
     """A leader (1), a native follower (2) and a slow rank (3) at global batch 2000, with the
     shares a plan gives a rank 50x slower (set on the collection directly: the rule reads only

@@ -301,10 +301,13 @@ class RankMachine:
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
         self._silences: Counter[int] = Counter()
-        # a held-back rank (silent or on probation) -> when it last delivered in time, and the
-        # (term, step) of that bucket ("Untrusted ranks", "Flapping ranks": late answers count)
-        self._in_time_ms: dict[int, float] = {}
+        # a held-back rank (silent or on probation) -> the (term, step) of its last bucket that
+        # counted as in time; a rank on probation -> the rounds that finished without its bucket,
+        # oldest first, with when each was sent (its answer may still come: "In time, for a rank
+        # held back"), and the run it owes when a miss restarts its count
         self._credited: dict[int, tuple[int, int]] = {}
+        self._missed: dict[int, deque[tuple[tuple[int, int], float]]] = {}
+        self._probation_run: dict[int, int] = {}
         # "Shares", minor stragglers: id -> when a run of rounds finished without its bucket began
         self._minor_since: dict[int, float] = {}
         self._passed_over: dict[int, float] = {}   # takeover candidate -> since when it is owed a round
@@ -598,9 +601,8 @@ class RankMachine:
         self.counters["peer_left"] += 1
         self.membership.pop(rank_id, None)
         self.roster.members.pop(rank_id, None)
-        self._probation.pop(rank_id, None)
+        self._end_probation(rank_id)
         self._silent.discard(rank_id)
-        self._in_time_ms.pop(rank_id, None)
         self._credited.pop(rank_id, None)
         self._minor_since.pop(rank_id, None)
         self._bias.forget(rank_id)
@@ -672,7 +674,7 @@ class RankMachine:
             m.term = self.term
         if returning:
             # an evicted rank comes back: awaited again only once it keeps up ("Flapping ranks")
-            self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * self.flaps[sender])
+            self._start_probation(sender, min(_PROBATION_MAX, _PROBATION_BUCKETS * self.flaps[sender]))
         if m.ready and m.running:
             self.membership[sender] = now_ms
         elif not m.running and t in ("hello", "beat"):
@@ -967,7 +969,8 @@ class RankMachine:
             self._bias.forget(k)
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
-            self._probation.pop(k, None)
+            self._end_probation(k)
+            self._credited.pop(k, None)
             self.applied_by.pop(k, None)
         self.policy = policy(len(self.roster.members) + 1, self.timing)
         self._next_beat_ms = now_ms + self.policy.beat_ms
@@ -1525,20 +1528,43 @@ class RankMachine:
         if sender not in self._silent and sender not in self._probation:
             return
         self._credited[sender] = key
-        self._in_time_ms[sender] = now_ms
         if sender in self._silent:
             # delivered again: it owes in-time buckets before it is awaited ("Untrusted ranks")
             self._silent.discard(sender)
-            self._probation[sender] = min(_PROBATION_MAX, _PROBATION_BUCKETS * 2 ** min(4, self._silences[sender]))
+            self._start_probation(sender, min(_PROBATION_MAX, _PROBATION_BUCKETS * 2 ** min(4, self._silences[sender])))
             self.counters["silent_delivered"] += 1
+        pending = self._missed.get(sender)
+        if pending:
+            if pending[0][0] < key:
+                # an earlier round's bucket never came, and now never counts (one credit per
+                # round, never an older one): a miss, the count restarts with this bucket
+                self._restart_probation(sender)
+            elif pending[0][0] == key:
+                pending.popleft()
         owed = self._probation[sender]                 # this bucket is the first of them
         if owed <= 1:
-            del self._probation[sender]
-            self._in_time_ms.pop(sender, None)
+            self._end_probation(sender)
             self._credited.pop(sender, None)
             self.counters["readmitted"] += 1
         else:
             self._probation[sender] = owed - 1
+
+    def _start_probation(self, k: int, owed: int) -> None:
+        """``k`` owes ``owed`` in-time buckets, in a row, before it is awaited ("Flapping ranks")."""
+        self._probation[k] = self._probation_run[k] = owed
+        self._missed.pop(k, None)
+
+    def _restart_probation(self, k: int) -> None:
+        """``k`` missed a round on probation: it owes its whole run anew (never fewer than it
+        owed when its probation began: a miss must not shorten it)."""
+        self._probation[k] = max(self._probation_run.get(k, 0),
+                                 min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k])))
+        self._missed.pop(k, None)
+
+    def _end_probation(self, k: int) -> None:
+        self._probation.pop(k, None)
+        self._probation_run.pop(k, None)
+        self._missed.pop(k, None)
 
     def _late_delivery(self, msg: dict, now_ms: float) -> None:
         """"Untrusted ranks" / "Flapping ranks": a held-back rank's bucket for a round that
@@ -1757,10 +1783,11 @@ class RankMachine:
                 if trusted and len(trusted) < len(buckets):
                     loss_from = trusted
             for k in col.wanted & self._probation.keys():
-                # missed again: owes the full run anew (unless it delivered within a collect
-                # window: its answer to this round may still come, see _late_delivery)
-                if k not in col.received and now_ms - self._in_time_ms.get(k, -math.inf) > self.policy.collect_ms:
-                    self._probation[k] = min(_PROBATION_MAX, _PROBATION_BUCKETS * max(1, self.flaps[k]))
+                if k not in col.received:
+                    # its answer may still come ("In time, for a rank held back"): pending
+                    self._missed.setdefault(k, deque()).append(((col.term, col.step), col.opened_ms))
+            for k in [k for k, q in self._missed.items() if q and now_ms - q[0][1] > self.policy.collect_ms]:
+                self._restart_probation(k)             # missed: nothing within a collect window
             if self.collect_rule == "grace":
                 self._take_spread_sample()          # a round with no quorum wait has none yet
                 self._spread_pending = _Spread(col)
