@@ -926,11 +926,12 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
 
 async def _reader(ws: web.WebSocketResponse, room: Room, peer: Peer) -> None:
     async for msg in ws:
-        if msg.type == WSMsgType.BINARY:
-            wait_s = room.byte_wait_s(peer, len(msg.data), time.monotonic())
+        if msg.type in (WSMsgType.BINARY, WSMsgType.TEXT):
+            wait_s = room.byte_wait_s(peer, len(msg.data))
             if wait_s > 0.0:
                 # over its byte rate: not read meanwhile, so TCP slows the sender (Room.byte_wait_s)
                 await asyncio.sleep(wait_s + 1e-4)
+        if msg.type == WSMsgType.BINARY:
             room.relay(peer, msg.data)
         elif msg.type == WSMsgType.TEXT:
             room.control(peer, msg.data, now=time.monotonic())

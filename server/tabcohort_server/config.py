@@ -228,7 +228,11 @@ class ServerLimits:
         sender_max_bytes_per_s: bytes one link may send per second (burst: one second's worth);
             a WebSocket link over it is read no faster (back-pressure), a data channel's
             chunks are dropped. 1 GiB/s: a leader of 1M float32 parameters sends 4 MB a round,
-            at 100 rounds/s on one machine 400 MB/s (128 MiB/s held it to 31 rounds/s).
+            at 100 rounds/s on one machine 400 MB/s (128 MiB/s held it to 31 rounds/s). For
+            ranks that may lead (docs/PROTOCOL.md, "Roles").
+        contributor_max_bytes_per_s: the same for a rank that may not lead (a contributor in
+            an open room: it sends only its buckets; its broadcasts reach every rank, so one
+            stranger's budget is kept at a tenth of a trainer's).
         rate_limit_close_s: a link that goes on sending over its rate for about this long's
             worth of excess messages is closed (4029).
         pressure_stall_s: a rank whose socket has not accepted one write for this long stops
@@ -275,6 +279,7 @@ class ServerLimits:
     header_timeout_s: float = 10.0
     sender_max_msgs_per_s: float = 5000.0
     sender_max_bytes_per_s: float = 1 << 30
+    contributor_max_bytes_per_s: float = 128 << 20
     rate_limit_close_s: float = 2.0
     write_stall_s: float = 10.0
     pressure_stall_s: float = 2.0

@@ -308,7 +308,10 @@ class Room:
         p.may_lead = bool(trainer) or self.any_rank_may_lead
         lim = self.limits
         p.msg_bucket = TokenBucket(lim.sender_max_msgs_per_s, 2 * lim.sender_max_msgs_per_s, now)
-        p.byte_bucket = TokenBucket(lim.sender_max_bytes_per_s, lim.sender_max_bytes_per_s, now)
+        # a rank that may lead sends the rounds (every parameter, to everyone); a contributor only
+        # its buckets (README "Limits": a contributor's budget is the smaller one)
+        byte_rate = lim.sender_max_bytes_per_s if p.may_lead else lim.contributor_max_bytes_per_s
+        p.byte_bucket = TokenBucket(byte_rate, byte_rate, now)
         # excess messages a link may send before it is closed: rate_limit_close_s seconds' worth
         # of its rate, refilled at a quarter of its rate (a sender persistently over 1.25x its
         # rate is closed; one that bursts over now and then only loses the excess)
@@ -427,7 +430,7 @@ class Room:
         b = sender.byte_bucket
         if b is None or not sender.connected:
             return 0.0
-        wait = b.wait_s(n_bytes, self.clock() if now is None else now)
+        wait = b.wait_s(n_bytes, self.clock() if now is None else now)   # (admit's clock)
         if wait > 0.0:
             self.byte_paced += 1
             self.byte_paced_s += wait

@@ -369,7 +369,7 @@ async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no
     from tabcohort.wire import FrameReader
 
     rate = 1 << 20
-    app = create_app(config(sender_max_bytes_per_s=rate))
+    app = create_app(config(sender_max_bytes_per_s=rate, contributor_max_bytes_per_s=rate))
     runner, site, port = await start_site(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -387,6 +387,7 @@ async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no
             t0 = time.monotonic()
             for c in chunks:
                 await a.send_bytes(c)
+            await a.send_str(json.dumps({"type": "backlog", "bytes": 1000}))   # a control right behind
             reader, got = FrameReader(), []
             while not got:
                 m = await b.receive(10)
@@ -399,6 +400,10 @@ async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no
             assert "rate_limited" not in room.drops, room.drops
             assert room.byte_paced > 0 and elapsed >= 1.5, (room.byte_paced, elapsed)
             assert room.summary(time.monotonic())["counters"]["byte_paced"] == room.byte_paced
+            end = time.monotonic() + 5
+            while room.peers[wa["id"]].rx_backlog != 1000:       # the control waited, not dropped
+                assert time.monotonic() < end and "rate_limited" not in room.drops, room.drops
+                await asyncio.sleep(0.01)
     finally:
         await runner.cleanup()
 

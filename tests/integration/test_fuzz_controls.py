@@ -251,7 +251,7 @@ def test_a_flooding_sender_is_rate_limited_then_closed_and_honest_ranks_are_not_
 
 
 def test_a_link_over_its_byte_budget_is_told_how_long_to_wait_not_dropped():
-    r, clock = make_room(sender_max_bytes_per_s=1000)
+    r, clock = make_room(sender_max_bytes_per_s=1000, contributor_max_bytes_per_s=1000)
     p = r.register(now=0)
     assert r.byte_wait_s(p, 600, 0.0) == 0.0                 # within the burst (1 s worth)
     assert r.admit(p, 600, 0.0)
@@ -259,6 +259,15 @@ def test_a_link_over_its_byte_budget_is_told_how_long_to_wait_not_dropped():
     assert r.byte_wait_s(p, 600, 0.1) == 0.1 and r.byte_wait_s(p, 600, 0.2) == 0.0
     assert r.byte_wait_s(p, 5000, 0.2) == 0.4                # more than a burst: waits for a full one
     assert r.byte_paced == 3 and abs(r.byte_paced_s - 0.7) < 1e-9 and not r.drops
+
+
+def test_a_contributor_has_the_smaller_byte_budget_and_a_rank_that_may_lead_the_larger():
+    r, clock = make_room(sender_max_bytes_per_s=10_000, contributor_max_bytes_per_s=1000)
+    contributor, trainer = r.register(now=0), r.register(now=0, trainer=True)
+    assert not contributor.may_lead and trainer.may_lead
+    assert r.admit(contributor, 600, 0.0) and r.admit(trainer, 600, 0.0)
+    assert r.byte_wait_s(contributor, 600, 0.0) == 0.2       # 200 bytes short at its 1000 bytes/s
+    assert r.byte_wait_s(trainer, 600, 0.0) == 0.0
 
 
 def test_a_full_queue_sheds_the_heaviest_senders_frames_not_the_receiver():
