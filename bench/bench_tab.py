@@ -29,6 +29,11 @@ server's default digits room), each cohort on a fresh server:
   server and Chromium on the other, as if the tab were a volunteer's own machine (on 2 shared
   cores a tab can otherwise only take CPU from the native ranks); ``--no-split-cores`` turns
   it off. Rounds/s and applied samples/s come from the same two reports of the leader.
+  The control (both global batches): Chromium's CPU is measured in every window (``/proc``), and
+  its extra with the tab open is replayed as a plain busy loop on the tab's core in native-only
+  windows bracketed by unloaded ones; "mixed / native-only under that load" is what the tab
+  costs the native ranks beyond its own CPU on a core of the same VM (two vCPUs share caches
+  and, often, a physical core: a load on one slows the other, whatever the protocol does).
 
 - compute backends (``--kernels-only`` runs just these): the grads time per bucket of the tab's
   webgpu, js and python backends, measured in one tab's worker (Pyodide), next to numpy natively
@@ -48,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -354,17 +361,49 @@ def leader_applied(c: Cluster) -> tuple[float, int, dict, int, int] | None:
     return time.monotonic() - lead["report_age_s"], sum(applied.values()), applied, rep["step"], lead["id"]
 
 
-def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None) -> dict:
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and every process below it."""
+    from tests.browser.cores import _descendants
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in _descendants(root):
+        try:
+            f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / tick
+
+
+#: a duty-cycle CPU load on given cpus: busy ``duty`` of every 10 ms
+BURNER = """
+import os, sys, time
+os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
+duty = float(sys.argv[1])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.01 * duty:
+        pass
+    time.sleep(0.01 * (1 - duty))
+"""
+
+
+def shares_window(c: Cluster, window_s: float, tab_hex: str | None = None, cpu_root: int | None = None) -> dict:
     """Rounds/s and applied samples/s over a window, both from the same two reports of one
     leader (its step, and its ``applied`` by rank: samples of the buckets it reduced), so the
-    two rates are of the same rounds; with ``tab_hex``, the tab's part of the applied samples."""
+    two rates are of the same rounds; with ``tab_hex``, the tab's part of the applied samples;
+    with ``cpu_root``, the cores that process tree (Chromium) used over the window."""
     a0 = wait_for(lambda: leader_applied(c), 20, "the leader's report")
+    cpu0, t0 = (tree_cpu_s(cpu_root), time.monotonic()) if cpu_root else (0.0, 0.0)
     a1 = wait_for(lambda: (x := leader_applied(c)) and x[0] >= a0[0] + window_s and x, window_s + 20,
                   "a report a window later", interval_s=0.2)
     if a1[4] != a0[4]:
         raise RuntimeError("the leader changed during a measuring window")
     dt = a1[0] - a0[0]
     out = {"rounds_per_s": (a1[3] - a0[3]) / dt, "applied_per_s": (a1[1] - a0[1]) / dt, "seconds": round(dt, 2)}
+    if cpu_root:
+        out["cpu_root_cores"] = (tree_cpu_s(cpu_root) - cpu0) / (time.monotonic() - t0)
     if tab_hex is not None:
         tab = a1[2].get(tab_hex, 0) - a0[2].get(tab_hex, 0)
         out["tab_applied_per_s"] = tab / dt
@@ -403,7 +442,7 @@ def join_tab(chromium: Chromium, c: Cluster, url: str, backend: str, split: "Cor
 
 
 def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split: "CoreSplit",
-                  pairs: int = 1) -> dict:
+                  pairs: int = 1, load_control: bool = False) -> dict:
     """One server, global batch fixed: the 2 native ranks alone, then ``pairs`` times: with a
     tab (pure Python) joined, then alone again after it closed. Each mixed window is compared
     with the mean of the two native windows around it (a shared machine drifts by more than the
@@ -419,11 +458,12 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
         c.rank()
         c.rank()
         natives_alone(c, 60)
-        natives = [shares_window(c, window_s)]
+        cpu_root = chromium.proc.pid
+        natives = [shares_window(c, window_s, cpu_root=cpu_root)]
         mixeds = []
         for i in range(pairs):
             page, tab_hex = join_tab(chromium, c, url, "python", split, 20)
-            mixed = shares_window(c, window_s, tab_hex)
+            mixed = shares_window(c, window_s, tab_hex, cpu_root=cpu_root)
             if i == 0:
                 lead = next(r for r in c.reports() if r.get("is_leader"))
                 out["tab_share"] = lead["shares"].get(tab_hex, 0)
@@ -439,13 +479,37 @@ def shares_cohort(chromium: Chromium, global_batch: int, window_s: float, split:
                          "the tab back in the cohort")
                 s0 = c.state()["step"]
                 wait_for(lambda: c.state()["step"] >= s0 + 10, 60, "rounds with the tab again", interval_s=0.2)
-                again = shares_window(c, window_s, tab_hex)
+                again = shares_window(c, window_s, tab_hex, cpu_root=cpu_root)
                 mixed = {k: (mixed[k] + again[k]) / 2 for k in mixed}
             mixeds.append(mixed)
             chromium.call("Target.closeTarget", {"targetId": page.target_id}, timeout_s=10)
             page = None
             natives_alone(c, 60)
-            natives.append(shares_window(c, window_s))
+            natives.append(shares_window(c, window_s, cpu_root=cpu_root))
+        if load_control and split.enabled:
+            # the control: what the tab's CPU costs the native ranks on this machine as a plain
+            # load. Chromium's extra CPU with the tab open (over the native windows', where the
+            # browser runs with no page) is replayed by a busy loop on the tab's core, in native
+            # windows bracketed by unloaded ones: two vCPUs of one VM share caches and, often, a
+            # physical core, so a load on one slows the other whatever the protocol does
+            extra = statistics.mean(m["cpu_root_cores"] for m in mixeds) - \
+                statistics.mean(w["cpu_root_cores"] for w in natives)
+            duty = min(0.95, max(0.0, extra))
+            loaded, around = [], []
+            for _ in range(pairs):
+                burner = subprocess.Popen([sys.executable, "-c", BURNER, str(duty), ",".join(map(str, sorted(split.tab)))])
+                try:
+                    loaded.append(shares_window(c, window_s))
+                finally:
+                    burner.kill()
+                    burner.wait()
+                around.append(shares_window(c, window_s))
+            ref = [natives[-1]] + around
+            out["load_control"] = {
+                "duty": duty, "loaded_windows": loaded, "native_windows": ref,
+                # each loaded window against the unloaded ones before and after it
+                "loaded_over_native_paired": [w["rounds_per_s"] / ((ref[i]["rounds_per_s"] + ref[i + 1]["rounds_per_s"]) / 2)
+                                              for i, w in enumerate(loaded)]}
         out["native_windows"], out["mixed_windows"] = natives, mixeds
         out["native"] = {k: sum(w[k] for w in natives) / len(natives) for k in natives[0]}
         out["mixed"] = {k: sum(w[k] for w in mixeds) / len(mixeds) for k in mixeds[0]}
@@ -517,11 +581,19 @@ def tab_solo(chromium: Chromium, global_batch: int, min_s: float, split: "CoreSp
 
 def shares_main(chromium: Chromium, a) -> dict:
     with CoreSplit([chromium.proc.pid], a.split_cores) as split:
-        small = shares_cohort(chromium, a.small_global_batch, a.window, split, a.pairs)
-        big = shares_cohort(chromium, a.big_global_batch, a.big_window, split)
+        small = shares_cohort(chromium, a.small_global_batch, a.window, split, a.pairs, load_control=True)
+        big = shares_cohort(chromium, a.big_global_batch, a.big_window, split, load_control=True)
         solo = tab_solo(chromium, a.big_global_batch, a.big_window, split)
         large = large_model_cohort(chromium, a.window, split)
     small["mixed_over_native_rounds"] = statistics.median(small["mixed_over_native_rounds_paired"])
+    for x in (small, big):
+        lc = x.get("load_control")
+        if lc:
+            lc["loaded_over_native"] = statistics.median(lc["loaded_over_native_paired"])
+            # the mixed cohort against native-only carrying the tab's CPU as a plain load
+            lc["mixed_over_native_loaded"] = x["mixed"]["rounds_per_s"] / (
+                lc["loaded_over_native"] * x["native"]["rounds_per_s"]) if x is big else \
+                small["mixed_over_native_rounds"] / lc["loaded_over_native"]
     for x in (small, big):
         x["mixed_over_tab_stopped_rounds"] = x["mixed"]["rounds_per_s"] / x["tab_stopped"]["rounds_per_s"]
     big["tab_solo"] = solo
@@ -532,6 +604,10 @@ def shares_main(chromium: Chromium, a) -> dict:
     big["native_part_over_native_only"] = (big["mixed"]["applied_per_s"] - big["mixed"]["tab_applied_per_s"]) / \
         big["native"]["applied_per_s"]
     big["native_round_ms"] = 1000.0 / big["native"]["rounds_per_s"]
+    if big.get("load_control"):
+        # the "tab adds" sum with the native part taken under the tab's CPU as a plain load
+        big["load_control"]["mixed_over_native_loaded_plus_0.8_tab"] = big["mixed"]["applied_per_s"] / (
+            big["load_control"]["loaded_over_native"] * big["native"]["applied_per_s"] + 0.8 * solo["applied_per_s"])
     return {"small": small, "big": big, "large_model": large, "cores": split.describe()}
 
 
@@ -556,6 +632,14 @@ def print_shares(r: dict) -> None:
     print(f"\nglobal batch {sm['global_batch']}: each window with the tab joined / the mean of the native-only windows "
           f"before and after it: {', '.join(f'{x:.3f}' for x in paired)} (median "
           f"**{sm['mixed_over_native_rounds']:.2f}**, the ratio in the table)")
+    lc = sm.get("load_control")
+    if lc:
+        print(f"\nthe control at global batch {sm['global_batch']}: Chromium used {lc['duty'] * 100:.1f} % more of its "
+              f"core with the tab open than with no page; that much plain CPU load on the same core (a busy loop, no "
+              f"tab) slows the native-only pair to {', '.join(f'{x:.3f}' for x in lc['loaded_over_native_paired'])} "
+              f"of its rate (median {lc['loaded_over_native']:.2f}): the mixed cohort / native-only under that load = "
+              f"**{lc['mixed_over_native_loaded']:.2f}** (what the tab costs the pair beyond its CPU on a core this "
+              f"VM shares)")
     print(f"\nrounds/s, mixed / the same cohort with the tab stopped (connected, following, no share): "
           f"{sm['mixed_over_tab_stopped_rounds']:.2f} at {sm['global_batch']}, "
           f"{bg['mixed_over_tab_stopped_rounds']:.2f} at {bg['global_batch']}")
@@ -566,6 +650,12 @@ def print_shares(r: dict) -> None:
           f"its parts: the tab's applied samples/s in the mixed cohort / its solo rate "
           f"**{bg['tab_part_over_tab_solo']:.2f}**, the native ranks' / native-only "
           f"{bg['native_part_over_native_only']:.2f}")
+    blc = bg.get("load_control")
+    if blc:
+        print(f"\nthe control at global batch {bg['global_batch']}: the tab's CPU on its core ({blc['duty'] * 100:.1f} % of "
+              f"it) as a plain load slows native-only to {blc['loaded_over_native']:.2f}; mixed / (native-only under "
+              f"that load + 0.8 x tab solo) = **{blc['mixed_over_native_loaded_plus_0.8_tab']:.2f}**, rounds/s mixed / "
+              f"native-only under that load {blc['mixed_over_native_loaded']:.2f}")
 
 
 def main() -> int:
