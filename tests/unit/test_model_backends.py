@@ -85,6 +85,20 @@ def test_numpy_gradient_matches_central_differences(small, act):
     assert _rel(wg, fd) < 1e-5
 
 
+def test_numpy_slices_a_large_model_by_multiply_accumulates_not_by_samples(synth):
+    # PROTOCOL.md "Worker contract": beats must go out while a bucket is computed; a slice of
+    # 1024 samples of a 1.1M-parameter MLP held the event loop for seconds on a loaded machine
+    from tabcohort.model import NumpyMLPWorker
+    from tabcohort.model.backend_np import CHUNK_SAMPLES, SLICE_MACS
+    small = NumpyMLPWorker(synth, batch=10)
+    assert small.chunk == CHUNK_SAMPLES                      # a small model: as before
+    big = NumpyMLPWorker(synth, hidden=(1024, 1024), batch=10)
+    assert 1 <= big.chunk < CHUNK_SAMPLES and big.chunk * big.mlp.macs_per_sample <= SLICE_MACS
+    assert (big.chunk + 1) * big.mlp.macs_per_sample > SLICE_MACS
+    (_, g), n_yields = drive(big.grads(0, 3 * big.chunk))
+    assert n_yields == 2 and g.shape == (big.bucket_len,)
+
+
 def test_numpy_grads_slices_by_chunk(synth):
     from tabcohort.model import NumpyMLPWorker
     w = NumpyMLPWorker(synth, batch=10, chunk=4)

@@ -728,6 +728,38 @@ def test_joiner_does_not_bootstrap_while_a_live_peer_is_ready():
     assert not r.m.ready
 
 
+def test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a_takeover_window():
+    # "Joining": the server says rank 9 is connected and may lead; its beats are late (its
+    # compute held its event loop). Bootstrapping would start a lineage that outranks its
+    # (the joiner's term floor is the checkpoint's, that leader's term): the joiner waits
+    r = rig(1)
+    r.m.peer_role(9, True)
+    r.m.start(now_ms=0)
+    t = 0.0
+    while t < T.takeover_ms - 400:
+        t += 400
+        r.m.on_timer(now_ms=t)
+    assert not r.m.ready and r.m.counters["join_waited_for_witnessed_lead"] >= 2
+    r.m.handle(beat(9, ready=True, running=True), now_ms=t + 1)     # heard at last: it follows
+    r.m.on_timer(now_ms=t + 400)
+    assert not r.m.ready and r.m.counters["bootstrap"] == 0
+    # a witnessed rank never heard (its link up, its process stopped): bootstrap after the window
+    q = rig(1)
+    q.m.peer_role(9, True)
+    q.m.start(now_ms=0)
+    for t in range(400, int(T.takeover_ms) + 1200, 400):
+        q.m.on_timer(now_ms=t)
+    assert q.m.ready and q.m.counters["bootstrap"] == 1
+    # one whose link closed is not waited for
+    w = rig(1)
+    w.m.peer_role(9, True)
+    w.m.peer_left(9, now_ms=0)
+    w.m.start(now_ms=0)
+    w.m.on_timer(now_ms=400)
+    w.m.on_timer(now_ms=800)
+    assert w.m.ready
+
+
 # ---------------------------------------------------------------- heartbeat, takeover
 def test_suspended_rank_clears_ready_and_rejoins():
     r = leader_rig([3], rank_id=1)

@@ -13,8 +13,14 @@ from .._compat import np
 from ..errors import ConfigError
 from .mlp import MLPSpec, MLPWorker, check_len
 
-#: Samples per slice of :meth:`NumpyMLPWorker.grads` between yields to the event loop.
+#: Samples per slice of :meth:`NumpyMLPWorker.grads` between yields to the event loop, at most.
 CHUNK_SAMPLES = 1024
+#: Multiply-accumulates per slice, at most (forward; the backward pass costs about twice that).
+#: For a 1.1M-parameter MLP: 238 samples, about 18 ms here (1024 samples: 69 ms quiet, seconds
+#: on a loaded machine, when no beat went out and a joining rank took the room for leaderless:
+#: PROTOCOL.md, "Worker contract"); fewer samples per slice cost more in all (14: 4x the time
+#: of 1024, each slice reading every weight again), 238 about 6 % more.
+SLICE_MACS = 1 << 28
 
 
 def unpack(spec: MLPSpec, flat: Any) -> list[tuple[Any, Any]]:
@@ -90,7 +96,8 @@ class NumpyMLPWorker(MLPWorker):
         activation: ``"relu"`` or ``"tanh"``.
         batch: samples per bucket.
         seed: init seed (:func:`~tabcohort.model.mlp.init_params`).
-        chunk: samples per slice of :meth:`grads` between yields to the event loop.
+        chunk: samples per slice of :meth:`grads` between yields to the event loop (default:
+            as many as :data:`SLICE_MACS` allows, at most :data:`CHUNK_SAMPLES`).
 
     Raises:
         ConfigError: numpy is not importable, or bad arguments.
@@ -99,13 +106,14 @@ class NumpyMLPWorker(MLPWorker):
     backend = "numpy"
 
     def __init__(self, dataset, *, hidden=(32,), activation="relu", batch=32, seed=0,
-                 chunk: int = CHUNK_SAMPLES) -> None:
+                 chunk: int | None = None) -> None:
         if np is None:
             raise ConfigError("backend", "numpy", "numpy is not importable in this process")
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError("chunk", chunk, "expected an integer >= 1")
-        self.chunk = chunk
         super().__init__(dataset, hidden=hidden, activation=activation, batch=batch, seed=seed)
+        self.chunk = chunk if chunk is not None else \
+            max(1, min(CHUNK_SAMPLES, SLICE_MACS // max(1, self.mlp.macs_per_sample)))
         self._X, self._y, self._X_test, self._y_test = dataset.numpy()
 
     def _set(self, vec: Any) -> None:

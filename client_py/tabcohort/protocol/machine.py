@@ -398,6 +398,10 @@ class RankMachine:
         self.joining = False
         self._join_attempts = 0
         self._next_join_ms: float | None = None
+        self._join_started_ms = -math.inf
+        # "Joining": peers the server says are connected and may lead (its welcome and ``peer``
+        # controls), until their links close
+        self._witnessed_leads: set[int] = set()
         # "Suspension": a rank back from a suspension bootstraps no lineage before this time
         self._bootstrap_not_before_ms = -math.inf
 
@@ -576,6 +580,10 @@ class RankMachine:
             return
         self.roles_enforced = True
         self.lead_roles[peer_id] = bool(may_lead)
+        if may_lead and peer_id != self.id:
+            self._witnessed_leads.add(peer_id)
+        else:
+            self._witnessed_leads.discard(peer_id)
 
     def set_roles(self, *, may_lead: bool, enforced: bool = True) -> None:
         """This rank's own role, from the server's welcome (PROTOCOL.md, "Untrusted ranks")."""
@@ -599,6 +607,7 @@ class RankMachine:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or rank_id == self.id:
             return
         self.counters["peer_left"] += 1
+        self._witnessed_leads.discard(rank_id)
         self.membership.pop(rank_id, None)
         self.roster.members.pop(rank_id, None)
         self._end_probation(rank_id)
@@ -1056,6 +1065,7 @@ class RankMachine:
     def _begin_join(self, now_ms: float) -> None:
         self.joining = True
         self._join_attempts = 0
+        self._join_started_ms = now_ms
         self._next_join_ms = now_ms + self.timing.beat_ms
 
     def _join_tick(self, now_ms: float) -> None:
@@ -1068,6 +1078,12 @@ class RankMachine:
         # a round comes only from a rank that may lead: ready ranks that only contribute (the
         # followers of a leader that is gone) are no reason to wait ("Untrusted ranks")
         if any(m.ready and self.may_lead_rank(m.id) for m in live):
+            return
+        if now_ms - self._join_started_ms < self.policy.takeover_ms and \
+                self._witnessed_leads - {m.id for m in live}:
+            # "Joining": the server says a rank that may lead is connected, and it is not heard
+            # (a leader whose compute held its event loop; its beats are late): no attempt yet
+            self.counters["join_waited_for_witnessed_lead"] += 1
             return
         self._join_attempts += 1
         if self._join_attempts >= 2 and self.may_lead and now_ms >= self._bootstrap_not_before_ms and self.id == min(
