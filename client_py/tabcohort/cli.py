@@ -130,7 +130,8 @@ def _job_args(parser: argparse.ArgumentParser, default_help: str) -> None:
                         help="the built-in MLP job's data: digits (needs scikit-learn), synthetic, or a path "
                              "to an .npz with X and y")
     parser.add_argument("--hidden", type=_hidden, default=(32,),
-                        help="the built-in MLP job's hidden widths, e.g. 32 or 64,32 (default: 32)")
+                        help="the built-in MLP job's hidden widths, e.g. 32 or 64,32 (default: 32; "
+                             "'' for none: softmax regression)")
     parser.add_argument("--activation", default="relu", choices=("relu", "tanh"),
                         help="the built-in MLP job's hidden activation")
 

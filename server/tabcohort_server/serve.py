@@ -310,11 +310,48 @@ def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:
             raise ConfigError("--port", port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
+def lock_checkpoint_dir(checkpoint_dir: str) -> Any:
+    """Hold ``checkpoint_dir``'s lock (``.serve.lock``, an exclusive ``flock``) for this
+    process's life; returns the open lock file (closing it releases the lock).
+
+    Raises:
+        ConfigError: another process holds it (its pid is named). Why: two servers that are not
+            one cluster, on one directory, each overwrote the other's ``ROOM.ckpt`` and mixed
+            two jobs' history (a new-user trial); a cluster's nodes share their directory by
+            design and do not take this lock (README "Cluster")."""
+    import fcntl
+    import os
+
+    from tabcohort.errors import ConfigError
+
+    path = os.path.join(checkpoint_dir, ".serve.lock")
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise ConfigError("--checkpoint-dir", checkpoint_dir,
+                          f"another tabcohort serve (pid {holder}) uses this directory: give each server its own, "
+                          f"or run them as one cluster (--redis, README \"Cluster\")") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
 def serve(config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
           progress: Callable[[str], None] = print, advertise: bool = False,
           advertise_interfaces: list[str] | None = None) -> int:
     config.validate()
     _check_listen(host, port, config.checkpoint_dir)
-    asyncio.run(serve_async(config, host=host, port=port, progress=progress, advertise=advertise,
-                            advertise_interfaces=advertise_interfaces))
+    lock = lock_checkpoint_dir(config.checkpoint_dir) if config.checkpoint_dir and config.cluster is None else None
+    try:
+        asyncio.run(serve_async(config, host=host, port=port, progress=progress, advertise=advertise,
+                                advertise_interfaces=advertise_interfaces))
+    finally:
+        if lock is not None:
+            lock.close()
     return 0

@@ -8,6 +8,8 @@ import hashlib
 import os
 import struct
 
+import pytest
+
 from tabcohort_server import checkpoint as ck
 
 
@@ -63,3 +65,25 @@ def test_in_memory_without_a_directory():
         data = blob(float(i))
         st.add(meta(i, data, 0.1 * i), data)
     assert [m["step"] for m in st.list()] == [2] and st.get(st.latest_meta()["id"])[1] == blob(2.0)
+
+
+def test_a_second_server_on_the_same_checkpoint_directory_is_refused_before_it_listens(tmp_path):
+    # two servers that are not one cluster each overwrote the other's ROOM.ckpt
+    import subprocess
+    import sys
+
+    from tabcohort.errors import ConfigError
+    from tabcohort_server.serve import lock_checkpoint_dir
+
+    held = lock_checkpoint_dir(str(tmp_path))
+    try:
+        with pytest.raises(ConfigError) as e:
+            lock_checkpoint_dir(str(tmp_path))
+        assert e.value.variable == "--checkpoint-dir" and "another tabcohort serve" in str(e.value)
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--checkpoint-dir",
+                            str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--checkpoint-dir" in r.stderr and "another tabcohort serve" in r.stderr, r
+        assert "URL " not in r.stdout
+    finally:
+        held.close()
+    lock_checkpoint_dir(str(tmp_path)).close()          # released with its holder
