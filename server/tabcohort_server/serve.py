@@ -231,8 +231,9 @@ def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
     else:
         # (the step the stop was decided at: the ranks finish the rounds in flight, so the final
         # checkpoint, said on its own line, can be a few rounds later)
-        line = (f"tabcohort serve: room {room.name} stopping at step {step}: {room.stop_reason}; its ranks are "
-                f"told to stop (a final checkpoint follows if a rank that may lead uploads one)")
+        line = (f"tabcohort serve: room {room.name} stopping (last reported step {step}): {room.stop_reason}; its "
+                f"ranks are told to stop and finish the rounds in flight (the final checkpoint, with its step, "
+                f"follows if a rank that may lead uploads one)")
     try:
         progress(line)
     except Exception:    # (an output gone away must not fail the report that stopped the room)
