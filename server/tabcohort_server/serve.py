@@ -326,20 +326,31 @@ def lock_checkpoint_dir(checkpoint_dir: str) -> Any:
     from tabcohort.errors import ConfigError
 
     path = os.path.join(checkpoint_dir, ".serve.lock")
-    fh = open(path, "a+")
+    try:
+        fh = open(path, "a+")
+    except OSError as exc:
+        raise ConfigError("--checkpoint-dir", checkpoint_dir, f"cannot open {path} ({exc.strerror})") from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         fh.seek(0)
-        holder = fh.read().strip() or "?"
+        holder = fh.read().strip()[:20] or "?"
         fh.close()
         raise ConfigError("--checkpoint-dir", checkpoint_dir,
                           f"another tabcohort serve (pid {holder}) uses this directory: give each server its own, "
                           f"or run them as one cluster (--redis, README \"Cluster\")") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(str(os.getpid()))
-    fh.flush()
+    except OSError as exc:          # a file system without locks (NFS without lockd): say so
+        fh.close()
+        raise ConfigError("--checkpoint-dir", checkpoint_dir, f"cannot lock {path} ({exc.strerror}): "
+                          f"put checkpoints on a local file system") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+    except OSError as exc:
+        fh.close()
+        raise ConfigError("--checkpoint-dir", checkpoint_dir, f"cannot write {path} ({exc.strerror})") from None
     return fh
 
 

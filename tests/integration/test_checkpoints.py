@@ -87,3 +87,18 @@ def test_a_second_server_on_the_same_checkpoint_directory_is_refused_before_it_l
     finally:
         held.close()
     lock_checkpoint_dir(str(tmp_path)).close()          # released with its holder
+
+
+def test_a_file_system_without_locks_is_said_so_not_blamed_on_another_server(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from tabcohort.errors import ConfigError
+    from tabcohort_server.serve import lock_checkpoint_dir
+
+    def no_locks(*_a):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(ConfigError) as e:
+        lock_checkpoint_dir(str(tmp_path))
+    assert "cannot lock" in str(e.value) and "another tabcohort serve" not in str(e.value)

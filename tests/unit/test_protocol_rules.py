@@ -758,6 +758,14 @@ def test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a
     w.m.on_timer(now_ms=400)
     w.m.on_timer(now_ms=800)
     assert w.m.ready
+    # nor one a later welcome does not list (it left while this rank's link was down)
+    v = rig(1)
+    v.m.peer_role(9, True)
+    v.m.start(now_ms=0)
+    v.m.roll_call([], now_ms=10)
+    v.m.on_timer(now_ms=400)
+    v.m.on_timer(now_ms=800)
+    assert v.m.ready
 
 
 # ---------------------------------------------------------------- heartbeat, takeover

@@ -641,6 +641,7 @@ class RankMachine:
         if self._input(now_ms):
             return
         listed = {k for k in connected if isinstance(k, int) and not isinstance(k, bool)}
+        self._witnessed_leads &= listed          # ("Joining": one not listed has no link)
         for k in sorted(self.membership):
             if k != self.id and k not in listed:
                 self.counters["left_by_roll_call"] += 1
