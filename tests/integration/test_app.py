@@ -32,7 +32,8 @@ async def client(aiohttp_client):
     cfg = ServerConfig(rooms={"r": JobConfig(dataset="synthetic"), "t": JobConfig(dataset="synthetic", token=TOKEN)},
                        limits=ServerLimits(queue_high_water_bytes=64 << 10, queue_max_bytes=256 << 10,
                                            write_stall_s=3.0,   # (a test sender may send at loopback speed)
-                                           sender_max_msgs_per_s=50_000, sender_max_bytes_per_s=1 << 30))
+                                           sender_max_msgs_per_s=50_000, sender_max_bytes_per_s=1 << 30,
+                                           contributor_max_bytes_per_s=1 << 30))
     return await aiohttp_client(create_app(cfg))
 
 

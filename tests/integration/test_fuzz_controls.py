@@ -273,7 +273,7 @@ def test_a_contributor_has_the_smaller_byte_budget_and_a_rank_that_may_lead_the_
 def test_a_full_queue_sheds_the_heaviest_senders_frames_not_the_receiver():
     # rate limits high: only the fair queue is in play
     r, clock = make_room(queue_high_water_bytes=4000, queue_max_bytes=20_000, queue_max_items=100,
-                         sender_max_msgs_per_s=1e9, sender_max_bytes_per_s=1e12)
+                         sender_max_msgs_per_s=1e9, sender_max_bytes_per_s=1e12, contributor_max_bytes_per_s=1e12)
     leader, recv, flood = (r.register(now=0) for _ in range(3))
     for p in (leader, recv, flood):
         drain(p)
