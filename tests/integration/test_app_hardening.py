@@ -362,6 +362,14 @@ async def test_slowloris_connections_are_bounded_per_address_and_timed_out(caplo
         await runner.cleanup()
 
 
+async def ws_join(session: aiohttp.ClientSession, url: str, **reg) -> tuple:
+    """A WebSocket to room ``r`` of the server at ``url``, registered (``reg``: the register
+    control's fields); returns ``(ws, welcome)``."""
+    ws = await session.ws_connect(f"{url}/api/rooms/r/ws")
+    await ws.send_str(json.dumps({"type": "register", **reg}))
+    return ws, json.loads((await ws.receive(5)).data)
+
+
 async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no_chunk():
     # server "Server controls" (docs/PROTOCOL.md): a dropped chunk loses its whole frame, so a
     # WebSocket over sender_max_bytes_per_s is not read until its budget allows
@@ -374,10 +382,8 @@ async def test_a_link_over_its_byte_rate_is_slowed_by_back_pressure_and_loses_no
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            async def connect():
-                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
-                await ws.send_str(json.dumps({"type": "register"}))
-                return ws, json.loads((await ws.receive(5)).data)
+            def connect(**reg):
+                return ws_join(s, url, **reg)
             (a, wa), (b, wb) = await connect(), await connect()
             n = 3 * rate // 4                               # 3 MiB of float32: 3 s of budget, 1 s of burst
             values = [float(i % 1000) for i in range(n)]
@@ -416,10 +422,8 @@ async def test_a_resume_that_takes_over_a_live_link_keeps_its_new_link():
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            async def connect(**reg):
-                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
-                await ws.send_str(json.dumps({"type": "register", **reg}))
-                return ws, json.loads((await ws.receive(5)).data)
+            def connect(**reg):
+                return ws_join(s, url, **reg)
             (a, wa), (b, wb) = await connect(), await connect()
             room = app[ROOMS].get("r")
             a2, wa2 = await connect(resume={"id": wa["id"], "secret": wa["secret"]})
@@ -449,10 +453,8 @@ async def test_a_flooding_socket_is_closed_and_honest_sockets_keep_their_traffic
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            async def connect():
-                ws = await s.ws_connect(f"{url}/api/rooms/r/ws")
-                await ws.send_str(json.dumps({"type": "register"}))
-                return ws, json.loads((await ws.receive(5)).data)
+            def connect(**reg):
+                return ws_join(s, url, **reg)
             (a, wa), (b, wb), (f, wf) = await connect(), await connect(), await connect()
             got = {"a": 0, "b": 0}
 
