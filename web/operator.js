@@ -107,13 +107,19 @@ async function init() {
 }
 
 async function stopRoom(room) {
+  const out = $("stop-result");
+  // stopping is final for this run: every rank stops, the leader publishes and stores the last
+  // checkpoint; a misclick must not end someone's training
+  if (!window.confirm(`Stop the room ${room}? Every rank stops and the leader stores the final checkpoint.`)) {
+    out.textContent = "Not stopped.";
+    return;
+  }
   if (!op.token) {
     const t = window.prompt("Operator token (printed by tabcohort serve at start):");
     if (!t) return;
     op.token = t.trim();
     sessionStorage.setItem("tc-operator", op.token);
   }
-  const out = $("stop-result");
   let r;
   try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}/stop`, { method: "POST", headers: authHeaders() }); }
   catch { out.textContent = "The server is unreachable."; return; }

@@ -22,15 +22,23 @@ def test_the_operator_link_stops_the_room_and_the_room_token_does_not(cluster, t
     # the room token only: polling works, Stop asks for the operator token; a wrong one is refused
     op = tabs(url, f"operator?room={cluster.room}&token={ROOM_TOKEN}")
     wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
-    op.page.once("dialog", lambda d: d.accept("wrong-operator-token-000"))
+    # Stop asks to confirm first (a misclick must not end a run), then for the token
+    asked = []
+    op.page.on("dialog", lambda d: (asked.append(d.type), d.accept("wrong-operator-token-000") if d.type == "prompt" else d.accept()))
     op.page.click("#stop-room")
     wait_for(lambda: "wrong" in op.page.inner_text("#stop-result"), 10, "the refusal")
+    assert asked == ["confirm", "prompt"], asked
     assert not cluster.state()["stopped"]
 
     # the printed link: no room token in the URL, the fragment leaves the address bar, Stop works
     op2 = tabs(url, link[len(url) + 1:])
     wait_for(lambda: op2.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
     assert "operator=" not in op2.page.url
+    op2.page.once("dialog", lambda d: d.dismiss())     # the confirm, declined: nothing is sent
+    op2.page.click("#stop-room")
+    wait_for(lambda: "Not stopped" in op2.page.inner_text("#stop-result"), 10, "the declined confirm")
+    assert not cluster.state()["stopped"]
+    op2.page.once("dialog", lambda d: d.accept())
     op2.page.click("#stop-room")
     wait_for(lambda: cluster.state()["stopped"], 10, "the room to stop")
     assert cluster.state()["stop_reason"] == "stopped by the operator"
