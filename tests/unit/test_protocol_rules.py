@@ -1450,6 +1450,31 @@ def test_an_evaluate_that_raises_leaves_the_round_applied_and_is_no_round_fault(
     assert isinstance(exc, KeyError) and r.m.take_evaluate_error() is None and r.m.evaluate_failures == 1
 
 
+def test_evaluate_now_measures_the_final_model_once_and_not_in_a_room_that_never_evaluates():
+    """A leader's final checkpoint carries its own model's accuracy ("Worker contract"): a run
+    that stopped between two evaluations stored its final model with none (a tab resumed from a
+    checkpoint, 5 steps on), or with one measured up to ``eval_every - 1`` steps earlier."""
+    r = rig(1, ready=True, eval_every=10)
+    accs = iter([0.25, 0.5, 0.75])
+    calls = []
+
+    def evaluate():
+        calls.append(r.m.step)
+        return next(accs)
+    r.w.evaluate = evaluate
+    r.m.start(now_ms=0)
+    own = r.computes(r.drain())[0]
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=1)
+    assert r.m.step == 1 and calls == [] and r.m.accuracy is None   # not an evaluation step
+    r.m.evaluate_now()
+    r.m.evaluate_now()                                               # the same step: once
+    assert calls == [1] and r.m.accuracy == 0.25
+    quiet = rig(1, ready=True, eval_every=0)
+    quiet.w.evaluate = evaluate
+    quiet.m.evaluate_now()
+    assert calls == [1] and quiet.m.accuracy is None
+
+
 def test_re_publishing_ends_once_the_cohort_goes_on_under_another_leader():
     # "Publish", re-publish: a member that announces a newer (term, step) than the publish means
     # another leader took over; a joiner still announcing term 0 was sent the stale publish up to

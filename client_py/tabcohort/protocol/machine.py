@@ -326,6 +326,8 @@ class RankMachine:
         self.timing = timing
         self.lr = float(lr)
         self.eval_every = int(eval_every)
+        #: the step whose parameters were last evaluated (:meth:`evaluate_now`)
+        self._evaluated_step: int | None = None
         self.precision = precision
 
         self.ready = bool(ready)
@@ -1985,28 +1987,44 @@ class RankMachine:
         self._applied_samples += int(total)
         self.counters["buckets_reduced"] += len(buckets)
         if self.eval_every > 0 and self.step % self.eval_every == 0:
-            try:
-                acc = float(self.worker.evaluate())
-            except Exception as exc:
-                # "Worker contract": a job's evaluate() that raises leaves the round applied and
-                # the accuracy unknown; it is not a round fault (which waited a beat after each
-                # evaluation: a room ran 200 x slower with no word why). The runtime reads the
-                # exception (take_evaluate_error) to say where, and stops a job that keeps failing
-                self.accuracy = None
-                self.counters["evaluate_failed"] += 1
-                self.evaluate_failures += 1
-                self.fault = f"evaluate() raised {type(exc).__name__}: {str(exc)[:160]}"
-                self._evaluate_error = exc
-                return
-            self.evaluate_failures = 0
-            if 0.0 <= acc <= 1.0:
-                self.accuracy = acc
-            else:
-                # "Worker contract": evaluate() is a held-out accuracy in [0, 1]. A report
-                # carrying anything else is dropped whole at the server (its step and lead
-                # with it), so the accuracy is reported as unknown and the fault counted
-                self.accuracy = None
-                self.counters["evaluate_out_of_range"] += 1
+            self._evaluate()
+
+    def evaluate_now(self) -> None:
+        """Evaluate the parameters held now, unless this step was evaluated already (and when
+        the room evaluates at all, ``eval_every > 0``): a leader's final checkpoint then carries
+        the accuracy of its own parameters, not one measured up to ``eval_every - 1`` steps
+        earlier or none (a run that stopped between two evaluations stored its final model
+        with no accuracy). Failures are handled as in a round (``evaluate_failed``,
+        ``evaluate_out_of_range``; PROTOCOL.md "Worker contract")."""
+        if self.eval_every > 0 and self._evaluated_step != self.step:
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        """The job's held-out accuracy of the parameters held, into :attr:`accuracy` (None when
+        evaluate() raised or answered outside [0, 1])."""
+        self._evaluated_step = self.step
+        try:
+            acc = float(self.worker.evaluate())
+        except Exception as exc:
+            # "Worker contract": a job's evaluate() that raises leaves the round applied and
+            # the accuracy unknown; it is not a round fault (which waited a beat after each
+            # evaluation: a room ran 200 x slower with no word why). The runtime reads the
+            # exception (take_evaluate_error) to say where, and stops a job that keeps failing
+            self.accuracy = None
+            self.counters["evaluate_failed"] += 1
+            self.evaluate_failures += 1
+            self.fault = f"evaluate() raised {type(exc).__name__}: {str(exc)[:160]}"
+            self._evaluate_error = exc
+            return
+        self.evaluate_failures = 0
+        if 0.0 <= acc <= 1.0:
+            self.accuracy = acc
+        else:
+            # "Worker contract": evaluate() is a held-out accuracy in [0, 1]. A report
+            # carrying anything else is dropped whole at the server (its step and lead
+            # with it), so the accuracy is reported as unknown and the fault counted
+            self.accuracy = None
+            self.counters["evaluate_out_of_range"] += 1
 
     def _round_fault(self, error: str, now_ms: float) -> None:
         self.fault = error

@@ -398,6 +398,7 @@ class RankSession:
                                           and not leader_drives_on()):
             await asyncio.sleep(poll_s)
         if was_leader and not bus.failed:
+            machine.evaluate_now()   # the final checkpoint's accuracy is its own model's
             await upload(True)
             # a member that missed the publish (a lost frame) is sent it again at the heartbeats
             # ("Publish", re-publish): stay that long, bounded (a leader left within a beat, so

@@ -1,0 +1,52 @@
+"""A room of tabs only resumes from its checkpoint: the tab that starts the cohort loads the
+room's checkpoint (``GET .../checkpoint``) before it joins, so its first round is the
+checkpoint's step with the checkpoint's parameters, not a fresh init (docs/PROTOCOL.md
+"Joining": a rank that starts without parameters must not train from its own init while a
+cohort exists; README "Resuming"). Without it a tabs-only room (`RANKS=0 FRESH=0` of the demo)
+would silently train again from scratch while every page said it resumed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import Cluster
+
+from .conftest import wait_for, wait_tab
+
+pytestmark = pytest.mark.browser
+STEPS = 300
+
+
+def test_a_tab_alone_resumes_the_room_at_its_checkpoint_step_and_accuracy(tmp_path, tabs):
+    ck = tmp_path / "ckpt"
+    first = Cluster(tmp_path / "first")
+    (tmp_path / "first").mkdir()
+    try:   # a native run first, stopped at STEPS: its final checkpoint is the room's newest
+        first.serve("--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-interval", "1")
+        ranks = [first.rank(), first.rank()]
+        for p in ranks:
+            assert p.p.wait(180) == 0, p.text()[-3000:]
+    finally:
+        first.close()
+
+    second = Cluster(tmp_path / "second")
+    (tmp_path / "second").mkdir()
+    try:   # tabs only: any rank may lead, so the tab leads; the room stops 5 steps past the checkpoint
+        url = second.serve("--checkpoint-dir", str(ck), "--checkpoint-interval", "1", "--any-rank-may-lead",
+                           "--steps", str(STEPS + 5))
+        room = second.state()
+        assert room["resumed_from_step"] == STEPS
+        stored_acc = room["resumed_from"]["accuracy"]
+        assert stored_acc is not None and stored_acc > 0.5, stored_acc   # (digits: far above a fresh init's)
+        tab = tabs(url, "?room=digits")
+        st = wait_tab(tab, lambda s: s["step"] >= STEPS + 5 and not s["running"], 120,
+                      "the tab to train the 5 steps past the checkpoint and stop")
+        assert st["start_step"] == STEPS, st["start_step"]
+        # the final checkpoint, 5 steps on: the checkpoint's model trained on (a fresh init 5
+        # steps on would be far below it)
+        final = wait_for(lambda: (c := second.state()["checkpoint"]) and c["step"] == STEPS + 5 and c, 30,
+                         "the tab's final checkpoint")
+        assert final["accuracy"] >= stored_acc - 0.1, (final, stored_acc)
+        assert not tab.console_errors, tab.console_errors
+    finally:
+        second.close()
