@@ -33,3 +33,11 @@ def test_a_follower_shows_no_accuracy_of_its_own_and_a_leader_without_majority_s
     assert "acc  97.2%" in _line({"is_leader": False, "running": False, "accuracy": 0.972})   # its stop line
     assert "no majority" in _line({"is_leader": True, "majority": False})
     assert "no majority" not in _line({"is_leader": True, "majority": True})
+
+
+def test_the_stop_line_of_the_rank_that_led_still_says_me():
+    # a stopped leader no longer leads (is_leader False), and its last line named its own id
+    # as any other rank's
+    assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": False, "running": False})
+    assert "(me)" not in _line({"id": 0xB, "is_leader": False, "running": False})
+    assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": True})

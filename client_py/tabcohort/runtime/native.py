@@ -688,7 +688,8 @@ class RankRun(RankSession):
             return
         self._printed = key
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
-                      f"{' (me)' if st.get('is_leader') else '     '}  cohort {st['cohort']}  "
+                      f"{' (me)' if st.get('is_leader') or (lead is not None and lead == st.get('id')) else '     '}"
+                      f"  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
                       + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else "")
