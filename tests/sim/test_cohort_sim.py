@@ -237,8 +237,8 @@ def test_a_lossy_cohort_ends_bit_identical_because_a_missed_publish_is_sent_agai
     assert len(set(digests(sim).values())) == 1
     published = [r for r in sim.alive() if r.machine.counters["published"]]
     assert len(published) == 1 and all(r.machine.step == published[0].machine.step for r in sim.alive())
-    if seed in (0, 3):
-        # these seeds lose the publish to a member (they end unequal without the rule; which
+    if seed in (1,):
+        # this seed loses the publish to a member (it ends unequal without the rule; which
         # seeds do depends on every rule the run goes through: re-derive them when one changes)
         assert published[0].machine.counters["republished"] >= 1
 
@@ -328,6 +328,87 @@ def test_one_against_one_picks_the_lowest_members_side_and_both_end_on_it():
     assert leaders_since(sim, quiet) == {1} or not leaders_since(sim, quiet + 1)
     stop_all_and_settle(sim)
     assert len(set(digests(sim).values())) == 1
+
+
+def _no_rewind_after_heal(sim, majority, n):
+    """Heal, settle, and check the strict ``majority``'s lineage was not rewound: every round
+    after the heal is at or past the step it had reached, one leader drives, one model ends."""
+    floor = max(sim.ranks[k].machine.step for k in majority)
+    heal = sim.now_ms()
+    sim.network.heal()
+    quiet = settle_after_heal(sim, n)
+    sim.run_until(quiet + 2000)
+    after = [m["step"] for _, s, _, m in entries(sim, "round", since=heal) if m["assign"]]
+    assert after and min(after) >= floor - 1, (min(after), floor)     # the majority is never rewound
+    assert len(leaders_since(sim, quiet)) == 1
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_a_leader_that_leaves_right_after_a_split_is_replaced_by_the_majority_side_only():
+    # "Membership and majority", the witness: leader 1 and rank 2 are cut off from 3 and 4, and
+    # 800 ms later 1 is killed (the server tells every rank it left). Rank 2, which had last
+    # heard 3 and 4 within policy.drop, counted them and took over at once, as did 3 with 4:
+    # two leads of one term, and at the heal the lower id (2, alone) rewound the majority by
+    # 442 steps (a fault campaign). A takeover on the witness counts only members heard since.
+    sim = make(4, compute_ms=10.0)
+    sim.run_until(4000)
+    sim.network.partition([{1, 2}, {3, 4}])
+    sim.run_until(4800)
+    sim.ranks[1].kill()
+    sim.run_until(12_000)
+    assert sim.ranks[2].machine.counters["takeover"] == 0 and not sim.ranks[2].machine.is_leader(sim.now_ms())
+    assert sim.ranks[3].machine.is_leader(sim.now_ms())
+    _no_rewind_after_heal(sim, {3, 4}, 3)
+
+
+def test_a_rank_that_suspends_while_cut_off_does_not_bootstrap_a_lineage_of_its_own():
+    # "Suspension": rank 3, cut off from {1, 2} and frozen past policy.drop, suspended and then
+    # bootstrapped term 2 alone (no majority check); at the heal its term beat the majority's
+    # and rewound it by 662 steps (a fault campaign). A bootstrap needs a majority of the
+    # membership the rank holds, as a takeover does.
+    sim = make(3, compute_ms=10.0)
+    sim.run_until(3000)
+    sim.network.partition([{1, 2}, {3}])
+    sim.ranks[3].freeze(2500)
+    sim.run_until(12_000)
+    assert sim.ranks[3].machine.counters["bootstrap"] == 0 and sim.ranks[3].machine.term == 1
+    _no_rewind_after_heal(sim, {1, 2}, 3)
+
+
+def test_a_two_rank_cohort_whose_leader_was_frozen_trains_again_within_the_takeover_bound():
+    # "Membership and majority": the leader (the lowest id) frozen 3 s came back suspended (not
+    # ready) and waited for a round from its ready peer, which counted only ready members and so
+    # had no majority (1 of 2, not the lowest): nobody trained for policy.forget, 60 s (a fault
+    # campaign). A live member counts towards a majority whether or not it is ready.
+    sim = make(2, compute_ms=10.0)
+    sim.run_until(3000)
+    step = sim.ranks[2].machine.step
+    sim.ranks[1].freeze(3000)
+    p = policy(2, T)
+    sim.run_until(6000 + p.takeover_ms + p.collect_ms + 2 * p.beat_ms)
+    assert all(r.machine.ready for r in sim.alive()) and sim.ranks[2].machine.step > step + 50
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
+def test_a_rank_slower_than_the_rounds_evicted_once_is_readmitted_without_a_global_batch():
+    # "Flapping ranks": with no fixed global batch a rank on probation got its full share in
+    # every round, not awaited; rounds ran every 10 ms, each superseding its 30 ms bucket in
+    # flight, so it never delivered one and stayed on probation for good (a fault campaign).
+    # It now gets probes, as under a fixed global batch, and their answers readmit it.
+    sim = SimCohort(seed=0)
+    for k, c in ((1, 10.0), (2, 10.0), (3, 30.0)):
+        sim.add(k, ToyWorker(bucket_len=N_PARAMS, batch=3), compute_ms=c, lr=0.05)
+    sim.run_until(5000)
+    lead = sim.ranks[1].machine
+    sim.network.partition([{1, 2}, {3}])
+    sim.run_until(8000)
+    sim.network.heal()
+    applied = lead.applied_by.get(3, 0)
+    sim.run_until(20_000)
+    assert lead.flaps[3] == 1 and 3 not in lead._probation and lead.counters["readmitted"] >= 1
+    assert lead.applied_by.get(3, 0) > applied + 100
 
 
 @pytest.mark.parametrize("seed", range(8))

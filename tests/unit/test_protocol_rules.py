@@ -1296,7 +1296,8 @@ def test_an_evicted_rank_that_returns_is_assigned_but_not_awaited_until_it_keeps
                 seen.append((set(col.awaited), set(col.wanted)))
                 own = [a for a in r.computes(r.drain()) if a.own][-1]
                 for k in responders:
-                    r.m.handle(grad(k, 1, col.step, term=col.term), now_ms=t)
+                    if k in col.shares:
+                        r.m.handle(grad(k, 1, col.step, term=col.term, samples=col.shares[k]), now_ms=t)
                 r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=t)
             d = r.m.next_deadline_ms()
             t = min(until, max(t + 1, d if d is not None else until))
@@ -1306,8 +1307,9 @@ def test_an_evicted_rank_that_returns_is_assigned_but_not_awaited_until_it_keeps
     t = run(2500, [2], 0.0)                     # 3 sleeps: evicted (not seen within drop)
     assert r.m.flaps[3] == 1 and 3 not in r.m.cohort_ids(t)
     seen.clear()
-    t = run(4000, [2, 3], t)                    # 3 is back and keeps up
+    t = run(4500, [2, 3], t)                    # 3 is back and keeps up
     seen = [(aw, wa) for aw, wa in seen if 3 in wa]
+    # ("Flapping ranks": a one-sample probe at most every PROBE_INTERVAL_MS while on probation)
     assert 3 not in seen[0][0]                                 # assigned, not awaited
     back = next(i for i, (aw, _) in enumerate(seen) if 3 in aw)
     assert back == 3                                           # after 3 buckets in time

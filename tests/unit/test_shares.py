@@ -658,8 +658,9 @@ def test_a_held_back_rank_whose_probes_come_later_than_a_collect_window_stays_he
     assert r.m.counters["late_delivery_counted"] == 0 and r.m.counters["readmitted"] == 0
 
 
-def _probation_run(*, every=1, owed=6, silences=0, quiet_after_first=False, until_ms=1000.0):
-    """Leader 1 (equal shares: a rank on probation gets a share, not awaited), an honest rank 2,
+def _probation_run(*, every=1, owed=6, silences=0, quiet_after_first=False, until_ms=2000.0, **rig_kw):
+    """Leader 1 (a rank on probation gets a one-sample probe share at most every
+    ``PROBE_INTERVAL_MS``, not awaited), an honest rank 2,
     and rank 3 on probation (``owed`` buckets, or out of silence ``silences``) answering at
     once every ``every``-th round it is assigned (none after its first with
     ``quiet_after_first``). Returns the rig, the rounds assigned to 3, and what 3 owed after
@@ -667,7 +668,7 @@ def _probation_run(*, every=1, owed=6, silences=0, quiet_after_first=False, unti
     from tabcohort.protocol.machine import Phase
 
     from .test_protocol_rules import leader_rig
-    r = leader_rig([2, 3])
+    r = leader_rig([2, 3], **rig_kw)
     if silences:
         r.m._silent.add(3)
         r.m._silences[3] = silences
@@ -696,10 +697,13 @@ def _probation_run(*, every=1, owed=6, silences=0, quiet_after_first=False, unti
     return r, assigned, owed_seen
 
 
-def test_a_rank_on_probation_that_misses_nine_rounds_in_ten_is_not_readmitted():
-    # "Flapping ranks": its buckets count "in a row"; one that answers every 10th round, each
-    # at once (far inside a collect window), misses the 9 between: never readmitted
-    r, assigned, _ = _probation_run(every=10)
+def test_a_rank_on_probation_that_misses_every_other_probe_is_not_readmitted():
+    # "Flapping ranks": its buckets count "in a row"; one that answers every other probe, each
+    # at once (far inside a collect window), misses the ones between: never readmitted. (A
+    # collect window longer than the run: each miss is made by the answer after it, not by
+    # the window running out.)
+    from tabcohort.protocol import Timing
+    r, assigned, _ = _probation_run(every=2, until_ms=16000.0, timing=Timing(collect_ms=60_000.0))
     assert 3 in r.m._probation and assigned > 60 and r.m.counters["readmitted"] == 0, assigned
     r, assigned, _ = _probation_run(every=1)                 # every round: readmitted after 6
     assert 3 not in r.m._probation and r.m.counters["readmitted"] == 1 and assigned == 6

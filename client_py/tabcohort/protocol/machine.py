@@ -406,6 +406,9 @@ class RankMachine:
         self._witnessed_leads: set[int] = set()
         # "Suspension": a rank back from a suspension bootstraps no lineage before this time
         self._bootstrap_not_before_ms = -math.inf
+        # "Membership and majority", the witness: when the server said the leader this rank
+        # followed left (None once ``policy.drop`` has passed since, or before any)
+        self._lead_left_ms: float | None = None
 
         # Heartbeat ("Heartbeat and takeover")
         self._next_beat_ms = now_ms + self.policy.beat_ms
@@ -487,19 +490,23 @@ class RankMachine:
             out.add(self.id)
         return out
 
-    def has_majority(self, now_ms: float) -> bool:
-        """True when this rank, with the live ready running members, makes more than half of
+    def has_majority(self, now_ms: float, *, heard_since_ms: float | None = None) -> bool:
+        """True when this rank, with the live running members, makes more than half of
         :meth:`members`, or exactly half including the lowest member id (the tie-break that
-        lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority")."""
+        lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority").
+        A member counts whether or not it is ready (one back from a suspension is on this side
+        of any split). ``heard_since_ms``: count only members heard after it (a takeover just
+        after the witness said the leader left, "Heartbeat and takeover")."""
         # counted without building sets: the leader asks this once or twice per round
         drop_ms, roster = self.policy.drop_ms, self.roster.members
+        since = -math.inf if heard_since_ms is None else heard_since_ms
         n_members, n_visible, lowest, lowest_visible = 1, 1, self.id, True
         for k in self.membership:
             if k == self.id:
                 continue
             n_members += 1
             m = roster.get(k)
-            seen = bool(m is not None and m.ready and m.running and now_ms - m.seen_ms <= drop_ms)
+            seen = bool(m is not None and m.running and now_ms - m.seen_ms <= drop_ms and m.seen_ms > since)
             n_visible += seen
             if k < lowest:
                 lowest, lowest_visible = k, seen
@@ -622,6 +629,7 @@ class RankMachine:
             # the whole window (its stretches too): the witness says the leader is gone, so no
             # paced round of a large model is on its way ("Heartbeat and takeover")
             self.last_open_ms = min(self.last_open_ms, now_ms - self._takeover_window_ms(now_ms))
+            self._lead_left_ms = now_ms
         col = self._collection
         if col is not None and rank_id in col.wanted and rank_id not in col.received:
             # a round in flight no longer waits for a rank that left: without this every kill
@@ -1034,7 +1042,10 @@ class RankMachine:
         a majority in view, and this rank is the lowest id among itself and the live ready
         running members whose (term, step) is the most advanced: a rank whose lineage is
         behind must adopt, not lead."""
-        if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms):
+        since = self._lead_left_ms
+        if since is not None and now_ms - since > self.policy.drop_ms:
+            since = self._lead_left_ms = None          # the live set alone is exact again
+        if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms, heard_since_ms=since):
             return False
         while True:
             cands = [(m.term, m.step, m.id) for m in self.roster.live(now_ms, self.policy.drop_ms)
@@ -1090,7 +1101,10 @@ class RankMachine:
             return
         self._join_attempts += 1
         if self._join_attempts >= 2 and self.may_lead and now_ms >= self._bootstrap_not_before_ms and self.id == min(
-                [self.id] + [m.id for m in live if m.running and self.may_lead_rank(m.id)]):
+                [self.id] + [m.id for m in live if m.running and self.may_lead_rank(m.id)]) \
+                and self.has_majority(now_ms):
+            # (a majority of the membership it holds: a bootstrap starts a term as a takeover
+            # does, and one made alone, cut off, won over the majority's lineage at the heal)
             self.counters["bootstrap"] += 1
             self.ready = True
             self.joining = False
@@ -1280,16 +1294,16 @@ class RankMachine:
             m = self.roster.members.get(k)
             batches[k] = m.batch if (m is not None and m.batch) else self.worker.batch
         probing: set[int] = set()
-        # "Untrusted ranks": quarantined ranks get no share; silent ones only a probe; under a
-        # fixed global batch so do ranks on probation ("Flapping ranks": a share not awaited
-        # is the others' samples, lost whenever it misses the round)
+        # "Untrusted ranks": quarantined ranks get no share; silent ones and ranks on probation
+        # only a probe ("Flapping ranks": a share not awaited is the others' samples, lost
+        # whenever it misses the round, and one that each newer round supersedes never arrives)
         for k, until in list(self.quarantined.items()):
             if now_ms >= until:
                 del self.quarantined[k]
                 self._clip_recent.pop(k, None)
                 self.counters["quarantine_ended"] += 1
-        held_back = {k for k in ids if k != self.id and (k in self.quarantined or k in self._silent or (
-            self.global_batch is not None and k in self._probation))}
+        held_back = {k for k in ids if k != self.id and (
+            k in self.quarantined or k in self._silent or k in self._probation)}
         ids = [k for k in ids if k not in held_back]
         capped: dict[int, int] = {}
         if self.global_batch is not None and self.roles_enforced:
