@@ -40,6 +40,9 @@ def cfg(env: dict, **args) -> RankConfig:
      "TABCOHORT_DIRECT_ANNOUNCE", "10.0.0.1"),
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_DIRECT": "maybe"},
      "TABCOHORT_DIRECT", "maybe"),
+    # a bracketed host urlsplit cannot parse was a traceback (ValueError: Invalid IPv6 URL)
+    ({"TABCOHORT_SERVER": "http://[zz]:80", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "http://[zz]:80"),
+    ({"TABCOHORT_SERVER": "http://[::1", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "http://[::1"),
     # a local copy of the job that does not exist is named by where it came from, before connecting
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_JOB": "/nonexistent.py"},
      "TABCOHORT_JOB", "/nonexistent.py"),
@@ -88,6 +91,12 @@ def test_direct_paths_are_on_by_default_and_no_direct_turns_them_off():
     off = cfg({}, server="http://127.0.0.1:1", room="d", direct="0")
     off.validate(resolve=False)
     assert on.direct is True and off.direct is False
+
+
+def test_cli_names_an_unparsable_server_url_without_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank", "--server", "http://[::1", "--room", "d"],
+                       env=_env(), cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--server='http://[::1'" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.integration

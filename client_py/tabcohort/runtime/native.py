@@ -154,8 +154,13 @@ class RankConfig:
         if not self.server:
             raise ConfigError("--server", self.server, "a server URL is needed: give --server URL or set "
                               "TABCOHORT_SERVER, or use LAN discovery (--discover / --discover-host)")
-        u = urllib.parse.urlsplit(str(self.server))
-        if u.scheme not in ("http", "https", "ws", "wss") or not u.hostname:
+        try:   # (urlsplit and .hostname raise ValueError on a bad bracketed host: "http://[::1")
+            u = urllib.parse.urlsplit(str(self.server))
+            host = u.hostname
+        except ValueError as e:
+            raise ConfigError(self._name("server"), self.server,
+                              f"not a valid URL ({e}); expected e.g. http://127.0.0.1:8080 or http://[::1]:8080") from None
+        if u.scheme not in ("http", "https", "ws", "wss") or not host:
             raise ConfigError(self._name("server"), self.server,
                               "expected an http, https, ws or wss URL with a host, e.g. http://127.0.0.1:8080")
         try:
