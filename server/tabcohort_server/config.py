@@ -153,6 +153,10 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an integer >= 0")
+        if self.steps >= 2**63:
+            # a step is an integer in [0, 2^63) on the wire and in every report (README
+            # "Untrusted ranks"): a larger limit could never be met
+            raise bad("steps", f"must be at most {2**63 - 1} (steps are integers in [0, 2^63); 0 = no limit)")
         for name, lo, hi in (("lr", 0.0, 1e6), ("target_accuracy", 0.0, 1.0), ("duration_s", 0.0, 1e9),
                              ("checkpoint_interval_s", 0.05, 1e9), ("report_interval_s", 0.05, 3600.0)):
             v = getattr(self, name)

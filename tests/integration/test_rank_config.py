@@ -144,6 +144,8 @@ def _state(url, room):
     (["--checkpoint-dir", "/proc/no/such/dir"], "--checkpoint-dir="),
     # job and timing values name the flag the user typed, not the room's config field
     (["--steps", "-1"], "--steps=-1"),
+    # (a step is an integer in [0, 2^63), README "Untrusted ranks": a larger limit was accepted)
+    (["--steps", "99999999999999999999"], "--steps=99999999999999999999: must be at most 9223372036854775807"),
     (["--checkpoint-interval", "0"], "--checkpoint-interval=0.0"),
     (["--beat-ms", "0"], "--beat-ms=0.0"),
     (["--port", "99999"], "--port=99999"),
