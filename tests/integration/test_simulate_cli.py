@@ -37,6 +37,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--global-batch", "100000000000"], "--global-batch=100000000000"),
     (["--batch", "16777217"], "--batch=16777217"),
     (["--link-delay-ms", "inf"], "--link-delay-ms=inf"),
+    # (serve refused a negative seed; simulate ran with it)
+    (["--seed", "-1"], "--seed=-1: must be an integer >= 0"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)

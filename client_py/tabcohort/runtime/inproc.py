@@ -99,7 +99,8 @@ class InprocConfig:
             raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process")
         pos_int("batch")
         pos_int("steps")
-        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch"):
+        for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch",
+                     "seed"):   # (seed as `serve` checks it)
             pos_int(name, 0)
         for name in ("batch", "global_batch"):   # as `serve` bounds them (a u32 on the wire, and memory)
             if getattr(self, name) > MAX_BATCH:
