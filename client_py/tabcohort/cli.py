@@ -577,6 +577,9 @@ def _serve(a: argparse.Namespace) -> int:
         field = e.variable[len(a.room) + 1:] if e.variable.startswith(f"{a.room}.") else e.variable
         field = {"allowed_origins": "allow_origin", "resume_grace_s": "grace"}.get(field, field)
         dest = field[:-2] if field.endswith("_s") else field
+        if dest in ("dataset", "dataset_path") and a.job is None:
+            # (the built-in job reads --dataset from its absolute path: echo what the user typed)
+            raise ConfigError("--dataset", a.dataset, e.reason) from None
         if dest and "." not in dest and not dest.startswith("-") and hasattr(a, dest):
             raise ConfigError("--" + dest.replace("_", "-"), e.value, e.reason) from None
         raise
@@ -593,6 +596,12 @@ def _serve_checked(a: argparse.Namespace) -> int:
     from .protocol.policy import Timing
 
     job_options = _check_job_args(a)
+    if a.job is None and a.dataset not in ("digits", "synthetic") and not (
+            a.dataset.endswith(".npz") or os.sep in a.dataset or os.path.exists(a.dataset)):
+        # (as simulate's load_dataset tells a name from a path: "no such file '/abs/nosuch'" was
+        # said of a name the user never typed as a path)
+        from .model.data import UNKNOWN_DATASET
+        raise ConfigError("--dataset", a.dataset, UNKNOWN_DATASET)
     # docs/PROTOCOL.md "Timing": the policy raises drop to 4 beats and takeover to 8, so a smaller
     # value would be silently ignored; say so instead
     for flag, val, k in (("--drop-ms", a.drop_ms, 4), ("--takeover-ms", a.takeover_ms, 8)):
@@ -613,7 +622,6 @@ def _serve_checked(a: argparse.Namespace) -> int:
                     checkpoint_interval_s=a.checkpoint_interval, report_interval_s=a.report_interval,
                     timing=Timing(a.beat_ms, a.drop_ms, a.collect_ms, a.takeover_ms))
     from tabcohort.bus.rtc_util import parse_ice_servers
-    import os
     op_token = a.operator_token
     if op_token is None and os.environ.get("TABCOHORT_OPERATOR_TOKEN"):
         from tabcohort_server.config import check_token

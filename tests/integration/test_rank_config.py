@@ -144,6 +144,9 @@ def _state(url, room):
     (["--checkpoint-dir", "/proc/no/such/dir"], "--checkpoint-dir="),
     # job and timing values name the flag the user typed, not the room's config field
     (["--steps", "-1"], "--steps=-1"),
+    # (serve said "--dataset='/abs/nosuch': no such file" of a name the user typed: echo it, as simulate does)
+    (["--dataset", "nosuch"], "--dataset='nosuch': unknown dataset: expected 'digits', 'synthetic' or a path"),
+    (["--dataset", "nosuch.npz"], "--dataset='nosuch.npz': no such file"),
     # (a step is an integer in [0, 2^63), README "Untrusted ranks": a larger limit was accepted)
     (["--steps", "99999999999999999999"], "--steps=99999999999999999999: must be at most 9223372036854775807"),
     (["--checkpoint-interval", "0"], "--checkpoint-interval=0.0"),

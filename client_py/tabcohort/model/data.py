@@ -250,6 +250,10 @@ def _check_values(name: str, x: array, y: array, n_classes: int) -> None:
             raise ConfigError("dataset", name, f"label {v} outside [0, {n_classes})")
 
 
+#: the reason a dataset name that is neither built in nor a file is refused (simulate and serve)
+UNKNOWN_DATASET = "unknown dataset: expected 'digits', 'synthetic' or a path to an .npz file"
+
+
 def load_dataset(name_or_path: str, *, seed: int = 0, test_fraction: float = 0.2,
                  **opts: Any) -> Dataset:
     """Load a dataset by name or from an ``.npz`` file, shuffled and split with ``seed``.
@@ -290,6 +294,5 @@ def load_dataset(name_or_path: str, *, seed: int = 0, test_fraction: float = 0.2
         sources.reject_opts("npz", opts, ("n_classes",))
         name, x, y, f, c = sources.npz(key, **opts)
     else:
-        raise ConfigError("dataset", key, "unknown dataset: expected 'digits', 'synthetic' "
-                          "or a path to an .npz file")
+        raise ConfigError("dataset", key, UNKNOWN_DATASET)
     return Dataset.from_rows(name, x, y, f, c, seed=seed, test_fraction=test_fraction)
