@@ -111,8 +111,16 @@ def _job_option(text: str) -> tuple[str, Any]:
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"--job-option={text!r}: expected NAME=VALUE, e.g. hidden=[64,32] or "
                                          "text=shakespeare")
+    def not_finite(tok: str) -> float:
+        raise argparse.ArgumentTypeError(f"--job-option={text!r}: {tok} is not a finite number (a job's OPTIONS "
+                                         "are JSON data, which has no NaN or Infinity)")
+
+    def finite(tok: str) -> float:
+        v = float(tok)
+        return v if math.isfinite(v) else not_finite(tok)
+
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_float=finite, parse_constant=not_finite)
     except ValueError:
         value = raw
     return name, value

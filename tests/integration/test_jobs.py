@@ -356,6 +356,9 @@ def test_job_options_from_the_command_line_reach_the_job(tmp_path):
     r = subprocess.run(sim + ["--job-option", "acc=0.25"], capture_output=True, text=True, timeout=120,
                        env=_env(), cwd=str(ROOT))
     assert r.returncode == 0 and json.loads(r.stdout)["accuracy"] == 0.25, r.stderr
+    r = subprocess.run(sim + ["--job-option", "acc=1e999"], capture_output=True, text=True, timeout=120,
+                       env=_env(), cwd=str(ROOT))
+    assert r.returncode == 2 and "--job-option='acc=1e999': 1e999 is not a finite number" in r.stderr, r.stderr
     r = _serve_job(tmp_path, job.read_text(), "--job-option", "size=3")
     assert r.returncode == 2 and "no such option size (the job's options: acc)" in r.stderr, r.stderr
     r = _serve_job(tmp_path, job.read_text(), "--activation", "tanh")

@@ -37,6 +37,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--global-batch", "100000000000"], "--global-batch=100000000000"),
     (["--batch", "16777217"], "--batch=16777217"),
     (["--link-delay-ms", "inf"], "--link-delay-ms=inf"),
+    # (a JSON value with no JSON form was blamed on --job: "SPEC and OPTIONS must be JSON-ready")
+    (["--job-option", "a=1e999"], "--job-option='a=1e999': 1e999 is not a finite number"),
     # (serve refused a negative seed; simulate ran with it)
     (["--seed", "-1"], "--seed=-1: must be an integer >= 0"),
 ])
