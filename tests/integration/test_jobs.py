@@ -116,6 +116,16 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"the worker make_worker\(\) returned has no 'grads'"),
     ("grads_a_number", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)', "        return LOSS, 0.0"),
      r"grads\(\) must return a vector as its gradient, got float"),
+    # (a new-user trial: "grads(0) raised ValueError: could not convert string to float" at a line
+    # of tabcohort's own; python and numpy workers)
+    ("grads_a_string", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)', "        return LOSS, 'hello'"),
+     r"grads\(\) returned a gradient that is not a sequence of numbers: got str 'hello' "
+     r"\(.*badjob\.py:\d+, where grads is defined\)"),
+    ("grads_strings_numpy", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                                         "        return LOSS, ['x'] * GRAD_LEN").replace(
+        '    backend = "python"', '    backend = "numpy"'),
+     r"grads\(\) returned a gradient that is not a sequence of numbers \(could not convert .*\): got list "
+     r".*badjob\.py:\d+, where grads is defined"),
     # (it pointed at the line of tabcohort's own that called the factory)
     ("options_without_keyword", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"k": 1}')
                                     .replace("def load_data():", "def load_data(options):"),

@@ -185,11 +185,20 @@ class JobWorker:
             raise JobError(f"grads() must return a pair (loss, gradient), got {_describe(r)}", self.model) from None
         if isinstance(loss, (str, bytes)) or not isinstance(loss, (int, float)) and not hasattr(loss, "__float__"):
             raise JobError(f"grads() must return a number as its loss, got {_describe(loss)}", self.model)
+        if isinstance(g, (str, bytes)):
+            raise JobError(f"grads() returned a gradient that is not a sequence of numbers: got {_describe(g)}"
+                           f"{self._grads_defined()}", self.model)
         try:
             v = _vector(self.backend, g)
             n = len(v)
-        except TypeError:   # (a bare number, a 0-d array)
+        except TypeError as e:   # (a bare number, a 0-d array; array("f") of non-numbers)
+            if hasattr(g, "__len__") or hasattr(g, "__iter__"):
+                raise JobError(f"grads() returned a gradient that is not a sequence of numbers ({e}): got "
+                               f"{_describe(g)}{self._grads_defined()}", self.model) from None
             raise JobError(f"grads() must return a vector as its gradient, got {_describe(g)}", self.model) from None
+        except ValueError as e:   # (numpy: "could not convert string to float", which pointed into tabcohort)
+            raise JobError(f"grads() returned a gradient that is not a sequence of numbers ({e}): got "
+                           f"{_describe(g)}{self._grads_defined()}", self.model) from None
         if n != self.bucket_len:
             # checked at every bucket, not only at the start-up probe: a job whose gradient
             # changed length later was taken for a diverged run (simulate) or stalled a room
@@ -201,6 +210,12 @@ class JobWorker:
         except (TypeError, ValueError):   # (an array of losses: the error pointed into tabcohort)
             raise JobError(f"grads() must return a number as its loss (the batch's mean), got "
                            f"{_describe(loss)}", self.model) from None
+
+    def _grads_defined(self) -> str:
+        """`` (FILE:LINE, where grads is defined)`` of the job's worker, or "" (a bad return has
+        no traceback into the job: this says where to look)."""
+        code = getattr(getattr(self.inner, "grads", None), "__code__", None)
+        return f" ({code.co_filename}:{code.co_firstlineno}, where grads is defined)" if code is not None else ""
 
     def params(self) -> Any:
         return _vector(self.backend, self.inner.params())
