@@ -37,6 +37,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+from tabcohort._urls import redact_url
 from tabcohort.errors import ConfigError
 
 log = logging.getLogger("tabcohort.server.cluster")
@@ -80,22 +81,22 @@ def check_redis_url(url: object, flag: str = "--redis") -> str:
     try:
         u = urllib.parse.urlsplit(url)
     except ValueError as exc:             # e.g. an unclosed IPv6 bracket: redis://[::1
-        raise ConfigError(flag, url, f"not a URL ({exc}); expected e.g. redis://127.0.0.1:6379/0") from None
+        raise ConfigError(flag, redact_url(url), f"not a URL ({exc}); expected e.g. redis://127.0.0.1:6379/0") from None
     if u.scheme == "unix":
         if not u.path:
-            raise ConfigError(flag, url, "a unix:// URL needs a socket path")
+            raise ConfigError(flag, redact_url(url), "a unix:// URL needs a socket path")
         return url
     if u.scheme not in ("redis", "rediss"):
-        raise ConfigError(flag, url, "expected a redis://HOST:PORT/DB (or rediss://, unix://) URL")
+        raise ConfigError(flag, redact_url(url), "expected a redis://HOST:PORT/DB (or rediss://, unix://) URL")
     if not u.hostname:
-        raise ConfigError(flag, url, "no host in the URL (e.g. redis://127.0.0.1:6379/0)")
+        raise ConfigError(flag, redact_url(url), "no host in the URL (e.g. redis://127.0.0.1:6379/0)")
     try:
         u.port
     except ValueError:
-        raise ConfigError(flag, url, "the port is not a number in 0..65535") from None
+        raise ConfigError(flag, redact_url(url), "the port is not a number in 0..65535") from None
     db = u.path.lstrip("/")
     if db and not (db.isdigit() and int(db) < 1 << 16):
-        raise ConfigError(flag, url, f"the database {db!r} is not a number (e.g. /0)")
+        raise ConfigError(flag, redact_url(url), f"the database {db!r} is not a number (e.g. /0)")
     return url
 
 
@@ -244,12 +245,12 @@ class ClusterConfig:
             try:
                 u = urllib.parse.urlsplit(self.advertise_url)
             except ValueError:
-                raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]") from None
+                raise ConfigError("--advertise-url", redact_url(self.advertise_url), "expected http(s)://HOST[:PORT]") from None
             if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
-                raise ConfigError("--advertise-url", self.advertise_url, "expected http(s)://HOST[:PORT]")
+                raise ConfigError("--advertise-url", redact_url(self.advertise_url), "expected http(s)://HOST[:PORT]")
             if len(self.advertise_url.encode()) > MAX_ADVERTISE_URL_BYTES:
                 # (it travels in a WebSocket close reason, 4012: 123 bytes at most, RFC 6455 5.5)
-                raise ConfigError("--advertise-url", self.advertise_url,
+                raise ConfigError("--advertise-url", redact_url(self.advertise_url),
                                   f"at most {MAX_ADVERTISE_URL_BYTES} bytes (ranks are sent it in a close reason)")
 
 
@@ -314,7 +315,7 @@ class ClusterNode:
         except (RedisError, OSError, asyncio.TimeoutError, ValueError) as exc:
             if self._redis is not None:
                 await self._redis.aclose()
-            raise ConfigError("--redis", self.config.redis_url,
+            raise ConfigError("--redis", redact_url(self.config.redis_url),
                               f"Redis does not answer ({type(exc).__name__}: {exc})") from None
         self._renew = self._redis.register_script(RENEW_LUA)
         self._release = self._redis.register_script(RELEASE_LUA)

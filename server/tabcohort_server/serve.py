@@ -87,6 +87,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
 
     import json
 
+    from tabcohort._urls import redact_url
+
     from .app import ASSETS, OPERATOR_TOKEN, ROOMS, TRAINER_TOKEN, create_app
 
     app = create_app(config)  # ConfigError before listening
@@ -97,8 +99,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         from .cluster_web import start as start_cluster
         node = await start_cluster(app, url)
         owned = sorted(node.book.owned)
-        progress(f"cluster: node {node.config.node_id} at {node.config.advertise_url} (Redis "
-                 f"{node.config.redis_url}); owns {', '.join(owned) if owned else 'no room yet'}; lease "
+        progress(f"cluster: node {node.config.node_id} at {redact_url(node.config.advertise_url)} (Redis "
+                 f"{redact_url(node.config.redis_url)}); owns {', '.join(owned) if owned else 'no room yet'}; lease "
                  f"{node.timing.lease_ms:g} ms, failover within {node.timing.failover_bound_ms() / 1000:g} s")
     for name, job in config.rooms.items():
         assets = app[ASSETS].get(name)

@@ -79,6 +79,12 @@ def test_bad_redis_urls_name_the_flag(url):
     assert e.value.variable == "--redis"
 
 
+def test_a_bad_redis_url_s_password_is_not_echoed():
+    with pytest.raises(ConfigError) as e:
+        cluster.check_redis_url("redis://:s3cret@h/x", "--redis")
+    assert "s3cret" not in str(e.value) and "redis://:***@h/x" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "redis://h", "rediss://u:p@h:1/15", "unix:///run/r.sock"])
 def test_good_redis_urls_pass(url):
     assert cluster.check_redis_url(url) == url

@@ -99,6 +99,25 @@ def test_cli_names_an_unparsable_server_url_without_a_traceback():
     assert r.returncode == 2 and "--server='http://[::1'" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_server_url_s_password_is_never_printed():
+    # a new-user trial: "waiting for the server at http://user:pw@..." echoed the password
+    c = cfg({}, server="http://user:pw@127.0.0.1:1/x", room="d")
+    with pytest.raises(ConfigError) as e:
+        c.validate(resolve=False)
+    assert ":pw@" not in str(e.value) and "--server='http://user:***@127.0.0.1:1/x'" in str(e.value), str(e.value)
+    # (port 9 on loopback: discard, nobody listens here; the rank retries with a progress line)
+    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "rank", "--server", "http://user:pw@127.0.0.1:9",
+                          "--room", "d"], env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        line = p.stdout.readline()
+    finally:
+        p.kill()
+        p.wait(30)
+        p.stdout.close()
+    assert "waiting for the server at http://user:***@127.0.0.1:9" in line and ":pw@" not in line, line
+
+
 @pytest.mark.integration
 def test_cli_exits_2_with_the_variable_before_connecting():
     env = _env() | {"TABCOHORT_SERVER": "http://127.0.0.1:9", "TABCOHORT_ROOM": "d", "TABCOHORT_BATCH": "many"}

@@ -23,6 +23,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .._urls import redact_url
 from ..errors import ConfigError, TabcohortError
 from .session import (RankSession, check_topology, checkpoint_upload,
                       make_module_worker, path_report, trusted_job_source)
@@ -158,20 +159,20 @@ class RankConfig:
             u = urllib.parse.urlsplit(str(self.server))
             host = u.hostname
         except ValueError as e:
-            raise ConfigError(self._name("server"), self.server,
+            raise ConfigError(self._name("server"), redact_url(self.server),
                               f"not a valid URL ({e}); expected e.g. http://127.0.0.1:8080 or http://[::1]:8080") from None
         if u.scheme not in ("http", "https", "ws", "wss") or not host:
-            raise ConfigError(self._name("server"), self.server,
+            raise ConfigError(self._name("server"), redact_url(self.server),
                               "expected an http, https, ws or wss URL with a host, e.g. http://127.0.0.1:8080")
         try:
             port = u.port or (443 if u.scheme in ("https", "wss") else 80)
         except ValueError:
-            raise ConfigError(self._name("server"), self.server, "the port is not a number in 0..65535") from None
+            raise ConfigError(self._name("server"), redact_url(self.server), "the port is not a number in 0..65535") from None
         if u.path.strip("/") or u.query or u.fragment:
             # (every endpoint is at the server's root, /api/...: a path was silently dropped)
-            raise ConfigError(self._name("server"), self.server,
+            raise ConfigError(self._name("server"), redact_url(self.server),
                               f"give the server's root URL, without a path or query "
-                              f"(e.g. {u.scheme}://{u.netloc}): ranks reach /api/rooms/... at its root")
+                              f"(e.g. {redact_url(f'{u.scheme}://{u.netloc}')}): ranks reach /api/rooms/... at its root")
         if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
             if not self.room:
                 raise ConfigError("--room", self.room, "a room name is needed: give --room NAME or set "
@@ -226,10 +227,10 @@ class RankConfig:
             try:
                 infos = socket.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
             except (socket.gaierror, UnicodeError) as e:
-                raise ConfigError(self._name("server"), self.server,
+                raise ConfigError(self._name("server"), redact_url(self.server),
                                   f"host {u.hostname!r} does not resolve: {e}") from None
             if not infos:
-                raise ConfigError(self._name("server"), self.server, f"host {u.hostname!r} resolves to nothing")
+                raise ConfigError(self._name("server"), redact_url(self.server), f"host {u.hostname!r} resolves to nothing")
 
     def _validate_direct(self) -> None:
         """Check the direct-path settings (an IP literal to listen on, ``IP:PORT`` to announce)."""
@@ -293,7 +294,7 @@ class RankConfig:
         if not self.discover:
             return False
         if self.server:
-            raise ConfigError(self._name("server"), self.server, "give either a server URL or discovery "
+            raise ConfigError(self._name("server"), redact_url(self.server), "give either a server URL or discovery "
                               f"({self._name('discover_host' if self.discover_host is not None else 'discover')}), not both")
         if self.room and (not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64):
             raise ConfigError(self._name("room"), self.room, "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
@@ -358,6 +359,11 @@ class RankConfig:
         u = urllib.parse.urlsplit(self.server)
         scheme = {"ws": "http", "wss": "https"}.get(u.scheme, u.scheme)
         return f"{scheme}://{u.netloc}"
+
+    @property
+    def shown_url(self) -> str:
+        """:attr:`base_url` as printed: its password, if any, hidden (``http://user:***@...``)."""
+        return redact_url(self.base_url)
 
 
 class RoundGaps:
@@ -437,7 +443,7 @@ class RankRun(RankSession):
                 to = node_redirect(url, loc)
             except ValueError as e:
                 r.release()
-                raise ConfigError(self.cfg._name("server"), self.cfg.base_url, str(e)) from None
+                raise ConfigError(self.cfg._name("server"), self.cfg.shown_url, str(e)) from None
             if to is None:
                 return url, r     # not a node's redirect of this request: answered as it is
             r.release()
@@ -462,8 +468,8 @@ class RankRun(RankSession):
                 body = await r.read()
                 if r.content_type != "application/json" or b'"error"' not in body:
                     # not a tabcohort server's answer (its 404s are JSON: {"error": ...})
-                    raise ConfigError(self.cfg._name("server"), self.cfg.base_url,
-                                      f"answered {url} with HTTP 404 and no tabcohort error: is this the URL "
+                    raise ConfigError(self.cfg._name("server"), self.cfg.shown_url,
+                                      f"answered {redact_url(url)} with HTTP 404 and no tabcohort error: is this the URL "
                                       "`tabcohort serve` printed?")
                 names = await self._room_names(http)
                 raise ConfigError(self.cfg._name("room"), self.cfg.room, "no such room on the server"
@@ -506,9 +512,9 @@ class RankRun(RankSession):
             except aiohttp.ClientConnectionError as exc:
                 if loop.time() + delay > deadline:
                     why = str(getattr(exc, "os_error", None) or exc).replace(" ssl:default", "")
-                    raise TabcohortError(f"server {self.cfg.base_url} ({self._server_setting()}) unreachable for "
+                    raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}) unreachable for "
                                          f"{wait_s:g} s: {why}; is it running, and is the URL right?") from None
-                self.progress(f"waiting for the server at {self.cfg.base_url} ({type(exc).__name__})")
+                self.progress(f"waiting for the server at {self.cfg.shown_url} ({type(exc).__name__})")
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, 4.0)
 
@@ -738,7 +744,7 @@ def node_redirect(url: str, location: str) -> str | None:
     if u.scheme not in ("http", "https") or u.path != frm.path:
         return None
     if frm.scheme == "https" and u.scheme == "http":
-        raise ValueError(f"{url} redirected to {to}: refused, the room's credentials would go in clear "
+        raise ValueError(f"{redact_url(url)} redirected to {redact_url(to)}: refused, the room's credentials would go in clear "
                          "(give that node an https --advertise-url)")
     return to
 
@@ -748,11 +754,11 @@ def _raise_unless_ok(url: str, r: Any) -> None:
     after failed token checks (README "Limits") and when to try again."""
     if r.status == 429:
         raise TabcohortError(
-            f"GET {url}: HTTP 429: the server refuses this address after too many failed token checks "
+            f"GET {redact_url(url)}: HTTP 429: the server refuses this address after too many failed token checks "
             f"from it (every rank on this host shares the address); try again in "
             f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
     if r.status != 200:
-        raise TabcohortError(f"GET {url}: HTTP {r.status}")
+        raise TabcohortError(f"GET {redact_url(url)}: HTTP {r.status}")
 
 
 def _below_global_batch(st: dict) -> str:
