@@ -423,8 +423,8 @@ def _simulate(a: argparse.Namespace) -> int:
         if a.json:   # (stdout is still one JSON document: a script reading it learns why)
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         raise
-    if a.json:
-        print(json.dumps(res.__dict__, default=str, indent=2))
+    if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)
+        print(json.dumps({"ok": res.bit_identical, **res.__dict__}, default=str, indent=2))
     else:
         acc_s = f"{res.accuracy * 100:.2f} %" if res.accuracy is not None else "n/a (evaluate() outside [0, 1])"
         print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {acc_s}, "

@@ -54,7 +54,7 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         r = simulate("--ranks", "2", "--dataset", "synthetic", "--steps", "40", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         res = json.loads(r.stdout)
-        assert res["bit_identical"] is True and res["steps"] >= 40
+        assert res["ok"] is True and res["bit_identical"] is True and res["steps"] >= 40
         assert "step" in r.stderr                      # progress went to stderr
         assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
 
