@@ -181,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a cohort of ranks in this process over the in-memory bus "
                                    "(encoded frames only) and report accuracy, throughput and "
                                    "whether all ranks end bit-identical.")
-    s.add_argument("--ranks", type=int, default=4, help="number of ranks")
+    s.add_argument("--ranks", type=int, default=4,
+                   help="number of ranks, at most 64: n ranks starting together in one process cost about n^3 "
+                        "deliveries before the first step (README \"Scaling limits\")")
     _job_args(s, "default: the built-in MLP job")
     s.add_argument("--batch", type=int, default=32,
                    help="sets the global batch to ranks x batch when --global-batch is 0; not a per-rank "
@@ -423,8 +425,20 @@ def _simulate(a: argparse.Namespace) -> int:
         if a.json:   # (stdout is still one JSON document: a script reading it learns why)
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         raise
+    # a run --max-seconds ended before its first step trained nothing: not a success (it printed
+    # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
+    no_step = res.steps == 0 and res.stopped_by == "max_seconds"
+    ok = res.bit_identical and not no_step
+    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while its {cfg.ranks} ranks "
+                   f"were still forming the cohort (n ranks starting together in one process cost about n^3 "
+                   f"deliveries: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
     if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)
-        print(json.dumps({"ok": res.bit_identical, **res.__dict__}, default=str, indent=2))
+        doc = {"ok": ok, **({"error": why_no_step} if no_step else {}), **res.__dict__}
+        if not math.isfinite(doc["loss"]):
+            doc["loss"] = None   # (no round yet: NaN is not JSON, RFC 8259; evaluate says null too)
+        print(json.dumps(doc, default=str, indent=2))
+    elif no_step:
+        print(f"stopped: {why_no_step}")
     else:
         acc_s = f"{res.accuracy * 100:.2f} %" if res.accuracy is not None else "n/a (evaluate() outside [0, 1])"
         print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {acc_s}, "
@@ -439,7 +453,7 @@ def _simulate(a: argparse.Namespace) -> int:
             print(f"  ({res.note})")
         if res.stopped_by == "max_seconds":   # (it ended short of --steps in silence: a new-user trial)
             print(f"  (--max-seconds {a.max_seconds:g} ended the run before --steps {a.steps}: raise it to run them all)")
-    return 0 if res.bit_identical else 1
+    return 0 if ok else 1
 
 
 def _ip_list(flag: str, value: str) -> list[str]:

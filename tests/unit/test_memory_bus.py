@@ -149,3 +149,21 @@ def test_bandwidth_serialises_frames_on_a_link_after_its_delay():
     assert len(box[b.id]) == 1
     s.run_until(2 * tx_ms + 50)
     assert len(box[b.id]) == 2 and a.pressure() == 0   # the second waited for the first
+
+
+def test_nothing_is_delivered_from_the_cut_on():
+    # a run bounded in time (simulate --max-seconds) cuts the network: what is in flight then and
+    # what is posted after is dropped unread, so a flooded event loop drains and the run can stop
+    s, net, (a, b, _), box = rig()
+    net.set_default_link(delay_ms=10.0)
+    a.post(beat(1))                  # arrives at 10
+    s.run_until(5)
+    a.post(beat(2))                  # arrives at 15
+    net.cut_at_ms = 12.0
+    s.run_until(11)
+    assert steps(box[b.id]) == [1]
+    s.run_until(100)
+    a.post(beat(3))
+    s.run_until(200)
+    assert steps(box[b.id]) == [1] and net.drops["cut"] == 2 + 1   # beat 2 to 2 ranks, then beat 3's post
+    assert net.pending() == 0

@@ -151,7 +151,14 @@ class MemoryNetwork:
 
     Attributes:
         log: every delivery, ``Delivery(time_ms, sender, recipient, msg)``, in delivery order.
-        drops: network-level drops by reason: ``loss``, ``partition``, ``closed``, ``no_route``.
+        drops: network-level drops by reason: ``loss``, ``partition``, ``closed``, ``no_route``,
+            ``cut`` (see :attr:`cut_at_ms`).
+        cut_at_ms: scheduler time from which nothing is delivered: a frame posted or arriving
+            then is dropped unread (``cut``). A run bounded in time sets it: a cohort whose
+            frames come faster than they are handled (every rank answers each ``hello`` with a
+            beat to all, about n^3 deliveries when n ranks start together: README "Scaling
+            limits") kept the event loop's queue full for minutes past the bound, and nothing
+            else ran to see that the time was up.
 
     Raises:
         ConfigError: a bad precision, size or block.
@@ -183,6 +190,7 @@ class MemoryNetwork:
         self._groups: dict[int, int] | None = None
         self._stalled: set[int] = set()
         self._in_flight = 0
+        self.cut_at_ms = math.inf
 
     # topology ---------------------------------------------------------------
     def attach(self, rank_id: int) -> MemoryBus:
@@ -254,6 +262,9 @@ class MemoryNetwork:
         self.drops[reason] = self.drops.get(reason, 0) + 1
 
     def _post(self, src: MemoryBus, msg: dict) -> None:
+        if self.scheduler.now_ms() >= self.cut_at_ms:
+            self._drop("cut")
+            return
         chunks = src.writer.write(msg)
         size = sum(map(len, chunks))
         to = msg.get("to")
@@ -301,13 +312,16 @@ class MemoryNetwork:
             link.held.append(e)
             return
         link.queued_bytes -= e.size
+        now = self.scheduler.now_ms()
+        if now >= self.cut_at_ms:
+            self._drop("cut")
+            return
         if e.src.closed or e.dst.closed:
             self._drop("closed")
             return
         if not self._connected(e.src.id, e.dst.id):
             self._drop("partition")
             return
-        now = self.scheduler.now_ms()
         dst, src_id = e.dst, e.src.id
         log_reader = self._log_readers[dst.id] if self.log_enabled else None
         for chunk in e.chunks:

@@ -24,8 +24,11 @@ from ..sched import AsyncioScheduler
 from ..vec import digest
 from .driver import RankDriver, job_frame
 
-#: More ranks than this in one process are a configuration error, not a slow death.
-MAX_RANKS = 256
+#: More ranks than this in one process are a configuration error, not a slow death: n ranks
+#: starting together cost about n^3 deliveries before the first step (every rank answers each
+#: hello with a beat to all: README "Scaling limits"); here 64 ranks took their first step after
+#: about 10 s, 128 after about 165 s (a 1 GB queue), and 256 never within minutes (5 GB).
+MAX_RANKS = 64
 #: the largest batch or global batch, as ``serve`` bounds it (``JobConfig.validate``)
 MAX_BATCH = 2**24
 #: the machine's default lr ceiling (``RankMachine(lr_max=...)``; ``serve --lr-max``); a run
@@ -37,6 +40,9 @@ MAX_DELAY_MS = 60_000.0
 DIVERGED_AFTER_S = 5.0
 #: how often the run checks its fault triggers and stop conditions (seconds)
 FAULT_POLL_S = 0.005
+#: past ``max_seconds`` by this much (seconds) the in-memory network drops what is in flight
+#: (``MemoryNetwork.cut_at_ms``), so a run whose event loop is flooded still stops in time
+CUT_AFTER_S = 0.5
 #: a partition healed less than this before the end (seconds) may explain ranks on two models
 CATCH_UP_S = 1.0
 
@@ -96,7 +102,9 @@ class InprocConfig:
                 raise ConfigError(name, v, f"must be an integer >= {minimum}")
         pos_int("ranks")
         if self.ranks > MAX_RANKS:
-            raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process")
+            raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process (n ranks "
+                              "starting together cost about n^3 deliveries before the first step: README "
+                              "\"Scaling limits\"; bench/bench_scale.py simulates larger cohorts)")
         pos_int("batch")
         pos_int("steps")
         for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch",
@@ -262,6 +270,9 @@ class InprocCohort:
         for _ in range(cfg.ranks):
             self.add_rank()
         t0 = time.monotonic()
+        # (--max-seconds held only between this loop's polls: 128 ranks starting together flooded
+        # the event loop with ~n^3 deliveries and ran 164 s of --max-seconds 10)
+        self.network.cut_at_ms = self.network.scheduler.now_ms() + (cfg.max_seconds + CUT_AFTER_S) * 1000.0
         last_print = -1.0
         leaders: list[int] = []
         pending = {"kill": cfg.kill_leader_at_step, "add": cfg.add_rank_at_step,
@@ -326,7 +337,17 @@ class InprocCohort:
                 self._stopped_by = "max_seconds"
                 break
         seconds = time.monotonic() - t0
-        if heal_at is not None:
+        cut = self.network.scheduler.now_ms() >= self.network.cut_at_ms
+        if cut:   # (and it stays cut: what was queued would flood the loop again)
+            self._note = (f"the in-memory network was cut {CUT_AFTER_S:g} s past --max-seconds with messages "
+                          f"still queued: {len(self.drivers)} ranks in one process send more than it handles "
+                          f"(every rank answers each joining rank's hello with a beat to all, about n^3 "
+                          f"deliveries at start: README \"Scaling limits\")")
+        else:
+            self.network.cut_at_ms = math.inf   # (the final publish must arrive)
+        if cut:
+            pass
+        elif heal_at is not None:
             self._note = (f"the run ended inside the partition (it was to heal {cfg.heal_after_ms:g} ms after it "
                           f"began): the side that paused never saw the last rounds; let the run last past the "
                           f"heal (more --steps, or a shorter --heal-after-ms)")
@@ -345,7 +366,7 @@ class InprocCohort:
                 f"training diverged at step {last_step}: the training loss ended at {last_loss:.4g}, "
                 f"{LOSS_BLOWUP:g}x a guess's ({ceiling / LOSS_BLOWUP:.3g}: gradients stayed finite, "
                 f"the parameters ran away); {self._lr_advice()}")
-        return await self._finish(seconds, samples, leaders, partitioned=heal_at is not None)
+        return await self._finish(seconds, samples, leaders, partitioned=heal_at is not None, cut=cut)
 
     def _non_finite(self) -> int:
         keys = ("reduce_non_finite", "own_bucket_invalid", "grad_non_finite")
@@ -368,8 +389,10 @@ class InprocCohort:
             self.progress(f"[{now:6.1f}s] step {step:5d}  no rank driving rounds: joining or handover ({len(self.drivers)} ranks)")
             return
         acc_s = f"{acc * 100:5.1f}%" if acc is not None else "  n/a"
+        loss = st["loss"]   # (NaN before the first round: it said "loss nan")
+        loss_s = f"{loss:.4f}" if isinstance(loss, (int, float)) and math.isfinite(loss) else "   n/a"
         self.progress(f"[{now:6.1f}s] step {step:5d}  leader {st['id_hex']}  cohort {st['cohort']}  "
-                      f"loss {st['loss']:.4f}  acc {acc_s}  {st['steps_per_s']:6.1f} steps/s  "
+                      f"loss {loss_s}  acc {acc_s}  {st['steps_per_s']:6.1f} steps/s  "
                       f"{st['samples_per_s']:8.0f} samples/s  {st['wire_bytes_per_s'] / 1e6:6.2f} MB/s")
         if st.get("shares") or st.get("speeds"):
             # "Shares": who computes how much of the global batch, and why (measured samples/s)
@@ -383,7 +406,7 @@ class InprocCohort:
         self.progress("  * " + text)
 
     async def _finish(self, seconds: float, samples: int, leaders: list[int], *,
-                      partitioned: bool = False) -> InprocResult:
+                      partitioned: bool = False, cut: bool = False) -> InprocResult:
         if not leaders:
             # a run shorter than one poll ended before a leader was seen driving: the rank that
             # published the final parameters led it (`--steps 5` said "leaders []")
@@ -405,7 +428,7 @@ class InprocCohort:
         reach = set(self.drivers)
         if partitioned:
             reach = next((g for g in self._sides if best.machine.id in g), reach) & reach
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + (0.0 if cut else 10.0)   # (a cut network delivers nothing more)
         while time.monotonic() < deadline:
             if len({digest(self.drivers[k].worker.params()) for k in reach}) == 1:
                 break
