@@ -118,6 +118,22 @@ def pytest_runtest_makereport(item, call):
     setattr(item, "rep_" + rep.when, rep)
 
 
+def trained_checkpoint_dir(tmp_path: pathlib.Path, steps: int) -> pathlib.Path:
+    """A checkpoint directory whose room (``digits``) two native ranks trained to ``steps`` and
+    stopped at (its final checkpoint is the newest): what a resumed room starts from."""
+    ck = tmp_path / "ckpt"
+    (tmp_path / "first").mkdir()
+    first = Cluster(tmp_path / "first")
+    try:
+        first.serve("--steps", str(steps), "--checkpoint-dir", str(ck), "--checkpoint-interval", "1")
+        ranks = [first.rank(), first.rank()]
+        for p in ranks:
+            assert p.p.wait(180) == 0, p.text()[-3000:]
+    finally:
+        first.close()
+    return ck
+
+
 def wait_tab(tab: Tab, cond: Callable[[dict], Any], timeout_s: float, what: str) -> Any:
     """Poll the tab's live state until ``cond(state)`` is truthy (errors on the page fail fast)."""
     def check() -> Any:

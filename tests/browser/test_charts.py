@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.conftest import Cluster
 
-from .conftest import wait_for, wait_tab
+from .conftest import trained_checkpoint_dir, wait_for, wait_tab
 
 pytestmark = pytest.mark.browser
 STEPS = 1500
@@ -26,16 +26,7 @@ def _ticks(tab, chart: str) -> list[str]:
 
 
 def test_resumed_room_curves_are_readable_and_say_what_they_show(tmp_path, tabs):
-    ck = tmp_path / "ckpt"
-    first = Cluster(tmp_path / "first")
-    (tmp_path / "first").mkdir()
-    try:   # a long run first: its checkpoint's loss is tiny (what a second demo run resumes)
-        first.serve("--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-interval", "1")
-        ranks = [first.rank(), first.rank()]
-        for p in ranks:
-            assert p.p.wait(180) == 0, p.text()[-3000:]
-    finally:
-        first.close()
+    ck = trained_checkpoint_dir(tmp_path, STEPS)   # a long run first: its checkpoint's loss is tiny (what a second demo run resumes)
     second = Cluster(tmp_path / "second")
     (tmp_path / "second").mkdir()
     try:

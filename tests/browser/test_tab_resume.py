@@ -11,23 +11,14 @@ import pytest
 
 from tests.integration.conftest import Cluster
 
-from .conftest import wait_for, wait_tab
+from .conftest import trained_checkpoint_dir, wait_for, wait_tab
 
 pytestmark = pytest.mark.browser
 STEPS = 300
 
 
 def test_a_tab_alone_resumes_the_room_at_its_checkpoint_step_and_accuracy(tmp_path, tabs):
-    ck = tmp_path / "ckpt"
-    first = Cluster(tmp_path / "first")
-    (tmp_path / "first").mkdir()
-    try:   # a native run first, stopped at STEPS: its final checkpoint is the room's newest
-        first.serve("--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-interval", "1")
-        ranks = [first.rank(), first.rank()]
-        for p in ranks:
-            assert p.p.wait(180) == 0, p.text()[-3000:]
-    finally:
-        first.close()
+    ck = trained_checkpoint_dir(tmp_path, STEPS)   # a native run first, stopped at STEPS: its final checkpoint is the room's newest
 
     second = Cluster(tmp_path / "second")
     (tmp_path / "second").mkdir()
