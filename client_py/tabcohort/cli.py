@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(encoded frames only) and report accuracy, throughput and "
                                    "whether all ranks end bit-identical.")
     s.add_argument("--ranks", type=int, default=4,
-                   help="number of ranks, at most 64: n ranks starting together in one process cost about n^3 "
-                        "deliveries before the first step (README \"Scaling limits\")")
+                   help="number of ranks, at most 256: every rank beats to every other, about n^2 deliveries per "
+                        "beat period in one process (README \"Scaling limits\")")
     _job_args(s, "default: the built-in MLP job")
     s.add_argument("--batch", type=int, default=32,
                    help="sets the global batch to ranks x batch when --global-batch is 0; not a per-rank "
@@ -430,8 +430,8 @@ def _simulate(a: argparse.Namespace) -> int:
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
     ok = res.bit_identical and not no_step
     why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while its {cfg.ranks} ranks "
-                   f"were still forming the cohort (n ranks starting together in one process cost about n^3 "
-                   f"deliveries: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
+                   f"were still forming the cohort (every rank beats to every other, about n^2 deliveries per "
+                   f"beat period: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
     if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)
         doc = {"ok": ok, **({"error": why_no_step} if no_step else {}), **res.__dict__}
         if not math.isfinite(doc["loss"]):

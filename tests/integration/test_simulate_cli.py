@@ -27,8 +27,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--kill-leader-at", "100", "--steps", "100"], "--kill-leader-at=100"),
     (["--kill-leader-at", "-1"], "--kill-leader-at=-1"), (["--precision", "f8"], "precision"),
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
-    # (a cold start of n ranks costs about n^3 deliveries: 128 took about 165 s to its first step)
-    (["--ranks", "65"], "--ranks=65: at most 64 ranks"),
+    # (every rank beats to every other: about n^2 deliveries per beat period in one process)
+    (["--ranks", "257"], "--ranks=257: at most 256 ranks"),
     (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
     (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
     (["--link-loss", "1"], "--link-loss=1.0"), (["--ranks", "1", "--partition-at", "10"], "--partition-at=10"),
@@ -191,12 +191,12 @@ def test_a_run_that_max_seconds_ends_early_says_so():
 def test_max_seconds_bounds_a_flooded_run_and_a_run_with_no_step_is_not_a_success():
     # a new-user trial: --ranks 128 --max-seconds 10 ran 164 s (the event loop's queue full of
     # start-up beats; memory grew ~45 MB/s), then printed "done: 0 steps" and exited 0
-    r = simulate("--ranks", "64", "--steps", "5", "--max-seconds", "0.5", "--json")
+    r = simulate("--ranks", "256", "--steps", "5", "--max-seconds", "0.5", "--json")
     doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert r.returncode == 1 and doc["ok"] is False and doc["steps"] == 0, (r.stdout, r.stderr[-1500:])
     assert doc["stopped_by"] == "max_seconds" and doc["seconds"] < 0.5 + 3.0, doc
     assert "no step was taken: --max-seconds 0.5" in doc["error"] and doc["loss"] is None, doc
-    r = simulate("--ranks", "64", "--steps", "5", "--max-seconds", "0.5")
+    r = simulate("--ranks", "256", "--steps", "5", "--max-seconds", "0.5")
     assert r.returncode == 1 and "stopped: no step was taken" in r.stdout and "done:" not in r.stdout, r.stdout
 
 

@@ -237,8 +237,8 @@ def test_a_lossy_cohort_ends_bit_identical_because_a_missed_publish_is_sent_agai
     assert len(set(digests(sim).values())) == 1
     published = [r for r in sim.alive() if r.machine.counters["published"]]
     assert len(published) == 1 and all(r.machine.step == published[0].machine.step for r in sim.alive())
-    if seed in (1,):
-        # this seed loses the publish to a member (it ends unequal without the rule; which
+    if seed in (2, 3, 5):
+        # these seeds lose the publish to a member (they end unequal without the rule; which
         # seeds do depends on every rule the run goes through: re-derive them when one changes)
         assert published[0].machine.counters["republished"] >= 1
 

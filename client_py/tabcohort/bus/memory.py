@@ -155,10 +155,10 @@ class MemoryNetwork:
             ``cut`` (see :attr:`cut_at_ms`).
         cut_at_ms: scheduler time from which nothing is delivered: a frame posted or arriving
             then is dropped unread (``cut``). A run bounded in time sets it: a cohort whose
-            frames come faster than they are handled (every rank answers each ``hello`` with a
-            beat to all, about n^3 deliveries when n ranks start together: README "Scaling
-            limits") kept the event loop's queue full for minutes past the bound, and nothing
-            else ran to see that the time was up.
+            frames come faster than they are handled (every rank beats to every other, about
+            n^2 deliveries per beat period: README "Scaling limits") kept the event loop's
+            queue full for minutes past the bound, and nothing else ran to see that the time
+            was up.
 
     Raises:
         ConfigError: a bad precision, size or block.

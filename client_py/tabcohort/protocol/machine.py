@@ -700,7 +700,9 @@ class RankMachine:
         elif not m.running and t in ("hello", "beat"):
             self.membership.pop(sender, None)          # it stopped: it left
         if t == "hello":
-            self._beat(now_ms)       # so the newcomer learns the roster
+            # so the newcomer learns the roster: addressed to it, as only it needs the answer
+            # ("Follower: receiving messages", hello)
+            self._beat(now_ms, to=sender)
         elif t == "round":
             self._on_round(msg, now_ms)
         elif t == "grad":
@@ -960,14 +962,17 @@ class RankMachine:
             "batch": self.worker.batch, "ready": self.ready, "running": self.running,
             "step": self.step, "model": self.worker.model, "backend": self.worker.backend}))
 
-    def _beat(self, now_ms: float) -> None:
-        self._actions.append(Post({
+    def _beat(self, now_ms: float, to: int | None = None) -> None:
+        msg = {
             "t": "beat", "from": self.id, "batch": self.worker.batch, "ready": self.ready,
             # a stopping leader still draining its loop keeps leading until its final publish,
             # or followers would see it stop, count themselves leader and publish stale
             # parameters of their own (docs/PROTOCOL-NOTES.md, note 10)
             "running": self.running or self._stopping_publish, "step": self.step,
-            "backend": self.worker.backend, "term": self.term}))
+            "backend": self.worker.backend, "term": self.term}
+        if to is not None:
+            msg["to"] = to
+        self._actions.append(Post(msg))
 
     def _report(self, now_ms: float) -> None:
         self._actions.append(Report(self.state(now_ms)))

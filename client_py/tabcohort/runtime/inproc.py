@@ -24,11 +24,10 @@ from ..sched import AsyncioScheduler
 from ..vec import digest
 from .driver import RankDriver, job_frame
 
-#: More ranks than this in one process are a configuration error, not a slow death: n ranks
-#: starting together cost about n^3 deliveries before the first step (every rank answers each
-#: hello with a beat to all: README "Scaling limits"); here 64 ranks took their first step after
-#: about 10 s, 128 after about 165 s (a 1 GB queue), and 256 never within minutes (5 GB).
-MAX_RANKS = 64
+#: More ranks than this in one process are a configuration error, not a slow death: every
+#: rank beats to every other, about n^2 deliveries per beat period (README "Scaling limits");
+#: here 5 steps took about 3 s at 64 ranks, 24 s at 128 and 48 s at 256 (on 2 loaded cores).
+MAX_RANKS = 256
 #: the largest batch or global batch, as ``serve`` bounds it (``JobConfig.validate``)
 MAX_BATCH = 2**24
 #: the machine's default lr ceiling (``RankMachine(lr_max=...)``; ``serve --lr-max``); a run
@@ -102,9 +101,9 @@ class InprocConfig:
                 raise ConfigError(name, v, f"must be an integer >= {minimum}")
         pos_int("ranks")
         if self.ranks > MAX_RANKS:
-            raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process (n ranks "
-                              "starting together cost about n^3 deliveries before the first step: README "
-                              "\"Scaling limits\"; bench/bench_scale.py simulates larger cohorts)")
+            raise ConfigError("ranks", self.ranks, f"at most {MAX_RANKS} ranks run in one process (every rank beats "
+                              "to every other: about n^2 deliveries per beat period, README \"Scaling "
+                              "limits\"; bench/bench_scale.py simulates larger cohorts)")
         pos_int("batch")
         pos_int("steps")
         for name in ("kill_leader_at_step", "add_rank_at_step", "partition_at_step", "eval_every", "global_batch",
@@ -271,7 +270,7 @@ class InprocCohort:
             self.add_rank()
         t0 = time.monotonic()
         # (--max-seconds held only between this loop's polls: 128 ranks starting together flooded
-        # the event loop with ~n^3 deliveries and ran 164 s of --max-seconds 10)
+        # the event loop with start-up beats and ran 164 s of --max-seconds 10)
         self.network.cut_at_ms = self.network.scheduler.now_ms() + (cfg.max_seconds + CUT_AFTER_S) * 1000.0
         last_print = -1.0
         leaders: list[int] = []
@@ -341,8 +340,8 @@ class InprocCohort:
         if cut:   # (and it stays cut: what was queued would flood the loop again)
             self._note = (f"the in-memory network was cut {CUT_AFTER_S:g} s past --max-seconds with messages "
                           f"still queued: {len(self.drivers)} ranks in one process send more than it handles "
-                          f"(every rank answers each joining rank's hello with a beat to all, about n^3 "
-                          f"deliveries at start: README \"Scaling limits\")")
+                          f"(every rank beats to every other, about n^2 deliveries per beat period: README "
+                          f"\"Scaling limits\")")
         else:
             self.network.cut_at_ms = math.inf   # (the final publish must arrive)
         if cut:

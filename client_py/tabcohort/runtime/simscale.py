@@ -215,7 +215,7 @@ def run_scale(n: int, *, params: int = 64, seed: int = 0, steady_ms: float = 10_
         b0, t_join = tally.beats_rx, sim.now_ms()
         add()
         sim.run_until(t_join + 100.0)
-        # beats the join caused: every member answers the hello with a broadcast beat
+        # beats the join caused: every member answers each hello with a beat addressed to the joiner
         per_join.append(tally.beats_rx - b0 - res.beats_received_per_rank_per_s * n * 0.1)
     res.beats_per_join = sum(per_join) / len(per_join) if per_join else 0.0
     alive = [r for r in sim.alive() if r is not lead]
