@@ -411,6 +411,49 @@ def test_a_rank_slower_than_the_rounds_evicted_once_is_readmitted_without_a_glob
     assert lead.applied_by.get(3, 0) > applied + 100
 
 
+def test_a_follower_cut_off_while_its_leader_holds_a_round_open_does_not_take_over():
+    # "Heartbeat and takeover": a leader holding a round open for a lost bucket sends no round
+    # for a collect window (2375 ms at n = 3); a follower cut off alone 2 s into it reached its
+    # takeover window 1.2 s later, while the leader and rank 3, heard within policy.drop, still
+    # counted as live: it took term 2 alone and at the heal rewound the majority from step 1082
+    # to 520 (a fault campaign). A takeover counts only members heard a beat after the leader
+    # last was, never the leader.
+    sim = make(2, ids=[2, 3], compute_ms=10.0)
+    sim.run_until(3000)
+    sim.add(1, ToyWorker(bucket_len=N_PARAMS, batch=3), compute_ms=10.0, lr=0.05)   # follows 2
+    sim.run_until(6000)
+    net, r1 = sim.network, sim.ranks[1].machine
+    net.set_link(1, 2, symmetric=False, loss=1.0)       # rank 1's next bucket to its leader lost
+    sim.run_until(6030)
+    net.set_link(1, 2, symmetric=False, loss=0.0)
+    hb = r1._next_beat_ms                               # its first heartbeat past the window
+    while hb <= r1.last_open_ms + policy(3, T).takeover_ms:
+        hb += policy(3, T).beat_ms
+    sim.run_until(hb - policy(3, T).drop_ms)
+    while min(m.seen_ms for m in r1.roster.members.values()) < hb - policy(3, T).drop_ms + 1:
+        sim.run_until(sim.now_ms() + 5)                  # the others heard within drop of it
+    net.partition([{1}, {2, 3}])
+    sim.run_until(sim.now_ms() + 6000)
+    assert r1.counters["takeover"] == 0 and sim.ranks[2].machine.is_leader(sim.now_ms())
+    _no_rewind_after_heal(sim, {2, 3}, 3)
+
+
+def test_a_rank_whose_probe_outlasts_the_probe_interval_is_measured_and_never_silenced():
+    # "Shares", probes: a rank given no share is probed at most every 250 ms, and each newer
+    # probe superseded the one it was computing; a 400-ms rank answered none, was marked silent
+    # 51 times a minute and never readmitted (a fault campaign). A probe is not sent while the
+    # last one is younger than twice the rank's predicted one-sample turnaround.
+    sim = SimCohort(seed=0)
+    for k, c in ((1, 10.0), (2, 10.0), (3, 400.0)):
+        sim.add(k, ToyWorker(bucket_len=N_PARAMS, batch=24), compute_ms=c, lr=0.05, global_batch=24)
+    sim.run_until(30_000)
+    lead = sim.ranks[1].machine
+    grads = sum(1 for e in sim.network.log if e.sender == 3 and e.msg["t"] == "grad")
+    assert 3 not in lead._silent and lead._silences[3] <= 1 and 3 not in lead._probation, (
+        lead._silences[3], lead._probation)
+    assert grads >= 50                                   # about one probe answered every 400 ms
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_partitions_end_with_one_leader_one_model_and_no_majority_rewind(seed):
     """For random partition patterns and heal times: after the heal settles exactly one leader

@@ -409,6 +409,8 @@ class RankMachine:
         # "Membership and majority", the witness: when the server said the leader this rank
         # followed left (None once ``policy.drop`` has passed since, or before any)
         self._lead_left_ms: float | None = None
+        # "Heartbeat and takeover": when the rank this one follows was last heard (any message)
+        self._leader_heard_ms: float | None = None
 
         # Heartbeat ("Heartbeat and takeover")
         self._next_beat_ms = now_ms + self.policy.beat_ms
@@ -707,6 +709,8 @@ class RankMachine:
             self._on_round(msg, now_ms)
         elif t == "grad":
             self._on_grad(msg, now_ms)
+        if sender == self.following and not self._leading:
+            self._leader_heard_ms = now_ms
 
     def on_timer(self, *, now_ms: float) -> None:
         """A deadline passed (or the driver yielded between rounds): run what is due."""
@@ -1050,6 +1054,12 @@ class RankMachine:
         since = self._lead_left_ms
         if since is not None and now_ms - since > self.policy.drop_ms:
             since = self._lead_left_ms = None          # the live set alone is exact again
+        heard = self._leader_heard_ms
+        if (heard is not None and self.following is not None and self.following != self.id
+                and now_ms - self.last_open_ms <= 2 * self._takeover_window_ms(now_ms)):
+            # members heard a beat after the leader last was are on this side of whatever cut
+            # it off (it beats every beat); the leader itself never counts ("Heartbeat and takeover")
+            since = heard + self.policy.beat_ms if since is None else max(since, heard + self.policy.beat_ms)
         if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms, heard_since_ms=since):
             return False
         while True:
@@ -1336,6 +1346,9 @@ class RankMachine:
                 shares, probing = dict(plan[2]), set()      # "Shares": the plan of 2 ms ago
             else:
                 shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe)
+                for k in [k for k in probing if self._probe_in_flight(k, now_ms)]:
+                    probing.discard(k)                      # its last probe is still being computed
+                    shares.pop(k, None)
                 self._plan = (key, now_ms, dict(shares), bool(probing))
             if probing:
                 self._probe_ms = now_ms
@@ -1349,7 +1362,7 @@ class RankMachine:
                 self.counters["rounds_below_global_batch"] += 1
         probe_ms = self._paced_ms(PROBE_INTERVAL_MS) if held_back else 0.0
         for k in sorted(held_back - self.quarantined.keys()):
-            if self._probe_backing_off(k, now_ms):
+            if self._probe_backing_off(k, now_ms) or self._probe_in_flight(k, now_ms):
                 continue                             # its last probes are unanswered: back off
             if 0 <= now_ms - self._held_probe_ms.get(k, -probe_ms) < probe_ms:
                 continue                             # at most one probe per PROBE_INTERVAL_MS
@@ -1689,6 +1702,22 @@ class RankMachine:
         wait_ms = min(self._paced_ms(PROBE_INTERVAL_MS) * 2 ** min(n - 1, _PROBE_BACKOFF_MAX_EXP),
                       PROBE_INTERVAL_MS * 2 ** _PROBE_BACKOFF_MAX_EXP)    # (8 s for any model)
         return now_ms - q[-1][2] < wait_ms
+
+    def _probe_in_flight(self, rank: int, now_ms: float) -> bool:
+        """"Shares", probes: True while ``rank``'s last probe is unanswered and younger than twice
+        its predicted one-sample turnaround (at most a collect window). Why: a newer probe
+        supersedes the one the rank is computing ("Contribute"), so a rank whose probe takes
+        longer than ``PROBE_INTERVAL_MS`` (250 ms) answered none, was marked silent after three
+        and, owing 24 buckets out of its silences, never readmitted (a 400-ms rank: 51 silences a
+        minute; a seeded fault campaign). False for a rank with no history (its own backoff,
+        :meth:`_probe_backing_off`)."""
+        q = self._probe_sent.get(rank)
+        if not q:
+            return False
+        predicted = self.speeds.predicted_ms(rank, 1)
+        if predicted is None:
+            return False
+        return now_ms - q[-1][2] < min(self.policy.collect_ms, 2.0 * predicted)
 
     def _observe_turnaround(self, rank: int, term: int, step: int, samples: int, now_ms: float) -> None:
         """"Shares": a bucket of a round this rank drove arrived; fold its turnaround into the
