@@ -454,6 +454,42 @@ def test_a_rank_whose_probe_outlasts_the_probe_interval_is_measured_and_never_si
     assert grads >= 50                                   # about one probe answered every 400 ms
 
 
+@pytest.mark.parametrize("freeze_the_stale_rank", [False, True])
+def test_a_stale_rank_never_overwrites_members_back_from_a_suspension_whose_lineage_is_ahead(freeze_the_stale_rank):
+    # "Heartbeat and takeover", "Joining": rank 2 is cut off at step 220 while leader 1, 3 and 4
+    # train on; 3 and 4 freeze, 1 leaves (the witness). At the heal 3 and 4 (step 520, back
+    # suspended, not ready) counted towards rank 2's majority, and rank 2 took over (or
+    # bootstrapped) from its step-220 parameters, which they then adopted: 300 steps rewound (a
+    # review). A member not ready whose lineage is ahead is a candidate, and no rank bootstraps
+    # while one is ahead of it.
+    sim = make(4, compute_ms=10.0)
+    sim.run_until(3000)
+    sim.network.partition([{2}, {1, 3, 4}])
+    sim.run_until(6000)
+    sim.ranks[3].freeze(4000)
+    sim.ranks[4].freeze(4000)
+    sim.run_until(6100)
+    sim.ranks[1].kill()
+    if freeze_the_stale_rank:
+        sim.ranks[2].freeze(2500)
+    sim.run_until(9000)
+    _no_rewind_after_heal(sim, {3, 4}, 3)
+
+
+def test_a_witnessed_leader_departure_is_taken_over_within_a_fraction_of_a_beat():
+    # "Membership and majority": a takeover on the witness counts only members heard since, and
+    # the survivors beat at once on it, so the takeover waits for their beats (milliseconds),
+    # not for their next periodic ones (a beat: 100 s at n = 1,000), and is decided when they come
+    sim = make(10, compute_ms=10.0)
+    sim.run_until(5000)
+    lead = next(r for r in sim.alive() if r.machine.is_leader(sim.now_ms()))
+    t_kill = sim.now_ms()
+    lead.kill()
+    sim.run_while(lambda: not any(r.machine.is_leader(sim.now_ms()) for r in sim.alive()),
+                  limit_ms=t_kill + 4 * policy(10, T).beat_ms)
+    assert sim.now_ms() - t_kill <= 0.25 * policy(10, T).beat_ms, sim.now_ms() - t_kill
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_partitions_end_with_one_leader_one_model_and_no_majority_rewind(seed):
     """For random partition patterns and heal times: after the heal settles exactly one leader

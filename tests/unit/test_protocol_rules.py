@@ -1478,6 +1478,15 @@ def test_evaluate_now_measures_the_final_model_once_and_not_in_a_room_that_never
     quiet.w.evaluate = evaluate
     quiet.m.evaluate_now()
     assert calls == [1] and quiet.m.accuracy is None
+    # one that raises at stop is counted, but is no fault and no step towards a failing job's stop
+    def boom():
+        raise KeyError("eval at stop")
+    r.w.evaluate = boom
+    r.m.fault = None
+    r.m.term += 1                     # new parameters at the same step (another lineage's round)
+    r.m.evaluate_now()
+    assert r.m.accuracy is None and r.m.counters["evaluate_failed"] == 1
+    assert r.m.fault is None and r.m.evaluate_failures == 0 and r.m.take_evaluate_error() is None
 
 
 def test_re_publishing_ends_once_the_cohort_goes_on_under_another_leader():

@@ -170,6 +170,12 @@ def _arrived(col: _Collection, now_ms: float, rank: int) -> None:
     col.last_ms = now_ms if col.last_ms is None else max(col.last_ms, now_ms)
 
 
+#: "Membership and majority": how much earlier than its own word of the leader's leave a
+#: member may have been heard and still count towards a takeover (the server tells every rank
+#: at about the same time; the others beat as they hear it)
+WITNESS_SKEW_MS = 100.0
+
+
 class Phase(enum.Enum):
     """Where the leader loop is ("The leader loop"); None when no loop runs."""
 
@@ -326,8 +332,8 @@ class RankMachine:
         self.timing = timing
         self.lr = float(lr)
         self.eval_every = int(eval_every)
-        #: the step whose parameters were last evaluated (:meth:`evaluate_now`)
-        self._evaluated_step: int | None = None
+        #: the (term, step) whose parameters were last evaluated (:meth:`evaluate_now`)
+        self._evaluated_step: tuple[int, int] | None = None
         self.precision = precision
 
         self.ready = bool(ready)
@@ -630,8 +636,12 @@ class RankMachine:
         if self.following == rank_id and not self._leading:
             # the whole window (its stretches too): the witness says the leader is gone, so no
             # paced round of a large model is on its way ("Heartbeat and takeover")
-            self.last_open_ms = min(self.last_open_ms, now_ms - self._takeover_window_ms(now_ms))
+            # (and a millisecond more: a survivor's beat can arrive at this very instant)
+            self.last_open_ms = min(self.last_open_ms, now_ms - self._takeover_window_ms(now_ms) - 1.0)
             self._lead_left_ms = now_ms
+            # beat at once: a takeover counts only members heard since, and the others' next
+            # periodic beats are up to a beat away (100 s at n = 1,000)
+            self._beat(now_ms)
         col = self._collection
         if col is not None and rank_id in col.wanted and rank_id not in col.received:
             # a round in flight no longer waits for a rank that left: without this every kill
@@ -711,6 +721,10 @@ class RankMachine:
             self._on_grad(msg, now_ms)
         if sender == self.following and not self._leading:
             self._leader_heard_ms = now_ms
+        if self._lead_left_ms is not None and t == "beat" and self._try_takeover(now_ms):
+            # the witness said the leader left and the survivors beat at once: take over when
+            # their beats make the majority, not at this rank's next heartbeat ("Membership and majority")
+            self._report(now_ms)
 
     def on_timer(self, *, now_ms: float) -> None:
         """A deadline passed (or the driver yielded between rounds): run what is due."""
@@ -1010,9 +1024,8 @@ class RankMachine:
                 if self.has_majority(now_ms):         # a lead paused without a majority resumes
                     self.counters["lead_resumed"] += 1
                     self._maybe_start_loop(now_ms)
-            elif now_ms - self.last_open_ms > self._takeover_window_ms(now_ms) and self._may_take_lead(now_ms):
-                self.counters["takeover"] += 1
-                self._take_lead(now_ms)
+            else:
+                self._try_takeover(now_ms)
         self._report(now_ms)
 
     def _observe_round_period(self, step: int, now_ms: float) -> None:
@@ -1046,25 +1059,51 @@ class RankMachine:
         slack = max(self.round_period_ms or 0.0, self.contribution_ms or 0.0, running)
         return min(slack, self.policy.forget_ms)   # a round is never waited for longer than a member
 
+    def _takeover_heard_since(self, now_ms: float) -> float | None:
+        """The time after which a member must have been heard to count towards a takeover's
+        majority, or None (the live set: "Membership and majority", "Heartbeat and takeover").
+        Within ``policy.drop`` of the witness saying the leader left: the witness's word, less
+        :data:`WITNESS_SKEW_MS` (the others had it at about the same time and beat at once).
+        Otherwise, for two takeover windows: a beat after the leader was last heard (it beats
+        every beat, so a member heard later is on this side of whatever cut it off; the leader
+        itself never counts)."""
+        left = self._lead_left_ms
+        if left is not None and now_ms - left > self.policy.drop_ms:
+            left = self._lead_left_ms = None          # the live set alone is exact again
+        if left is not None:
+            return left - WITNESS_SKEW_MS
+        heard = self._leader_heard_ms
+        if (heard is not None and self.following is not None and self.following != self.id
+                and now_ms - self.last_open_ms <= 2 * self._takeover_window_ms(now_ms)):
+            return heard + self.policy.beat_ms
+        return None
+
+    def _try_takeover(self, now_ms: float) -> bool:
+        """Take over if due ("Heartbeat and takeover"): running, ready, idle, not leading, no
+        accepted round for the takeover window, and :meth:`_may_take_lead`."""
+        if (self.running and self.ready and self._phase is None and self._collection is None
+                and not self._leading and now_ms - self.last_open_ms > self._takeover_window_ms(now_ms)
+                and self._may_take_lead(now_ms)):
+            self.counters["takeover"] += 1
+            self._take_lead(now_ms)
+            return True
+        return False
+
     def _may_take_lead(self, now_ms: float) -> bool:
         """Takeover eligibility (PROTOCOL.md, "Heartbeat and takeover"): past ``deferUntil``,
         a majority in view, and this rank is the lowest id among itself and the live ready
         running members whose (term, step) is the most advanced: a rank whose lineage is
         behind must adopt, not lead."""
-        since = self._lead_left_ms
-        if since is not None and now_ms - since > self.policy.drop_ms:
-            since = self._lead_left_ms = None          # the live set alone is exact again
-        heard = self._leader_heard_ms
-        if (heard is not None and self.following is not None and self.following != self.id
-                and now_ms - self.last_open_ms <= 2 * self._takeover_window_ms(now_ms)):
-            # members heard a beat after the leader last was are on this side of whatever cut
-            # it off (it beats every beat); the leader itself never counts ("Heartbeat and takeover")
-            since = heard + self.policy.beat_ms if since is None else max(since, heard + self.policy.beat_ms)
+        since = self._takeover_heard_since(now_ms)
         if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms, heard_since_ms=since):
             return False
         while True:
+            # (a member not ready, back from a suspension, whose lineage is ahead of this rank's
+            # is a candidate too: it counts towards the majority, and this rank must not
+            # overwrite its steps with older parameters)
             cands = [(m.term, m.step, m.id) for m in self.roster.live(now_ms, self.policy.drop_ms)
-                     if m.ready and m.running and self.may_lead_rank(m.id) and m.id not in self._skipped_leads]
+                     if m.running and self.may_lead_rank(m.id) and m.id not in self._skipped_leads
+                     and (m.ready or (m.term, m.step) > (self.term, self.step))]
             cands.append((self.term, self.step, self.id))
             best = max((t, st) for t, st, _ in cands)
             chosen = min(k for t, st, k in cands if (t, st) == best)
@@ -1106,7 +1145,7 @@ class RankMachine:
         live = list(self.roster.live(now_ms, self.policy.drop_ms))
         # a round comes only from a rank that may lead: ready ranks that only contribute (the
         # followers of a leader that is gone) are no reason to wait ("Untrusted ranks")
-        if any(m.ready and self.may_lead_rank(m.id) for m in live):
+        if any(m.ready and self.may_lead_rank(m.id) and (m.term, m.step) >= (self.term, self.step) for m in live):
             return
         if now_ms - self._join_started_ms < self.policy.takeover_ms and \
                 self._witnessed_leads - {m.id for m in live}:
@@ -1115,8 +1154,10 @@ class RankMachine:
             self.counters["join_waited_for_witnessed_lead"] += 1
             return
         self._join_attempts += 1
+        ahead = [m for m in live if m.running and self.may_lead_rank(m.id) and (m.term, m.step) >= (self.term, self.step)]
         if self._join_attempts >= 2 and self.may_lead and now_ms >= self._bootstrap_not_before_ms and self.id == min(
-                [self.id] + [m.id for m in live if m.running and self.may_lead_rank(m.id)]) \
+                [self.id] + [m.id for m in ahead]) \
+                and not any((m.term, m.step) > (self.term, self.step) for m in ahead) \
                 and self.has_majority(now_ms):
             # (a majority of the membership it holds: a bootstrap starts a term as a takeover
             # does, and one made alone, cut off, won over the majority's lineage at the heal)
@@ -2044,16 +2085,22 @@ class RankMachine:
         earlier or none (a run that stopped between two evaluations stored its final model
         with no accuracy). Failures are handled as in a round (``evaluate_failed``,
         ``evaluate_out_of_range``; PROTOCOL.md "Worker contract")."""
-        if self.eval_every > 0 and self._evaluated_step != self.step:
-            self._evaluate()
+        if self.eval_every > 0 and self._evaluated_step != (self.term, self.step):
+            self._evaluate(at_stop=True)
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, *, at_stop: bool = False) -> None:
         """The job's held-out accuracy of the parameters held, into :attr:`accuracy` (None when
-        evaluate() raised or answered outside [0, 1])."""
-        self._evaluated_step = self.step
+        evaluate() raised or answered outside [0, 1]). ``at_stop``: a failure is counted
+        (``evaluate_failed``) but is no fault and no step towards stopping a failing job (the
+        run ends anyway, and its real fault stays the one reported)."""
+        self._evaluated_step = (self.term, self.step)
         try:
             acc = float(self.worker.evaluate())
         except Exception as exc:
+            if at_stop:
+                self.accuracy = None
+                self.counters["evaluate_failed"] += 1
+                return
             # "Worker contract": a job's evaluate() that raises leaves the round applied and
             # the accuracy unknown; it is not a round fault (which waited a beat after each
             # evaluation: a room ran 200 x slower with no word why). The runtime reads the
