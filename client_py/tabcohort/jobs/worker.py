@@ -191,12 +191,11 @@ class JobWorker:
         try:
             v = _vector(self.backend, g)
             n = len(v)
-        except TypeError as e:   # (a bare number, a 0-d array; array("f") of non-numbers)
-            if hasattr(g, "__len__") or hasattr(g, "__iter__"):
-                raise JobError(f"grads() returned a gradient that is not a sequence of numbers ({e}): got "
-                               f"{_describe(g)}{self._grads_defined()}", self.model) from None
-            raise JobError(f"grads() must return a vector as its gradient, got {_describe(g)}", self.model) from None
-        except ValueError as e:   # (numpy: "could not convert string to float", which pointed into tabcohort)
+        except (TypeError, ValueError) as e:
+            # TypeError: a bare number, a 0-d array, array("f") of non-numbers; ValueError: numpy's
+            # "could not convert string to float", which pointed into tabcohort
+            if isinstance(e, TypeError) and not (hasattr(g, "__len__") or hasattr(g, "__iter__")):
+                raise JobError(f"grads() must return a vector as its gradient, got {_describe(g)}", self.model) from None
             raise JobError(f"grads() returned a gradient that is not a sequence of numbers ({e}): got "
                            f"{_describe(g)}{self._grads_defined()}", self.model) from None
         if n != self.bucket_len:

@@ -503,8 +503,8 @@ class RankMachine:
         :meth:`members`, or exactly half including the lowest member id (the tie-break that
         lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority").
         A member counts whether or not it is ready (one back from a suspension is on this side
-        of any split). ``heard_since_ms``: count only members heard after it (a takeover just
-        after the witness said the leader left, "Heartbeat and takeover")."""
+        of any split). ``heard_since_ms``: count only members heard after it (a takeover's
+        view, :meth:`_takeover_heard_since`)."""
         # counted without building sets: the leader asks this once or twice per round
         drop_ms, roster = self.policy.drop_ms, self.roster.members
         since = -math.inf if heard_since_ms is None else heard_since_ms
@@ -1091,9 +1091,10 @@ class RankMachine:
 
     def _may_take_lead(self, now_ms: float) -> bool:
         """Takeover eligibility (PROTOCOL.md, "Heartbeat and takeover"): past ``deferUntil``,
-        a majority in view, and this rank is the lowest id among itself and the live ready
-        running members whose (term, step) is the most advanced: a rank whose lineage is
-        behind must adopt, not lead."""
+        a majority in view (of members heard since :meth:`_takeover_heard_since`), and this
+        rank is the lowest id among itself and the live running members that may lead (ready,
+        or not ready but ahead of it) whose (term, step) is the most advanced: a rank whose
+        lineage is behind must adopt, not lead."""
         since = self._takeover_heard_since(now_ms)
         if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms, heard_since_ms=since):
             return False
@@ -1145,7 +1146,8 @@ class RankMachine:
         live = list(self.roster.live(now_ms, self.policy.drop_ms))
         # a round comes only from a rank that may lead: ready ranks that only contribute (the
         # followers of a leader that is gone) are no reason to wait ("Untrusted ranks")
-        if any(m.ready and self.may_lead_rank(m.id) and (m.term, m.step) >= (self.term, self.step) for m in live):
+        mine = (self.term, self.step)
+        if any(m.ready and self.may_lead_rank(m.id) and (m.term, m.step) >= mine for m in live):
             return
         if now_ms - self._join_started_ms < self.policy.takeover_ms and \
                 self._witnessed_leads - {m.id for m in live}:
@@ -1154,10 +1156,10 @@ class RankMachine:
             self.counters["join_waited_for_witnessed_lead"] += 1
             return
         self._join_attempts += 1
-        ahead = [m for m in live if m.running and self.may_lead_rank(m.id) and (m.term, m.step) >= (self.term, self.step)]
+        not_behind = [m for m in live if m.running and self.may_lead_rank(m.id) and (m.term, m.step) >= mine]
         if self._join_attempts >= 2 and self.may_lead and now_ms >= self._bootstrap_not_before_ms and self.id == min(
-                [self.id] + [m.id for m in ahead]) \
-                and not any((m.term, m.step) > (self.term, self.step) for m in ahead) \
+                [self.id] + [m.id for m in not_behind]) \
+                and not any((m.term, m.step) > mine for m in not_behind) \
                 and self.has_majority(now_ms):
             # (a majority of the membership it holds: a bootstrap starts a term as a takeover
             # does, and one made alone, cut off, won over the majority's lineage at the heal)
@@ -2083,8 +2085,8 @@ class RankMachine:
         the room evaluates at all, ``eval_every > 0``): a leader's final checkpoint then carries
         the accuracy of its own parameters, not one measured up to ``eval_every - 1`` steps
         earlier or none (a run that stopped between two evaluations stored its final model
-        with no accuracy). Failures are handled as in a round (``evaluate_failed``,
-        ``evaluate_out_of_range``; PROTOCOL.md "Worker contract")."""
+        with no accuracy). A failure here is only counted (``evaluate_failed``,
+        ``evaluate_out_of_range``; PROTOCOL.md "Worker contract"): the run ends anyway."""
         if self.eval_every > 0 and self._evaluated_step != (self.term, self.step):
             self._evaluate(at_stop=True)
 

@@ -337,15 +337,13 @@ class InprocCohort:
                 break
         seconds = time.monotonic() - t0
         cut = self.network.scheduler.now_ms() >= self.network.cut_at_ms
-        if cut:   # (and it stays cut: what was queued would flood the loop again)
+        if not cut:   # (a cut network stays cut: what was queued would flood the loop again)
+            self.network.cut_at_ms = math.inf   # (the final publish must arrive)
+        if cut:
             self._note = (f"the in-memory network was cut {CUT_AFTER_S:g} s past --max-seconds with messages "
                           f"still queued: {len(self.drivers)} ranks in one process send more than it handles "
                           f"(every rank beats to every other, about n^2 deliveries per beat period: README "
                           f"\"Scaling limits\")")
-        else:
-            self.network.cut_at_ms = math.inf   # (the final publish must arrive)
-        if cut:
-            pass
         elif heal_at is not None:
             self._note = (f"the run ended inside the partition (it was to heal {cfg.heal_after_ms:g} ms after it "
                           f"began): the side that paused never saw the last rounds; let the run last past the "
