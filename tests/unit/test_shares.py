@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from tabcohort.protocol import Compute, Timing
 from tabcohort.protocol.assign import windows
-from tabcohort.protocol.shares import PROBE_INTERVAL_MS, SpeedTable, plan_shares
+from tabcohort.protocol.shares import PROBE_INTERVAL_MS, Speed, SpeedTable, plan_shares
 
 from .machine_helpers import beat, grad, rig, round_msg
 
@@ -892,3 +892,20 @@ def test_a_checkpoint_taken_while_a_round_is_in_flight_carries_that_rounds_curso
     f.m.start(now_ms=0)
     f.m.handle(round_msg(1, 3, assign={1: 100, 5: 130}, shares={1: 30, 5: 7}, cursor=100), now_ms=1)
     assert f.m.step == 3 and f.m.cursor == 137 and f.m.checkpoint_cursor == 100
+
+
+def test_ranks_whose_turnaround_does_not_grow_with_their_share_still_cover_the_global_batch():
+    # 999 GPU-like ranks: 100 ms whatever their share (shares of 1 and 2 seen; the fit's time
+    # per sample near 0) and 6.6 ms of lateness, and the leader measured per sample: the
+    # moments of a 1,000-rank simulation (bench_scale), whose plan's equal-finish time rounded
+    # below the ranks' fixed cost: a round of 2 samples instead of 2,000.
+    t = SpeedTable()
+    gpu = Speed(m_s=1.9827055969999998, m_t=100.0, m_ss=3.948116791, m_st=198.2705597, n=10,
+                m_late2=43.2360075)
+    a, b = gpu.model()
+    assert b < 1e-9 * a
+    t.speeds = {k: gpu for k in range(2, 1001)}
+    t.observe(1, 2, 100.0)
+    ids = list(range(1, 1001))
+    shares, probing = plan_shares(2000, ids, {k: 2 for k in ids}, t)
+    assert sum(shares.values()) == 2000 and probing == set()

@@ -51,6 +51,12 @@ LATENESS_MARGIN = 1.0
 #: planning is per-rank work that took about a tenth of a leader's CPU at 5,000 rounds/s, and
 #: the estimates it reads move by one EWMA step per bucket, not within a few rounds
 REPLAN_INTERVAL_MS = 2.0
+#: the time per sample the plan counts for a rank is at least this fraction of its one-sample
+#: turnaround: a rank whose turnaround does not grow with its share (a GPU, a fixed per-round
+#: cost) fits ``b`` near 0, and the equal-finish time ``T`` then sums terms ``a / b`` of 1e17,
+#: whose rounding put ``T`` below ``a`` (negative shares: a 1,000-rank round planned 2 samples
+#: of its 2,000). At 1e-6 the plan is well conditioned and the rank still counts as free per sample.
+PLAN_MIN_PER_SAMPLE = 1e-6
 
 
 @dataclass
@@ -246,7 +252,8 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
     for k in known:
         sp = table.speeds[k]
         a, b = sp.model()
-        models[k] = (a + LATENESS_MARGIN * sp.lateness_ms(), b)   # a jittery rank finishes early
+        a += LATENESS_MARGIN * sp.lateness_ms()                  # a jittery rank finishes early
+        models[k] = (a, max(b, PLAN_MIN_PER_SAMPLE * (a + b)))
     frac, excluded = _equal_finish(left, known, caps, models)
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
     for k, v in ints.items():
