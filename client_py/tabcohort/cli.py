@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--collect-rule", choices=("grace", "quorum"), default="grace",
                    help="how a leader ends a round's collection: grace (a short wait after the quorum, "
                         "docs/PROTOCOL-NOTES.md note 7) or quorum (finish at the quorum, as PROTOCOL.md); "
-                        "tabcohort serve uses quorum unless told")
+                        "tabcohort serve uses grace too unless told")
     g = s.add_argument_group("fault injection")
     g.add_argument("--kill-leader-at", type=int, default=0, metavar="STEP", help="kill the leader at STEP")
     g.add_argument("--add-rank-at", type=int, default=0, metavar="STEP", help="add a rank at STEP")
@@ -306,9 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     _train_options(v)
     v.add_argument("--seed", type=int, default=0, help="dataset shuffle and init seed")
     v.add_argument("--precision", default="f32", help="wire precision: f32, f16, bf16, int8")
-    v.add_argument("--collect-rule", default="quorum", choices=("quorum", "grace"),
-                   help="how a leader ends a round's collection: quorum (PROTOCOL.md) or grace "
-                        "(docs/PROTOCOL-NOTES.md note 7)")
+    v.add_argument("--collect-rule", default="grace", choices=("grace", "quorum"),
+                   help="how a leader ends a round's collection: grace (a short wait after the quorum, "
+                        "docs/PROTOCOL-NOTES.md note 7; keeps the buckets of ranks that finish together) "
+                        "or quorum (finish at the quorum: above three ranks the buckets after it are "
+                        "dropped, a part of the global batch)")
     v.add_argument("--aggregate", default="clip", choices=("clip", "trimmed-mean", "mean"),
                    help="how the leader combines buckets (docs/PROTOCOL.md \"Untrusted ranks\"): clip "
                         "(each bucket's norm bounded by a multiple of the cohort's median: 4x for ranks that may "

@@ -83,9 +83,11 @@ class JobConfig:
         report_interval_s: ranks send their state report this often.
         token: optional room token (16..256 printable ASCII characters); ranks, tabs and
             readers of the room's data must present it. It lets one join, never operate (stop).
-        collect_rule: how a leader ends a round's collection: ``quorum`` (PROTOCOL.md, the
-            default) or ``grace`` (docs/PROTOCOL-NOTES.md note 7: a short window after the
-            quorum keeps equally fast ranks' buckets); every rank of the room uses it.
+        collect_rule: how a leader ends a round's collection: ``grace`` (the default,
+            docs/PROTOCOL-NOTES.md note 7: a short window after the quorum keeps the buckets of
+            ranks that finish together, as speed-planned shares do) or ``quorum``
+            (PROTOCOL.md, "Timing and the cohort-size policy": finish at the quorum); every rank
+            of the room uses it.
         aggregate: how the leader combines buckets (PROTOCOL.md, "Untrusted ranks"): ``clip``
             (norm clipping relative to the cohort, the default), ``trimmed-mean``, or ``mean``
             (the plain sample-weighted mean, for trusted groups).
@@ -117,7 +119,7 @@ class JobConfig:
     checkpoint_interval_s: float = 5.0
     report_interval_s: float = 1.0
     token: str | None = None
-    collect_rule: str = "quorum"
+    collect_rule: str = "grace"
     aggregate: str = "clip"
     lr_max: float = 10.0
     local_steps: int = 1

@@ -104,8 +104,9 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     # (long enough that the ranks still report after the first round: the limit is exact now and a
     # fast cohort covers 200 steps in well under a report interval)
     stop_at = meta["step"] + 1500
-    # (this cohort runs the grace collection rule: the room's --collect-rule reaches every rank)
-    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at), "--collect-rule", "grace")
+    # (this cohort runs the quorum collection rule, not the default: the room's --collect-rule
+    # reaches every rank)
+    cluster.serve("--checkpoint-dir", ckdir, "--steps", str(stop_at), "--collect-rule", "quorum")
     assert cluster.state()["checkpoint"]["digest"] == meta["digest"]
     ranks = [cluster.rank() for _ in range(3)]
     # (every rank's last report, connected or not: at ~2,000 steps/s the cohort can reach the limit
@@ -120,7 +121,7 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     # second and its ranks leave at the limit)
     reps = wait_for(lambda: (rs := cluster.reports(connected_only=False)) and len(rs) == 3 and rs, 20,
                     "3 reports")
-    assert {r["policy"]["collect_rule"] for r in reps} == {"grace"}
+    assert {r["policy"]["collect_rule"] for r in reps} == {"quorum"}
     assert first["first_loss"] < 0.5 and abs(first["first_loss"] - meta["loss"]) < 0.4
     # the room stops itself at --steps; ranks exit cleanly and the final checkpoint is there
     for p in ranks:

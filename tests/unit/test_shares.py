@@ -909,3 +909,16 @@ def test_ranks_whose_turnaround_does_not_grow_with_their_share_still_cover_the_g
     ids = list(range(1, 1001))
     shares, probing = plan_shares(2000, ids, {k: 2 for k in ids}, t)
     assert sum(shares.values()) == 2000 and probing == set()
+
+
+def test_buckets_the_quorum_rule_does_not_wait_for_count_the_round_as_below_the_global_batch():
+    # "Shares": above three ranks the quorum rule finishes a round at 3 of 4 buckets, so a round
+    # whose last bucket comes a moment after the third applies 3/4 of the global batch: the
+    # report says so
+    r = leader_with([2, 3, 4], global_batch=64)
+    r.m.start(now_ms=0)
+    col = r.m._collection
+    assert col.quorum == 3 and len(col.awaited) == 4
+    _drive(r, 0.0)
+    assert r.m.step == 1 and r.m.samples == 64 - col.shares[4]
+    assert r.m.counters["rounds_below_global_batch"] == 1

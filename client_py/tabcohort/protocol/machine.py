@@ -1399,10 +1399,6 @@ class RankMachine:
                 self.counters["contributor_share_capped"] += 1
             if self.id not in shares:
                 shares[self.id] = 1                 # the leader's own bucket is always reduced
-            if sum(v for k, v in shares.items() if k not in probing) < self.global_batch:
-                # "Shares": ranks still being measured (or silent) hold the caps that would
-                # cover the rest; the round is smaller than the global batch, and says so
-                self.counters["rounds_below_global_batch"] += 1
         probe_ms = self._paced_ms(PROBE_INTERVAL_MS) if held_back else 0.0
         for k in sorted(held_back - self.quarantined.keys()):
             if self._probe_backing_off(k, now_ms) or self._probe_in_flight(k, now_ms):
@@ -1874,7 +1870,6 @@ class RankMachine:
                 # delivered nothing for a collect window is silent, as if it had held one.
                 minor = sorted(col.awaited - col.received.keys() - {self.id})
                 self.counters["minor_not_waited"] += len(minor)
-                self.counters["rounds_below_global_batch"] += 1     # "Shares": never silent
                 waited_ms = now_ms - col.opened_ms
                 for k in minor:
                     predicted = self.speeds.predicted_ms(k, col.shares[k])
@@ -1914,6 +1909,11 @@ class RankMachine:
                 step0 = self.step
                 self._reduce_and_apply(buckets, now_ms, loss_from)
                 if self.step > step0:
+                    if self.global_batch is not None and self.samples < self.train.local_steps * self.global_batch:
+                        # "Shares": the round applied fewer samples than the global batch
+                        # (ranks still measured or silent, caps, buckets the collection rule
+                        # did not wait for), and says so
+                        self.counters["rounds_below_global_batch"] += 1
                     for k, (_, n, _) in (col.received.items() if col is not None else
                                          ((self.id, buckets[0]),)):
                         self.applied_by[k] = self.applied_by.get(k, 0) + n

@@ -279,7 +279,7 @@ class RankSession:
         may_lead, peer_roles = bus_role(bus)
         machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(asyncio.get_running_loop()),
                               timing=Timing(**job["timing"]), lr=self.job_lr(job), eval_every=job["eval_every"],
-                              precision=job["precision"], collect_rule=job.get("collect_rule", "quorum"),
+                              precision=job["precision"], collect_rule=job.get("collect_rule", "grace"),
                               global_batch=job.get("global_batch"), step_limit=step_limit(job),
                               aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
                               may_lead=may_lead, train=TrainConfig.from_job(job), opt_state=self.start_state,
