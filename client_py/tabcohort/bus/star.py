@@ -296,6 +296,11 @@ class StarBus:
         if self.closed or self.writer is None:
             return
         chunks = self.writer.write(msg)
+        if msg.get("to") is None and self.room.connected and not self.room.peers:
+            # a broadcast the relay has no one to deliver to (the server's roll call, kept by
+            # its peer controls): a lone leader's every round went to the server, which over a
+            # data channel cost it 6x its round rate (PROTOCOL.md, "Bus contract")
+            return
         size = sum(map(len, chunks))
         if not self.room.admit(size, self.queued_bytes()):
             return
