@@ -111,6 +111,17 @@ def test_a_refused_resume_ends_the_bus_with_rejoin():
     assert rc.failed == "server closed the link: code 4004" and rc.rejoin
 
 
+def test_a_token_refused_on_reconnect_says_the_server_changed_and_what_to_do():
+    rc = joined()
+    assert rc.lost(None, now_ms=0.0) is not None                    # the server went away
+    assert rc.lost(CLOSE_BAD_TOKEN, now_ms=500.0, reason="bad trainer token") is None
+    assert rc.failed.startswith("server closed the link: code 4001 (bad trainer token); the token was "
+                                "accepted before") and "--trainer-token" in rc.failed and not rc.rejoin
+    rc = joined()                                                   # refused on a live link: no guess
+    assert rc.lost(CLOSE_BAD_TOKEN, now_ms=0.0, reason="bad trainer token") is None
+    assert rc.failed == "server closed the link: code 4001 (bad trainer token)"
+
+
 def test_a_first_registration_is_retried_only_when_rate_limited_and_within_the_bound():
     rc = RoomClient(reconnect_max_s=2.0, rng=random.Random(1))
     assert rc.refused(4001, now_ms=0.0) is None

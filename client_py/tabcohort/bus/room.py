@@ -324,10 +324,11 @@ class RoomClient:
         at = now_ms + self._next_delay_ms()
         return at if at <= self._give_up_ms else None
 
-    def lost(self, code: int | None, *, now_ms: float) -> float | None:
-        """The socket closed (``code`` from the server, ``None`` for a network error), or a
-        reconnect attempt failed: the deadline (ms) of the next attempt, or ``None`` when the
-        bus is done (then :attr:`failed` says why, and :attr:`rejoin` whether to join anew)."""
+    def lost(self, code: int | None, *, now_ms: float, reason: str = "") -> float | None:
+        """The socket closed (``code`` from the server, ``None`` for a network error; ``reason``
+        the server's close reason), or a reconnect attempt failed: the deadline (ms) of the next
+        attempt, or ``None`` when the bus is done (then :attr:`failed` says why, and
+        :attr:`rejoin` whether to join anew)."""
         first = not self._resuming
         self.connected = False
         self.relay_pressure = 0.0
@@ -339,7 +340,13 @@ class RoomClient:
         if code in FATAL_CLOSE:
             # a resume the server refuses (4004: the grace expired, or it restarted without its
             # checkpoint directory) lets the runtime join again as a new rank
-            self.fail(f"server closed the link: code {code}", rejoin=not first and code == CLOSE_UNKNOWN_ID)
+            why = f"server closed the link: code {code}" + (f" ({reason})" if reason else "")
+            if code == CLOSE_BAD_TOKEN and not first:
+                # the token was good until the link was lost: the server changed, not the rank
+                why += ("; the token was accepted before the link was lost: a server restarted "
+                        "without --checkpoint-dir or --trainer-token makes a new trainer token, so "
+                        "start this rank again with the one it prints (README \"Roles\")")
+            self.fail(why, rejoin=not first and code == CLOSE_UNKNOWN_ID)
             return None
         at = now_ms + self._next_delay_ms()
         if self._give_up_ms is not None and at > self._give_up_ms:

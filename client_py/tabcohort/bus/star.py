@@ -511,7 +511,7 @@ class StarBus:
         if n:
             self.room.count("disconnected", n)
         was = self.room.connected
-        at = self.room.lost(code, now_ms=self.now_ms())
+        at = self.room.lost(code, now_ms=self.now_ms(), reason=reason)
         if at is None:
             (log.warning if self.room.rejoin else log.error)("rank %08x: %s", self.id, self.room.failed)
             self._emit(self.room.fail(self.room.failed or "link lost"))
