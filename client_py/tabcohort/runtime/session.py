@@ -219,7 +219,12 @@ def checkpoint_upload(machine: Any, worker: Any, bus: Any, progress: Callable[[s
                       final: bool) -> tuple[bytes, dict[str, str]] | None:
     """The body and headers of a leader's checkpoint upload (``checkpoint_body``,
     ``upload_headers``); None, said through ``progress``, when the parameters are not finite
-    (never store a diverged model: the server refuses it too, HTTP 422)."""
+    (never store a diverged model: the server refuses it too, HTTP 422), and None while the
+    link to the server is down, unless ``final``: a server that restarted knows the rank's id
+    only once its link has resumed, and refused the upload that came first as from a stranger
+    (HTTP 403, counted ``checkpoint_bad_rank``); the next interval's upload follows the resume."""
+    if not final and not bus.connected:
+        return None
     body = checkpoint_body(machine, worker)
     if body is None:
         progress(f"checkpoint upload skipped: the parameters at step {machine.step} are not finite "
