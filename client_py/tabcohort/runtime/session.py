@@ -261,6 +261,8 @@ class RankSession:
         #: rounds with an assignment seen (the runtimes' taps count them): a leader that keeps
         #: sending them after this rank stopped is not stopping, and no publication is coming
         self.rounds_seen = 0
+        #: the server stopped the whole room (a ``stop`` control): the leader is stopping too
+        self.room_stopping = False
         self.driver: Any = None
         self.bus: Any = None
         self.start_step = 0
@@ -358,6 +360,7 @@ class RankSession:
             reason = str(obj.get("reason"))
             if reason.startswith("diverged"):   # the room ended because training diverged
                 self.failed = reason
+            self.room_stopping = True
             self.request_stop(f"server: {reason}")
         elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
             self.rejoin = True              # the resume was refused: the run joins again
@@ -395,8 +398,12 @@ class RankSession:
         def leader_drives_on() -> bool:
             # (this rank stopped alone, e.g. its own Ctrl-C: the leader's rounds keep coming, so
             # it waited the whole 5 s for a publication that no one makes; a leader stopping at
-            # the same time, as the demo's Ctrl-C stops every process, ends within 250 ms)
-            return self.rounds_seen - rounds0 >= 3 and time.monotonic() - t0 >= 0.25
+            # the same time, as the demo's Ctrl-C stops every process, ends within 250 ms. When
+            # the server stops the room the leader is told too and publishes, however late it
+            # reads the control: a busy leader tab drove on for 2,000 steps past 250 ms, and its
+            # follower tab, gone, ended on another model)
+            return (not self.room_stopping and self.rounds_seen - rounds0 >= 3
+                    and time.monotonic() - t0 >= 0.25)
         # (a rank that never became ready follows nobody: nothing to wait for)
         while time.monotonic() < end and (machine.looping if was_leader else
                                           machine.ready and not self.publish_seen and not machine.at_step_limit
