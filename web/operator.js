@@ -191,7 +191,12 @@ function render(s, q) {
     cell(text(p.step ?? "–"));
     cell(text(p.cohort ?? "–"));
     cell(sig(p.loss));
-    cell([text(p.backend ?? "–"), p.adapter && p.backend === "webgpu" ? ` on ${text(p.adapter)}` : "", p.backend_note ? ` (${text(p.backend_note)})` : ""].join(""));
+    // (a backend note can be a sentence: clipped in the table, whole in the cell's tooltip, so
+    // the columns after it stay in view)
+    const backend = [text(p.backend ?? "–"), p.adapter && p.backend === "webgpu" ? ` on ${text(p.adapter)}` : "", p.backend_note ? ` (${text(p.backend_note)})` : ""].join("");
+    cell(backend);
+    tr.lastChild.className = "clip";
+    tr.lastChild.title = backend;
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
     cell(text(p.precision ?? "–"));

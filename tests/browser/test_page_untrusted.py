@@ -107,6 +107,15 @@ def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster,
         # precision, fault, ...)
         assert cells[7] == payload("rb") and cells[10] == payload("precision") \
             and cells[11] == payload("fault"), cells
+        # a long backend string is clipped in its column (the columns after it stay in view)
+        # and whole in the cell's tooltip
+        clip = op.page.evaluate(
+            """(hid) => { const c = [...document.querySelectorAll('#ranks tbody tr')]
+                 .find(r => r.cells[0].textContent === hid).cells[7];
+               const em = parseFloat(getComputedStyle(c).fontSize);
+               return {title: c.title, ems: c.getBoundingClientRect().width / em,
+                       full: c.scrollWidth > c.clientWidth}; }""", hid)
+        assert clip["title"] == payload("rb") and clip["ems"] <= 17.5, clip
         for t in (tab, op):
             # no element of the payload exists, no script of it ran, nothing it names was fetched
             assert t.page.evaluate("document.querySelectorAll('tbody img, tbody script').length") == 0

@@ -129,3 +129,19 @@ def test_offers_are_taken_at_most_once_per_connect_bound():
     bus._on_control({"type": "peer", "id": 2, "up": True})
     bus._on_signal({"type": "signal", "from": 2, "kind": "offer", "sdp": "v=0"})
     assert connector.opened == [2, 2, 2]
+
+
+def test_a_channel_its_peer_closed_is_logged_without_alarm_and_a_failed_one_warns(caplog):
+    # (a peer leaving closes its channels: every rank at a room's stop; README "Direct paths")
+    import logging
+
+    from tabcohort.bus.path import CHANNEL_CLOSED
+    for why, level in ((CHANNEL_CLOSED, logging.INFO), ("ICE connection failed", logging.WARNING)):
+        bus, _connector, _t = _mesh(1, 2)
+        ch = bus.channel_of[2]
+        bus.channel_open(ch, 1 << 16)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tabcohort.bus.mesh"):
+            bus.channel_down(ch, why)
+        recs = [r for r in caplog.records if "uses the relay" in r.getMessage()]
+        assert [r.levelno for r in recs] == [level], (why, [r.getMessage() for r in recs])

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES
 from . import direct
-from .path import CLOSED_BY_PEER, PathKind
+from .path import CHANNEL_CLOSED, CLOSED_BY_PEER, PathKind
 
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .mesh import MeshBus
@@ -225,7 +225,7 @@ class AiortcChannel:
         @dc.on("close")
         def _closed() -> None:
             if self.dc is dc and not self.closed:
-                self.listener.channel_down(self, "data channel closed")
+                self.listener.channel_down(self, CHANNEL_CLOSED)
 
         if dc.readyState == "open":
             opened()

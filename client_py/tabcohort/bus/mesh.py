@@ -43,7 +43,7 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .base import LinkBytes, delegated, merge_counts
-from .path import CLOSED_BY_PEER, RETRY_BASE_MS, Path, PathKind, PathState
+from .path import CHANNEL_CLOSED, CLOSED_BY_PEER, RETRY_BASE_MS, Path, PathKind, PathState
 from .room import DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES
 from .star import Channel, Connector, StarBus
 
@@ -403,7 +403,7 @@ class MeshBus:
         # rank at a room's stop) or gone (its kernel closes a killed process's sockets too, and the
         # room then reports it left): both logged without alarm; a reset or an error still warns
         quiet = (was is PathState.CONNECTING and why.startswith("channel not open within")) or \
-            why == CLOSED_BY_PEER
+            why in (CLOSED_BY_PEER, CHANNEL_CLOSED)
         (log.info if quiet else log.warning)("rank %08x: link to %08x uses the relay: %s%s",
                                              self.id, p.peer, why, again)
         self.relay.send_control({"type": "signal", "to": p.peer, "kind": "bye"})

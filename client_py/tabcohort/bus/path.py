@@ -53,6 +53,8 @@ class PathState(enum.Enum):
 #: why a path went down when its peer closed the connection cleanly (a peer leaving: every rank
 #: at a room's stop), logged without alarm
 CLOSED_BY_PEER = "direct connection closed by the peer"
+#: the same for a data channel: its peer closed it (a page's channel reports the same words)
+CHANNEL_CLOSED = "data channel closed"
 
 
 class PathKind(enum.Enum):
