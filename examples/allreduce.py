@@ -20,17 +20,18 @@ except ImportError:  # pragma: no cover
 
 from tabcohort.errors import ConfigError
 from tabcohort.pg import PGError, init_process_group_sync
+from tabcohort.pg.config import load_config
 
 
 def main() -> int:
     if np is None:
         print("allreduce: this example needs numpy (pip install numpy)", file=sys.stderr)
         return 2
-    import os
-    bound = os.environ.get("PG_CONNECT_TIMEOUT_S", "60")
-    print(f"allreduce: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD', '?')}: waiting up to "
-          f"{bound} s (PG_CONNECT_TIMEOUT_S) for the other ranks...", file=sys.stderr, flush=True)
     try:
+        # the settings first: a bad RANK was echoed in "rank x of 2: waiting..." above its error
+        cfg = load_config()
+        print(f"allreduce: rank {cfg.rank} of {cfg.world}: waiting up to {cfg.connect_timeout_s:g} s "
+              f"(PG_CONNECT_TIMEOUT_S) for the other ranks...", file=sys.stderr, flush=True)
         pg = init_process_group_sync()
     except ConfigError as e:
         print(f"allreduce: configuration error: {e}", file=sys.stderr)

@@ -41,3 +41,11 @@ def test_allreduce_example_with_a_missing_peer_is_a_clear_error_within_the_bound
     assert "GroupSetupError" in r.stderr and "[1]" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "waiting up to 2 s" in r.stderr, r.stderr     # it says what it waits for first
     assert took < 2 + 10, took
+
+
+def test_allreduce_example_names_a_bad_setting_before_it_says_it_waits():
+    # `RANK=x` printed "rank x of 2: waiting up to 60 s ..." above the configuration error
+    r = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=60,
+                       env=_env(RANK="x", WORLD="2", PEERS="127.0.0.1:1,127.0.0.1:2"))
+    assert r.returncode == 2, r.stderr
+    assert "configuration error: RANK='x'" in r.stderr and "waiting" not in r.stderr, r.stderr
