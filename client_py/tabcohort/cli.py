@@ -418,7 +418,7 @@ def _simulate(a: argparse.Namespace) -> int:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
     out = sys.stderr if a.json else sys.stdout
-    print(f"tabcohort simulate: {cfg.ranks} ranks, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
+    print(f"tabcohort simulate: {_n(cfg.ranks, 'rank')}, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     try:
@@ -431,8 +431,8 @@ def _simulate(a: argparse.Namespace) -> int:
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
     ok = res.bit_identical and not no_step
-    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while its {cfg.ranks} ranks "
-                   f"were still forming the cohort (every rank beats to every other, about n^2 deliveries per "
+    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while the cohort of "
+                   f"{_n(cfg.ranks, 'rank')} was still forming (every rank beats to every other, about n^2 deliveries per "
                    f"beat period: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
     if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)
         doc = {"ok": ok, **({"error": why_no_step} if no_step else {}), **res.__dict__}
@@ -449,13 +449,18 @@ def _simulate(a: argparse.Namespace) -> int:
             print("last shares of the global batch (samples, the rank's measured samples/s): " + ", ".join(
                 f"{k} {res.shares.get(k, 0)}" + (f" ({res.speeds[k]:.0f}/s)" if k in res.speeds else "")
                 for k in sorted(set(res.shares) | set(res.speeds))))
-        print(f"bit-identical parameters on all {len(res.digests)} ranks: "
+        print(f"bit-identical parameters on {'all ' if len(res.digests) > 1 else ''}{_n(len(res.digests), 'rank')}: "
               f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})")
         if res.note:
             print(f"  ({res.note})")
         if res.stopped_by == "max_seconds":   # (it ended short of --steps in silence: a new-user trial)
             print(f"  (--max-seconds {a.max_seconds:g} ended the run before --steps {a.steps}: raise it to run them all)")
     return 0 if ok else 1
+
+
+def _n(count: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _ip_list(flag: str, value: str) -> list[str]:

@@ -207,3 +207,11 @@ def test_evaluate_json_prints_its_error_as_json():
                        capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     j = json.loads(r.stdout)
     assert r.returncode == 2 and j["ok"] is False and "--model" in j["error"], (r.stdout, r.stderr)
+
+
+def test_one_rank_is_said_in_the_singular():
+    # (it printed "tabcohort simulate: 1 ranks, ..." and "on all 1 ranks")
+    r = simulate("--ranks", "1", "--dataset", "synthetic", "--steps", "5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tabcohort simulate: 1 rank, dataset synthetic" in r.stdout, r.stdout
+    assert "1 ranks" not in r.stdout and "bit-identical parameters on 1 rank: yes" in r.stdout, r.stdout

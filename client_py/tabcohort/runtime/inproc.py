@@ -383,7 +383,7 @@ class InprocCohort:
         ld = self.leader()
         st = ld.state() if ld is not None else None
         if st is None:
-            self.progress(f"[{now:6.1f}s] step {step:5d}  no rank driving rounds: joining or handover ({len(self.drivers)} ranks)")
+            self.progress(f"[{now:6.1f}s] step {step:5d}  no rank driving rounds: joining or handover ({len(self.drivers)} rank{'' if len(self.drivers) == 1 else 's'})")
             return
         acc_s = f"{acc * 100:5.1f}%" if acc is not None else "  n/a"
         loss = st["loss"]   # (NaN before the first round: it said "loss nan")
