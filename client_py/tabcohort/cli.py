@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--add-rank-at", type=int, default=0, metavar="STEP", help="add a rank at STEP")
     g.add_argument("--partition-at", type=int, default=0, metavar="STEP",
                    help="split the ranks into two halves at STEP")
-    g.add_argument("--heal-after-ms", type=float, default=3000.0, help="heal the partition after this long")
+    # (default None, 3000 applied with --partition-at: a value given without it is refused, not ignored)
+    g.add_argument("--heal-after-ms", type=float, default=None,
+                   help="heal the partition this many ms after --partition-at splits it (default 3000)")
     g.add_argument("--link-loss", type=float, default=0.0, help="per-message loss probability on every link, in [0, 1)")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link")
     g.add_argument("--link-bandwidth", type=float, default=0.0, metavar="BYTES_PER_S",
@@ -392,12 +394,16 @@ def _simulate(a: argparse.Namespace) -> int:
 
     train, lr = _train_from(a, 0.5)
     job_options = _check_job_args(a)
+    if a.heal_after_ms is not None and not a.partition_at:
+        raise ConfigError("--heal-after-ms", a.heal_after_ms, "applies only with --partition-at STEP (it heals "
+                          "that partition): without it there is nothing to heal")
     cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=a.batch, hidden=a.hidden, lr=lr,
                        activation=a.activation, job_options=job_options,
                        steps=a.steps, target_accuracy=a.target_accuracy, max_seconds=a.max_seconds,
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
                        kill_leader_at_step=a.kill_leader_at, add_rank_at_step=a.add_rank_at,
-                       partition_at_step=a.partition_at, heal_after_ms=a.heal_after_ms,
+                       partition_at_step=a.partition_at,
+                       heal_after_ms=3000.0 if a.heal_after_ms is None else a.heal_after_ms,
                        loss=a.link_loss, delay_ms=a.link_delay_ms, collect_rule=a.collect_rule,
                        global_batch=a.global_batch, train=train, bandwidth_bytes_per_s=a.link_bandwidth,
                        job=a.job)

@@ -43,6 +43,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--job-option", "a=1e999"], "--job-option='a=1e999': 1e999 is not a finite number"),
     # (serve refused a negative seed; simulate ran with it)
     (["--seed", "-1"], "--seed=-1: must be an integer >= 0"),
+    # (accepted and did nothing: there is no partition to heal without --partition-at)
+    (["--heal-after-ms", "100"], "--heal-after-ms=100.0: applies only with --partition-at"),
 ])
 def test_bad_configuration_names_the_option_and_exits_2_before_starting(args, named):
     r = simulate(*args)
