@@ -155,7 +155,7 @@ def _check_job_args(a: argparse.Namespace) -> dict:
                                   "--hidden and --activation are the built-in MLP job's (use --job-option)")
     elif a.job_option:
         raise ConfigError("--job-option", a.job_option[0][0], "sets an option of a module job (--job); the built-in "
-                          "MLP job takes --dataset, --hidden and --activation")
+                          "MLP job's options are --dataset, --hidden, --activation and --seed")
     return dict(a.job_option)
 
 
@@ -720,6 +720,9 @@ def _serve_checked(a: argparse.Namespace) -> int:
                 raise ConfigError(flag, val, "needs --redis (or TABCOHORT_REDIS): it configures a cluster "
                                   "node, and without Redis this server is not one")
     ifaces = None
+    if a.advertise_interfaces is not None and not a.advertise:
+        raise ConfigError("--advertise-interfaces", a.advertise_interfaces, "applies only with --advertise (it "
+                          "chooses where the server is advertised): without it nothing is advertised")
     if a.advertise_interfaces:
         import ipaddress
         ifaces = [h.strip() for h in a.advertise_interfaces.split(",") if h.strip()]

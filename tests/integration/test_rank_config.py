@@ -197,6 +197,20 @@ def test_serve_cluster_options_without_redis_are_config_errors_not_ignored(args)
     assert "tabcohort serve: http" not in r.stdout, r.stdout        # refused before it listened
 
 
+@pytest.mark.parametrize("args,named,why", [
+    # (each was accepted and did nothing: nothing is advertised without --advertise)
+    (["--advertise-interfaces", "1.2.3.4"], "--advertise-interfaces='1.2.3.4'", "applies only with --advertise"),
+    # (it said the built-in job takes --dataset, --hidden and --activation: --seed is one of its options too)
+    (["--job-option", "foo=1"], "--job-option='foo'", "--dataset, --hidden, --activation and --seed"),
+])
+def test_serve_options_that_would_do_nothing_are_config_errors(args, named, why):
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--dataset", "synthetic", *args],
+                       capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"configuration error: {named}" in r.stderr and why in r.stderr, r.stderr
+    assert "tabcohort serve: http" not in r.stdout, r.stdout        # refused before it listened
+
+
 def test_serve_on_a_port_in_use_is_a_config_error():
     import socket
     with socket.socket() as s:
