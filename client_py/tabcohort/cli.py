@@ -290,12 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto", help="worker backend: auto, numpy, python")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
-    v = sub.add_parser("serve", formatter_class=_Help, help="run the server with one room",
-                       description="Serve a room: job and dataset over HTTP, the WebSocket star relay, "
-                                   "checkpoints, /metrics and /healthz.")
+    v = sub.add_parser("serve", formatter_class=_Help,
+                       help="run the server, hosting the room --room names (with --redis: one node of a cluster)",
+                       description="Serve the room --room names (one per command; the Python API's "
+                                   "ServerConfig(rooms=...) holds several): its job and data over HTTP, the "
+                                   "WebSocket star relay, checkpoints, /metrics and /healthz. With --redis it is "
+                                   "one node of a cluster (README \"Cluster\"), where every room the nodes "
+                                   "define is listed and reachable through any of them.")
     v.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8080, help="listen port (0 = any free port)")
-    v.add_argument("--room", default="digits", help="room name")
+    v.add_argument("--room", default="digits", help="the room's name (one room per serve command)")
     _job_args(v, "default: the built-in MLP job")
     v.add_argument("--global-batch", type=int, default=64,
                    help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "

@@ -211,6 +211,18 @@ def test_serve_options_that_would_do_nothing_are_config_errors(args, named, why)
     assert "tabcohort serve: http" not in r.stdout, r.stdout        # refused before it listened
 
 
+def test_serve_help_says_it_hosts_the_room_room_names():
+    # (it said "run the server with one room" while README said one serve holds every room it is given)
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "--help"], capture_output=True, text=True, timeout=60,
+                       env=_env(), cwd=ROOT)
+    assert r.returncode == 0 and "hosting the room --room names" in " ".join(r.stdout.split()), r.stdout
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--help"], capture_output=True, text=True,
+                       timeout=60, env=_env(), cwd=ROOT)
+    assert "one per command" in " ".join(r.stdout.split()), r.stdout
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "One `tabcohort serve` hosts one room, the one `--room` names" in readme
+
+
 def test_serve_on_a_port_in_use_is_a_config_error():
     import socket
     with socket.socket() as s:
