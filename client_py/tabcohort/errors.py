@@ -21,13 +21,15 @@ class ConfigError(TabcohortError, ValueError):
         variable: the argument or environment variable name, e.g. ``"TABCOHORT_BATCH"``.
         value: the offending value as given.
         reason: what is wrong and what is expected.
+        head: what the message starts with instead of ``variable=value`` (for a setting that
+            was not given, where ``--trust-job=False`` reads as if the user had typed it).
     """
 
-    def __init__(self, variable: str, value: object, reason: str) -> None:
+    def __init__(self, variable: str, value: object, reason: str, *, head: str | None = None) -> None:
         self.variable = variable
         self.value = value
         self.reason = reason
-        super().__init__(f"{variable}={value!r}: {reason}")
+        super().__init__(f"{head if head is not None else f'{variable}={value!r}'}: {reason}")
 
 
 class RemoteProtocolError(TabcohortError):

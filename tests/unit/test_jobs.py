@@ -156,6 +156,8 @@ def test_a_native_rank_runs_a_served_job_only_when_told(tmp_path):
     with pytest.raises(ConfigError) as e:
         trusted_job_source(info, trust=False, local=None)
     assert e.value.variable == "--trust-job"
+    # (it began "--trust-job=False: the room runs the job ...")
+    assert str(e.value).startswith("this rank was not told to trust the room's job: the room runs the job 'const'")
     assert "--trust-job" in str(e.value) and "TABCOHORT_TRUST_JOB=1" in str(e.value) and "--job PATH" in str(e.value)
     assert trusted_job_source(info, trust=True, local=None) is None           # the server's code
     assert trusted_job_source(info, trust=False, local=_job(tmp_path)).code_sha256 == src.code_sha256

@@ -65,10 +65,13 @@ def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var:
         return src
     if trust:
         return None
+    # (it began "--trust-job=False: the room runs ...", as if the user had typed that)
     raise ConfigError(trust_var, False, f"the room runs the job {name!r} (code sha256 {str(want)[:16]}, "
-                      f"{info.get('code_bytes')} bytes) that the server serves; a native rank never runs a "
+                      f"{info.get('code_bytes')} bytes) that the server serves, and a native rank never runs a "
                       f"server's code silently: pass --trust-job (or TABCOHORT_TRUST_JOB=1) to run it, or "
-                      f"--job PATH naming your local copy of the job (its hash must match)")
+                      f"--job PATH naming your local copy of the job (its hash must match)",
+                      head=("this rank was not told to trust the room's job" if trust_var.startswith("--")
+                            else f"{trust_var} is off: this rank does not trust the room's job"))
 
 
 def renamed_copy_hint(src: Any, info: dict, option: str) -> str | None:
