@@ -5,7 +5,7 @@
 # Ctrl-C stops in order: the ranks stop, the leader uploads the final checkpoint, then the
 # server exits (at most ~10 s; Ctrl-C again stops at once).
 # Settings (environment):
-#   PORT    listen port (default 8080)
+#   PORT    listen port, 1..65535 (default 8080; not 0: the ranks need a fixed one)
 #   HOST    listen address (default 127.0.0.1; 0.0.0.0 lets other machines on the LAN join)
 #   RANKS   native ranks to start (default 2; 0 = tabs only, and then any rank may lead:
 #           serve --any-rank-may-lead, for a group that trusts itself)
@@ -29,6 +29,14 @@ INSTALL="${INSTALL:-1}"
 for v in PORT RANKS STEPS; do
   if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then echo "[demo] $v='${!v}': expected a whole number" >&2; exit 2; fi
 done
+# (PORT=0 hung: serve bound a free port, the ranks dialled port 0; PORT=70000 ended in a traceback)
+if [ "$PORT" -eq 0 ] 2>/dev/null; then
+  echo "[demo] PORT=0: the demo needs a fixed port (its ranks and the URL it prints use it); choose one, e.g. PORT=8081" >&2
+  exit 2
+fi
+if [ ${#PORT} -gt 5 ] || [ "$PORT" -gt 65535 ]; then
+  echo "[demo] PORT=$PORT: expected a port in 1..65535" >&2; exit 2
+fi
 for v in FRESH INSTALL; do
   if [ "${!v}" != 0 ] && [ "${!v}" != 1 ]; then echo "[demo] $v='${!v}': expected 1 or 0" >&2; exit 2; fi
 done
@@ -111,11 +119,16 @@ op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"
-for _ in $(seq 1 100); do   # wait (bounded: 20 s) until the server answers
-  if "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then break; fi
+up=0 deadline=$(( $(date +%s) + 20 ))
+while [ "$(date +%s)" -lt "$deadline" ]; do   # wait (bounded: 20 s) until the server answers
+  if "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then up=1; break; fi
   alive "$server_pid" || { echo "[demo] the server did not start (see above)" >&2; exit 1; }
   sleep 0.2
 done
+if [ "$up" = 0 ]; then   # (the ranks were started anyway, against a server that never answered)
+  echo "[demo] the server did not answer $url/healthz within 20 s; stopping it (its output is above)" >&2
+  exit 1
+fi
 if [ -z "${TABCOHORT_TRAINER_TOKEN:-}" ] && [ -f "$CKPT/.trainer-token" ]; then
   TABCOHORT_TRAINER_TOKEN="$(cat "$CKPT/.trainer-token")"   # (serve wrote it before it answered)
   export TABCOHORT_TRAINER_TOKEN

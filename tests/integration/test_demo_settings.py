@@ -1,0 +1,87 @@
+"""scripts/demo.sh's settings as a new user gets them wrong: each is refused with one `[demo]`
+line and a nonzero exit before anything is deleted or started, and what it says at the end is
+true."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import ROOT, _env
+
+pytestmark = pytest.mark.integration
+DEMO = str(ROOT / "scripts" / "demo.sh")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _demo(env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the demo to its end; on a timeout its whole process group is killed (its server and
+    ranks too) and the test fails."""
+    p = subprocess.Popen(["bash", DEMO], env=_env() | {"INSTALL": "0", "PYTHON": sys.executable} | env,
+                         cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"the demo did not end within {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
+    ckdir.mkdir(parents=True, exist_ok=True)
+    (ckdir / "digits.history").mkdir(exist_ok=True)
+    files = [ckdir / "digits.ckpt", ckdir / "digits.history" / "step-00000000000000000090-000000000000.ckpt"]
+    for f in files:
+        f.write_bytes(b"the previous run's checkpoint")
+    return files
+
+
+@pytest.mark.parametrize("env,said", [
+    # (PORT=0 hung: serve bound a free port and the ranks dialled port 0)
+    pytest.param({"PORT": "0"}, "[demo] PORT=0: the demo needs a fixed port", id="port0"),
+    # (PORT=70000 printed a Python traceback, OverflowError from connect_ex, before the clear error)
+    ({"PORT": "70000"}, "[demo] PORT=70000: expected a port in 1..65535"),
+    ({"PORT": "99999999999999999999999"}, "expected a port in 1..65535"),
+])
+def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
+    ckdir = tmp_path / "ckpt"
+    old = _old_checkpoint(ckdir)
+    r = _demo({"CKPT": str(ckdir), "PORT": str(_free_port())} | env)
+    assert r.returncode == 2 and said in r.stderr, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and "command not found" not in r.stderr, r.stderr
+    assert "[server]" not in r.stdout and "Open http://" not in r.stdout, r.stdout
+    assert all(f.exists() for f in old), "the previous run's checkpoint was deleted"
+
+
+def test_a_server_that_never_answers_stops_the_demo_with_a_clear_error(tmp_path):
+    # the health check fell through after 20 s and started the ranks anyway
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "# a serve that starts and never answers; everything else is the real interpreter\n"
+        f'if [ "$1 $2 $3" = "-m tabcohort serve" ]; then exec {sys.executable} -c '
+        "'import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(0)); time.sleep(120)'; fi\n"
+        f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    t0 = time.monotonic()
+    r = _demo({"CKPT": str(tmp_path / "ckpt"), "PORT": str(_free_port()), "PYTHON": str(wrapper)}, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "[demo] the server did not answer" in r.stderr and "within 20 s" in r.stderr, r.stderr
+    assert "[rank" not in r.stdout and "Open http://" not in r.stdout, r.stdout
+    assert time.monotonic() - t0 < 60
+
