@@ -15,7 +15,7 @@
 #   FRESH   1 (default): start from scratch, deleting the demo room's old checkpoint;
 #           0: resume from it (the page and the operator view say "resumed from step N")
 #   INSTALL 1 (default): run scripts/install.sh first; 0: skip it
-#   PYTHON  the interpreter (default python3)
+#   PYTHON  the interpreter, Python 3.11+ (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
@@ -40,6 +40,17 @@ fi
 for v in FRESH INSTALL; do
   if [ "${!v}" != 0 ] && [ "${!v}" != 1 ]; then echo "[demo] $v='${!v}': expected 1 or 0" >&2; exit 2; fi
 done
+# the interpreter, before anything is deleted or started (PYTHON=nonexistent removed the previous
+# run's checkpoint, then failed with shell errors)
+if ! command -v "$PY" > /dev/null 2>&1; then
+  echo "[demo] PYTHON=$PY: no such command; set PYTHON to a Python 3.11+ interpreter (default python3)" >&2
+  exit 2
+fi
+if [ "$("$PY" -c 'import sys; print(sys.version_info >= (3, 11))' 2> /dev/null)" != True ]; then
+  said="$("$PY" --version 2>&1 | head -n 1 || true)"
+  echo "[demo] PYTHON=$PY: not a Python 3.11+ interpreter${said:+ ($said)}" >&2
+  exit 2
+fi
 # another process on the port would answer the health check below for this demo's server (which
 # then fails to listen), and the ranks would join that one
 if "$PY" -c "import socket, sys; s = socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(('127.0.0.1', $PORT)) == 0 else 1)"; then
@@ -56,6 +67,11 @@ if [ "$INSTALL" = 1 ]; then
   fi
   grep '^\[install\] note' .cache/install.log || true
 fi
+if ! "$PY" -c 'import tabcohort, tabcohort_server' > /dev/null 2>&1; then   # (before a checkpoint is deleted)
+  echo "[demo] PYTHON=$PY cannot import tabcohort: run scripts/install.sh (or the demo without INSTALL=0)" >&2
+  exit 1
+fi
+resumed_step=   # the step of the checkpoint the room resumes from (FRESH=0)
 if [ -f "$CKPT/digits.ckpt" ]; then
   if [ "$FRESH" = 1 ]; then
     rm -rf "$CKPT/digits.ckpt" "$CKPT/digits.history"

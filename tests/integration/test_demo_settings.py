@@ -57,6 +57,9 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     # (PORT=70000 printed a Python traceback, OverflowError from connect_ex, before the clear error)
     ({"PORT": "70000"}, "[demo] PORT=70000: expected a port in 1..65535"),
     ({"PORT": "99999999999999999999999"}, "expected a port in 1..65535"),
+    # (PYTHON=nonexistent deleted the previous run's checkpoint, then failed with shell errors)
+    ({"PYTHON": "tabcohort-no-such-python"}, "[demo] PYTHON=tabcohort-no-such-python: no such command"),
+    ({"PYTHON": "true"}, "[demo] PYTHON=true: not a Python 3.11+ interpreter"),
 ])
 def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
     ckdir = tmp_path / "ckpt"
