@@ -77,7 +77,14 @@ if [ -f "$CKPT/digits.ckpt" ]; then
     rm -rf "$CKPT/digits.ckpt" "$CKPT/digits.history"
     echo "[demo] fresh start: removed the previous run's checkpoint (FRESH=0 resumes from it)"
   else
-    echo "[demo] resuming from $CKPT/digits.ckpt (FRESH=1 starts from scratch)"
+    resumed_step="$("$PY" - "$CKPT" <<'PY' || true
+import sys
+from tabcohort_server import checkpoint as ck
+got = ck.load(sys.argv[1], "digits")
+print("" if got is None else got[0]["step"])
+PY
+)"
+    echo "[demo] resuming from $CKPT/digits.ckpt${resumed_step:+ (step $resumed_step)} (FRESH=1 starts from scratch)"
   fi
 fi
 pids=() rank_pids=() server_pid=
@@ -164,7 +171,13 @@ echo "  Metrics: $url/metrics   Ctrl-C stops."
 echo
 if [ "$STEPS" != 0 ] && [ ${#rank_pids[@]} -gt 0 ]; then
   wait "${rank_pids[@]}" || true      # the room stops at STEPS; the ranks exit; then so do we
-  echo "[demo] the room reached its step limit ($STEPS)"
+  if [ -n "$resumed_step" ] && [ "$resumed_step" -ge "$STEPS" ]; then
+    # (it said "the room reached its step limit (500)" of a checkpoint already at step 90000)
+    echo "[demo] nothing to train: the checkpoint was already at step $resumed_step, at or past the step limit" \
+         "(STEPS=$STEPS); raise STEPS, or FRESH=1 to start from scratch"
+  else
+    echo "[demo] the room reached its step limit ($STEPS)"
+  fi
 else
   wait "$server_pid" || true
 fi

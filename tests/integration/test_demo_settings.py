@@ -88,3 +88,16 @@ def test_a_server_that_never_answers_stops_the_demo_with_a_clear_error(tmp_path)
     assert "[rank" not in r.stdout and "Open http://" not in r.stdout, r.stdout
     assert time.monotonic() - t0 < 60
 
+
+def test_a_checkpoint_already_past_steps_is_said_so_not_that_the_room_reached_it(tmp_path):
+    # FRESH=0 STEPS=500 on a checkpoint at step 90000 said "the room reached its step limit (500)"
+    ckdir = tmp_path / "ckpt"
+    env = {"CKPT": str(ckdir), "RANKS": "1"}
+    first = _demo(env | {"PORT": str(_free_port()), "STEPS": "20"}, timeout=180)
+    assert first.returncode == 0 and "[demo] the room reached its step limit (20)" in first.stdout, first.stdout[-3000:]
+    again = _demo(env | {"PORT": str(_free_port()), "STEPS": "10", "FRESH": "0"}, timeout=180)
+    assert again.returncode == 0, (again.stdout[-3000:], again.stderr)
+    assert "resuming from" in again.stdout and "(step 20)" in again.stdout, again.stdout[-3000:]
+    assert "reached its step limit" not in again.stdout, again.stdout[-3000:]
+    assert ("[demo] nothing to train: the checkpoint was already at step 20, at or past the step limit (STEPS=10)"
+            in again.stdout), again.stdout[-3000:]
