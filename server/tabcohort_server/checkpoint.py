@@ -130,6 +130,22 @@ def save(directory: str, room: str, meta: dict, data: bytes) -> None:
         _write_atomic(newest, _head(meta), data)
 
 
+def _keep_in_history(directory: str, room: str, path: str, meta: dict, data: bytes) -> str:
+    """A copy of ``path`` (a ``ROOM.ckpt`` another job wrote) under its name in ``ROOM.history/``
+    (a hard link, else a copy), where it is read like that job's other checkpoints, before this
+    job's first checkpoint replaces ``ROOM.ckpt``; returns that file's path."""
+    kept = _file_for(directory, room, meta)
+    if not os.path.exists(kept):
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        try:
+            os.link(path, kept)
+        except FileExistsError:
+            pass
+        except OSError:          # no hard links here: a copy
+            _write_atomic(kept, _head(meta), data)
+    return kept
+
+
 def _read(path: str) -> tuple[dict, bytes] | None:
     try:
         with open(path, "rb") as f:
@@ -206,11 +222,16 @@ class CheckpointStore:
         #: readable checkpoint files of this room that ``accept`` refused (another job's), and the
         #: newest of their steps: serve says why the room does not resume from them
         self.n_refused, self.refused_step = 0, None
+        #: where the newest of them is kept (in ``ROOM.history/``: ``ROOM.ckpt`` becomes this job's
+        #: newest at its first checkpoint), or None
+        self.refused_kept: str | None = None
         #: this room's checkpoint files that could not be read (truncated, damaged): serve says so
         self.unreadable: list[str] = []
         if directory:
             seen: dict[str, tuple[dict, bytes]] = {}
             refused: dict[str, int] = {}
+            refused_in_history: dict[str, str] = {}     # id -> its file in ROOM.history/
+            newest = path_for(directory, room)
             for path in _scan(directory, room):
                 got = _read(path)
                 if got is None:
@@ -220,7 +241,13 @@ class CheckpointStore:
                     seen.setdefault(got[0]["id"], got)
                 else:
                     refused[got[0]["id"]] = got[0]["step"]
+                    if path != newest:
+                        refused_in_history[got[0]["id"]] = path
+                    else:   # ROOM.ckpt, which this job's first checkpoint replaces: keep it in the history
+                        refused_in_history.setdefault(got[0]["id"], _keep_in_history(directory, room, path, *got))
             self.n_refused, self.refused_step = len(refused), max(refused.values(), default=None)
+            if refused:
+                self.refused_kept = refused_in_history.get(max(refused, key=lambda k: refused[k]))
             for meta, data in sorted(seen.values(), key=lambda g: g[0]["step"]):
                 self.entries.append(meta)
                 self._data[meta["id"]] = data

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import signal
 from typing import Any, Callable
 
@@ -137,9 +138,16 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
             progress(f"  room {name} resumes from its checkpoint {r['id']} at step {r['step']} "
                      f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
         elif room is not None and room.store is not None and room.store.n_refused:
+            # (it said they were "left as they are", and this room's first checkpoint replaced
+            # ROOM.ckpt, the other job's newest: it is now kept in the history first)
+            kept = room.store.refused_kept
             progress(f"  room {name} starts from scratch: the {room.store.n_refused} checkpoint(s) in "
                      f"{config.checkpoint_dir} (newest at step {room.store.refused_step}) are of another job "
-                     f"(another model, data or training setting, e.g. --hidden); they are left as they are")
+                     f"(another model, data or training setting, e.g. --hidden); they are kept in "
+                     f"{os.path.dirname(kept) if kept else config.checkpoint_dir}"
+                     + (f" (the newest: {os.path.basename(kept)})" if kept else "")
+                     + f", and {name}.ckpt becomes this job's newest checkpoint; the other job resumes "
+                     f"from them when it is served on this directory again")
         if room is not None and room.store is not None and room.store.unreadable:
             bad = room.store.unreadable
             progress(f"  room {name}: {len(bad)} checkpoint file(s) in {config.checkpoint_dir} could not be read "

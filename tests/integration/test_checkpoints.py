@@ -102,3 +102,56 @@ def test_a_file_system_without_locks_is_said_so_not_blamed_on_another_server(tmp
     with pytest.raises(ConfigError) as e:
         lock_checkpoint_dir(str(tmp_path))
     assert "cannot lock" in str(e.value) and "another tabcohort serve" not in str(e.value)
+
+
+def test_another_jobs_newest_checkpoint_is_kept_in_the_history_before_it_is_replaced(tmp_path):
+    # serve said another job's checkpoints were "left as they are", then this job's first
+    # checkpoint replaced ROOM.ckpt, the other job's newest (here its only copy)
+    d = str(tmp_path)
+    other = blob(2.0, n=4)
+    ck.save(d, "r", {**meta(90000, other, 0.9), "n": 4}, other)
+    os.unlink(os.path.join(ck.history_dir(d, "r"), os.listdir(ck.history_dir(d, "r"))[0]))   # ROOM.ckpt alone
+    before = open(ck.path_for(d, "r"), "rb").read()
+    st = ck.CheckpointStore(d, "r", accept=lambda m, data: m.get("n") == 8)
+    assert st.latest() is None and st.n_refused == 1 and st.refused_step == 90000
+    assert st.refused_kept is not None and os.path.dirname(st.refused_kept) == ck.history_dir(d, "r")
+    mine = blob(1.0)
+    st.add(meta(5, mine, 0.5), mine)                                     # this job's first checkpoint
+    assert ck.load_latest(d, "r", accept=lambda m, data: m.get("n") == 8)[0]["step"] == 5
+    assert open(st.refused_kept, "rb").read() == before                  # the other job's, unchanged
+    back = ck.load_latest(d, "r", accept=lambda m, data: m.get("n") == 4)   # the other job served again
+    assert back is not None and back[0]["step"] == 90000 and back[1] == other
+    again = ck.CheckpointStore(d, "r", accept=lambda m, data: m.get("n") == 8)   # a restart: nothing more copied
+    assert again.refused_kept == st.refused_kept and len(os.listdir(ck.history_dir(d, "r"))) == 2
+
+
+def test_serve_says_where_another_jobs_checkpoints_are_kept_and_keeps_them(tmp_path):
+    # the trial: a finished default job's directory, served with --hidden 64 and one rank
+    from .conftest import Cluster, wait_for
+
+    first = Cluster(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    ckdir = tmp_path / "ckpt"
+    try:
+        first.serve("--dataset", "synthetic", "--steps", "20", "--checkpoint-dir", str(ckdir))
+        r = first.rank()
+        assert r.p.wait(90) == 0, r.text()[-3000:]
+        wait_for(lambda: (g := ck.load(str(ckdir), "digits")) and g[0].get("final"), 20, "the final checkpoint")
+    finally:
+        first.close()
+    for p in (ckdir / "digits.history").iterdir():     # the other job's newest only as digits.ckpt
+        p.unlink()
+    old = (ckdir / "digits.ckpt").read_bytes()
+    second = Cluster(tmp_path / "b")
+    (tmp_path / "b").mkdir()
+    try:
+        second.serve("--dataset", "synthetic", "--hidden", "64", "--checkpoint-dir", str(ckdir))
+        said = second.server.text()
+        assert "starts from scratch" in said and "are of another job" in said and "left as they are" not in said, said
+        assert f"kept in {ckdir / 'digits.history'} (the newest: step-00000000000000000020-" in said, said
+        second.rank()
+        wait_for(lambda: (ckdir / "digits.ckpt").read_bytes() != old, 60, "this job's first checkpoint in digits.ckpt")
+    finally:
+        second.close()
+    kept = [p for p in (ckdir / "digits.history").iterdir() if p.name.startswith("step-00000000000000000020-")]
+    assert len(kept) == 1 and kept[0].read_bytes() == old
