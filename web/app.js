@@ -32,16 +32,41 @@ async function getJSON(url) {
 const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 
-async function main() {
-  // the page's own options are checked before anything loads (a bad one names itself)
+// the room in the header and the title (text only: the name comes from the URL or the server)
+function showRoom(room) {
+  $("room-name").textContent = `room ${room}`;
+  document.title = `tabcohort: room ${room}`;
+}
+
+// what is wrong with the page's own options (a message naming the option), or null
+function pageOptionError() {
   const allowed = { link: ["ws", "rtc"], autostart: ["0", "1"], numpy: ["on", "off"], "rtc-loopback": ["0", "1"],
     backend: ["auto", "webgpu", "numpy", "js", "python"], "gpu-test": ["bad-wgsl"] };
   for (const [k, vals] of Object.entries(allowed)) {
     const v = params.get(k);
-    if (v !== null && !vals.includes(v)) return fail("config", `?${k}=${v}: expected ${vals.join(" or ")}.`);
+    if (v !== null && !vals.includes(v)) return `?${k}=${v}: expected ${vals.join(" or ")}.`;
   }
   const b = params.get("batch");
-  if (b !== null && !/^[1-9][0-9]{0,5}$/.test(b)) return fail("config", `?batch=${b}: expected a positive whole number of samples.`);
+  if (b !== null && !/^[1-9][0-9]{0,5}$/.test(b)) return `?batch=${b}: expected a positive whole number of samples.`;
+  return null;
+}
+
+async function main() {
+  // the page's own options are checked before anything loads (a bad one names itself); the
+  // header keeps the room's name (it read just "tabcohort" on a bad option)
+  const optionError = pageOptionError();
+  if (optionError !== null) {
+    fail("config", optionError);
+    let named = params.get("room");
+    if (!named) {   // the room this page would have joined, if the server says (best effort)
+      const rooms = await getJSON("/api/rooms");
+      const list = (rooms.body && Array.isArray(rooms.body.rooms)) ? rooms.body.rooms : [];
+      const pick = list.find((r) => r && (!r.owner_url || r.owner_url === location.origin)) || list[0];
+      named = pick && typeof pick.room === "string" ? pick.room : null;
+    }
+    if (named) showRoom(named);
+    return;
+  }
   const token = params.get("token") || "";
   const q = token ? `?token=${encodeURIComponent(token)}` : "";
   status("Contacting the server…");
@@ -60,8 +85,7 @@ async function main() {
   // a tab whose node died (README "Cluster"): served by another node, wait here until a live
   // node owns the room, then train there
   if (params.get("failover") && !(await awaitNewOwner(room, params.get("failover")))) return;
-  $("room-name").textContent = `room ${room}`;
-  document.title = `tabcohort: room ${room}`;
+  showRoom(room);
   $("operator-link").href = `/operator?room=${encodeURIComponent(room)}${token ? `&token=${encodeURIComponent(token)}` : ""}`;
   const check = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
   if (check.unreachable) return fail("unreachable", "The server is unreachable.");

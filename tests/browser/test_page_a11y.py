@@ -93,10 +93,15 @@ def test_server_unreachable_is_a_clear_error(cluster, browser):
 
 def test_a_bad_page_option_is_named_before_anything_loads(cluster, tabs):
     url = cluster.serve()
-    for query, named in [("link=bogus", "?link=bogus"), ("batch=abc", "?batch=abc"),
-                         ("autostart=maybe", "?autostart=maybe")]:
-        t = tabs(url, f"?room=digits&{query}")
+    for query, named in [("room=digits&link=bogus", "?link=bogus"), ("room=digits&batch=abc", "?batch=abc"),
+                         ("room=digits&autostart=maybe", "?autostart=maybe"),
+                         ("room=digits&backend=foo", "?backend=foo"), ("room=digits&batch=-3", "?batch=-3"),
+                         ("link=xyz", "?link=xyz")]:      # (no ?room=: the server's room is named)
+        t = tabs(url, f"?{query}")
         wait_for(lambda t=t: t.tc("tc.phase") == "error", 10, f"the page's config error for {query}")
         assert named in t.page.inner_text("#error")
+        # the header kept the room's name (it read just "tabcohort" on a bad option)
+        wait_for(lambda t=t: t.page.text_content("#room-name") == "room digits", 10, f"the room's name for {query}")
+        assert t.page.title() == "tabcohort: room digits", t.page.title()
         assert t.tc("tc.worker === undefined"), "the page started the rank anyway"
         t.close()
