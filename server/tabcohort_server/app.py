@@ -116,6 +116,8 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():
         room.secret_key = key
+        if config.checkpoint_dir:   # the key re-seats the ranks of the server that ran before
+            room.expect_returning_ranks(room.clock())
     from .rtc_relay import RtcTerminator
     rtc = app[RTC] = RtcTerminator(config.rtc_ice_servers, config.rtc_host_addresses)
     for room in rooms.rooms.values():

@@ -82,8 +82,9 @@ def _acquire(app: web.Application, name: str) -> None:
 
     directory = app[CONFIG].checkpoint_dir
     if directory:
-        load_room_checkpoint(app[ROOMS].rooms[name], app[ASSETS][name], directory,
-                             keep=app[CONFIG].checkpoint_keep)
+        room = app[ROOMS].rooms[name]
+        load_room_checkpoint(room, app[ASSETS][name], directory, keep=app[CONFIG].checkpoint_keep)
+        room.expect_returning_ranks(room.clock())   # the owner's ranks move here one by one
 
 
 def _release(app: web.Application, name: str, url: str | None) -> None:

@@ -225,6 +225,12 @@ class Room:
         #: id and secret although it never issued that id; ids released here are never re-seated.
         self.secret_key: bytes | None = None
         self._released: set[int] = set()
+        #: until when ranks of the room's previous life (before a restart on the same checkpoint
+        #: directory, or on the cluster node that owned it) may still come back under their ids:
+        #: its roll call is partial till then (PROTOCOL.md, "Membership and majority")
+        self._partial_until = -math.inf
+        self._partial_welcomes = 0
+        self._roll_call_told = True
         self._diverging: tuple[float, float, float] | None = None   # (since, step, diverged count)
         #: the training loss above which the parameters ran away (10 x ln classes for a softmax
         #: cross-entropy job, ``jobs.worker.loss_ceiling``; the app sets it), or None
@@ -340,6 +346,8 @@ class Room:
         fresh cohort resumes from (``checkpoint``: id, step, accuracy; None if none), and the
         learning rate the operator set, once set (``lr``)."""
         newest = None if self.store is None else self.store.latest_meta()
+        partial = self.roll_call_partial(self.clock())
+        self._partial_welcomes += partial
         return {"type": "welcome", "id": p.id, "secret": p.secret, "room": self.name,
                 "topology": self.job.topology,
                 "resumed": resumed, "stopped": self.stopped,
@@ -351,7 +359,30 @@ class Room:
                 "high_water_bytes": self.limits.queue_high_water_bytes,
                 "max_message_bytes": self.limits.max_ws_message_bytes,
                 **({"nodes": self.other_nodes()[:16]} if self.other_nodes is not None else {}),
-                **({"lr": self.operator_lr} if self.operator_lr is not None else {})}
+                **({"lr": self.operator_lr} if self.operator_lr is not None else {}),
+                **({"partial": True} if partial else {})}
+
+    def expect_returning_ranks(self, now: float) -> None:
+        """This process took the room up from a previous life (a start on a checkpoint directory,
+        whose resume key re-seats the ids it issued; a cluster node acquiring the room): its
+        ranks reconnect one by one over the next ``resume_grace_s``, so until then the roll call
+        of a ``welcome`` is partial (:meth:`roll_call_partial`)."""
+        self._partial_until = now + self.limits.resume_grace_s
+        self._partial_welcomes, self._roll_call_told = 0, False
+
+    def roll_call_partial(self, now: float) -> bool:
+        """Whether the ranks connected now may not be all the room has (PROTOCOL.md, "Membership
+        and majority", the roll call): other ranks may still be on their way back."""
+        return now < self._partial_until
+
+    def flush_roll_call(self, now: float) -> None:
+        """Once the partial window is over, tell every connected rank the whole roll call (a
+        ``roll_call`` control), if a partial ``welcome`` went out: a member it does not list
+        has not come back, and only now is that the evidence the witness gives."""
+        if self._roll_call_told or not self._partial_welcomes or self.roll_call_partial(now):
+            return
+        self._roll_call_told = True
+        self.broadcast_control({"type": "roll_call", "peers": sorted(self.connected)})
 
     def announce(self, p: Peer, up: bool) -> None:
         """Tell the other connected ranks that ``p`` joined or left the relay, and its role."""
@@ -1041,6 +1072,7 @@ class RoomRegistry:
         self._prune_admission(now)
         for room in self.rooms.values():
             room.expire(now)
+            room.flush_roll_call(now)
             room.check_stalls(now)
             room.flush_pressure()
             room.check_stop(now)

@@ -3,6 +3,7 @@ the key kept in the checkpoint directory); and the client stays importable witho
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,3 +58,33 @@ def test_client_imports_and_names_the_variable_without_zeroconf():
     r = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=str(ROOT), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "ERR TABCOHORT_DISCOVER" in r.stdout, r.stderr
+
+
+def test_a_restarted_rooms_roll_call_is_partial_until_the_grace_then_told_whole():
+    """PROTOCOL.md "Membership and majority", the roll call: ranks of the room's previous life
+    come back one by one, so a ``welcome`` within ``resume_grace_s`` of the restart says its
+    ``peers`` may not be all (``partial``); then every connected rank is told the whole list."""
+    clock = [100.0]
+    r = Room("r", JobConfig(dataset="synthetic", steps=10), ServerLimits(), clock=lambda: clock[0])
+    r.secret_key = b"k" * 32
+    fresh = r.register(now=clock[0])
+    assert "partial" not in r.welcome(fresh, resumed=False)          # a first start: complete
+    r.expect_returning_ranks(clock[0])
+    a = r.register(now=clock[0])
+    assert r.welcome(a, resumed=True)["partial"] is True
+    r.flush_roll_call(clock[0] + 1.0)
+    clock[0] += r.limits.resume_grace_s - 0.5
+    b = r.register(now=clock[0])
+    assert r.welcome(b, resumed=True)["partial"] is True
+    for p in (fresh, a, b):
+        while p.queue:
+            p.pop()
+    r.flush_roll_call(clock[0])                                      # (still within the grace)
+    assert not a.queue
+    clock[0] += 1.0
+    r.flush_roll_call(clock[0])
+    r.flush_roll_call(clock[0] + 5.0)                                # told once
+    for p in (fresh, a, b):
+        told = [json.loads(x) for x in iter(lambda: p.pop() if p.queue else None, None)]
+        assert told == [{"type": "roll_call", "peers": sorted((fresh.id, a.id, b.id))}], told
+    assert "partial" not in r.welcome(r.register(now=clock[0]), resumed=False)

@@ -63,3 +63,23 @@ def test_a_resumed_welcome_keeps_the_paths_of_ranks_it_lists():
     relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3], "resumed": True}))
     assert bus.path(2).state is PathState.DIRECT and bus.channel_of[2] is ch and not ch.closed
     assert connector.opened == [2, 3] and _relay_peers(sock)[-1] == [3]
+
+
+def test_a_partial_welcome_keeps_the_paths_of_ranks_not_back_yet_and_the_roll_call_drops_them():
+    # a restarted server lists only the ranks back so far (docs/PROTOCOL.md "Membership and
+    # majority"): the direct path to rank 2, up all along, must survive; rank 3 never came back
+    sock, connector, t = _Socket(), _Connector(), [0.0]
+    relay = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws")
+    bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0], relay_while_connecting=True)
+    relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3]}))
+    bus.writer = FrameWriter(1)
+    for k in (2, 3):
+        bus._ensure_path(k)
+    bus.channel_open(bus.channel_of[2], 1 << 20)
+    relay.room.lost(None, now_ms=t[0])
+    relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [], "resumed": True,
+                              "partial": True}))
+    assert bus.path(2).state is PathState.DIRECT and bus.path(3) is not None
+    relay.on_text(json.dumps({"type": "roll_call", "peers": [1, 2]}))
+    assert bus.path(2).state is PathState.DIRECT and bus.path(3) is None
+    assert bus.peers == {2}

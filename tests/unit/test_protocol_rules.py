@@ -1261,6 +1261,12 @@ def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_
     s.on_control({"type": "welcome", "id": 2, "secret": "x", "peers": [3, 4], "may_lead": True, "lead_peers": []})
     s.on_control({"type": "peer", "id": 4, "up": False})
     assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4)]
+    # a restarted server's welcome lists only the ranks back so far (partial): no roll call
+    # until its whole one (PROTOCOL.md "Membership and majority")
+    s.on_control({"type": "welcome", "id": 2, "secret": "x", "peers": [], "partial": True, "may_lead": True,
+                  "lead_peers": []})
+    s.on_control({"type": "roll_call", "peers": [3]})
+    assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4), ("roll_call", [3])]
 
 
 def test_a_round_with_non_finite_parameters_is_never_adopted():

@@ -270,3 +270,13 @@ def test_a_ranks_http_redirect_never_leaves_https_for_http():
     assert node_redirect(url, "https://b.example/api/rooms/r/job") == "https://b.example/api/rooms/r/job"
     assert node_redirect("http://a/api/rooms/r/job", "https://b/api/rooms/r/job") == "https://b/api/rooms/r/job"
     assert node_redirect(url, "/elsewhere") is None and node_redirect(url, "ftp://b/api/rooms/r/job") is None
+
+
+def test_a_roll_call_control_is_the_peer_table_and_a_malformed_one_is_dropped():
+    rc = joined()
+    assert rc.peers == {3, 9}
+    assert rc.control({"type": "roll_call", "peers": [5, 9, 11]}) is not None
+    assert rc.peers == {9, 11}
+    for bad in ({"type": "roll_call"}, {"type": "roll_call", "peers": 7}):
+        assert rc.control(bad) is None
+    assert rc.drops["bad_control"] == 2 and rc.peers == {9, 11}

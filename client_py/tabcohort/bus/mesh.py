@@ -579,15 +579,18 @@ class MeshBus:
         elif t == "signal":
             self._on_signal(obj)
             return
-        elif t == "welcome" and self.writer is not None:
+        elif t in ("welcome", "roll_call") and self.writer is not None:
             # a resumed socket (maybe at the node that took the room over): its roll call is the
             # peer table now (docs/PROTOCOL.md "Membership and majority"). A rank that joined
             # while this one was away gets no ``peer`` control of its own: without a path it is
             # neither sent to nor declared, and its chunks are dropped (``unknown_sender``); one
-            # not listed left meanwhile. (``relay.peers`` already holds the welcome's list.)
+            # not listed left meanwhile, unless the roll call is partial (a restarted server's:
+            # the others may still come back, and a direct path to one may be up all along).
+            # (``relay.peers`` already holds the list.)
             listed = set(self.relay.peers)
-            self._offer_ms.clear()   # (a resumed rank: the lower ids offer again at once)
-            for k in [k for k in self.path_of if k not in listed]:
+            if t == "welcome":
+                self._offer_ms.clear()   # (a resumed rank: the lower ids offer again at once)
+            for k in [k for k in self.path_of if k not in listed and obj.get("partial") is not True]:
                 self._drop_path(k, declare=False)
             for k in sorted(listed - set(self.path_of)):
                 self._ensure_path(k, declare=False)

@@ -225,6 +225,15 @@ class RoomClient:
                     self.lead_roles[k] = obj.get("may_lead") is True
                 else:
                     self.lead_roles.pop(k, None)
+        elif t == "roll_call":
+            # the whole roll call, after a partial one (PROTOCOL.md, "Membership and majority")
+            try:
+                listed = {int(k) for k in obj["peers"] if isinstance(k, int) and not isinstance(k, bool)}
+            except (KeyError, TypeError, ValueError):
+                self.count("bad_control")
+                return None
+            self.peers = listed - {self.id}
+            self.lead_roles = {k: v for k, v in self.lead_roles.items() if k in self.peers}
         elif t == "pressure":
             p = obj.get("p")
             if not _is_number(p):

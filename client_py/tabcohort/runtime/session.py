@@ -344,9 +344,13 @@ class RankSession:
             k = obj.get("id")
             if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
                 self.driver.peer_left(k)
-        elif t == "welcome" and isinstance(obj.get("peers"), list) and self.driver is not None:
+        elif (t == "roll_call" or (t == "welcome" and obj.get("partial") is not True)) \
+                and isinstance(obj.get("peers"), list) and self.driver is not None:
             # the link opened again: the ranks the server lists are the room's connected ranks,
-            # and a member it omits left meanwhile (PROTOCOL.md, "Membership and majority")
+            # and a member it omits left meanwhile (PROTOCOL.md, "Membership and majority"); a
+            # restarted server's roll call is partial until its ``roll_call`` control: a member
+            # it does not list yet may be on its way back (a 3-rank cohort split in two lineages
+            # when the first rank back took the others for gone)
             self.driver.roll_call(obj["peers"])
         if t == "lr" or (t == "welcome" and "lr" in obj):
             # the operator's learning rate (the server sends it only on the operator's word, and
