@@ -8,6 +8,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tabcohort.runtime.session import RankSession
 
 
@@ -36,6 +38,7 @@ async def _leave(s: RankSession, publish_after_s: float) -> float:
     return waited
 
 
+@pytest.mark.needs_loop
 def test_a_follower_of_a_room_the_server_stops_waits_for_a_leader_that_reads_the_stop_late():
     s = RankSession()
     s.on_control({"type": "stop", "reason": "the server is shutting down"})
@@ -44,6 +47,7 @@ def test_a_follower_of_a_room_the_server_stops_waits_for_a_leader_that_reads_the
     assert s.publish_seen and 0.8 <= waited < 5.0
 
 
+@pytest.mark.needs_loop
 def test_a_follower_that_stops_alone_leaves_while_the_leader_drives_on():
     s = RankSession()
     s.request_stop("interrupted")
