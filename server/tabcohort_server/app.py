@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import time
@@ -113,10 +114,12 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
         load_room_checkpoint(room, a, config.checkpoint_dir, keep=config.checkpoint_keep)
         room.loss_ceiling = a.loss_ceiling
     app[ASSETS] = assets
+    # a resume key already in the directory re-seats the ranks of the server that ran before
+    returning = bool(config.checkpoint_dir) and os.path.exists(os.path.join(config.checkpoint_dir, ".resume-key"))
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():
         room.secret_key = key
-        if config.checkpoint_dir:   # the key re-seats the ranks of the server that ran before
+        if returning:
             room.expect_returning_ranks(room.clock())
     from .rtc_relay import RtcTerminator
     rtc = app[RTC] = RtcTerminator(config.rtc_ice_servers, config.rtc_host_addresses)

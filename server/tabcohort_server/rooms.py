@@ -169,6 +169,12 @@ class Peer:
         self.charged[reason] = self.charged.get(reason, 0) + n
 
 
+#: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
+#: not import the bus): the ranks of a restarted server come back within it, whatever the
+#: server's own ``resume_grace_s``, so its roll call is partial at least this long
+RANK_RECONNECT_MAX_S = 30.0
+
+
 class Room:
     """One room: a job and the ranks training it over the star relay.
 
@@ -365,9 +371,12 @@ class Room:
     def expect_returning_ranks(self, now: float) -> None:
         """This process took the room up from a previous life (a start on a checkpoint directory,
         whose resume key re-seats the ids it issued; a cluster node acquiring the room): its
-        ranks reconnect one by one over the next ``resume_grace_s``, so until then the roll call
-        of a ``welcome`` is partial (:meth:`roll_call_partial`)."""
-        self._partial_until = now + self.limits.resume_grace_s
+        ranks reconnect one by one, each within its reconnect bound (``RANK_RECONNECT_MAX_S``)
+        and, past its id's reservation (``resume_grace_s``), as a new rank; until the longer of
+        the two has passed the roll call of a ``welcome`` is partial (:meth:`roll_call_partial`).
+        Why not ``resume_grace_s`` alone: with ``serve --grace 1`` a rank back 2 s after the
+        restart was told the others had left, and two lineages trained."""
+        self._partial_until = now + max(self.limits.resume_grace_s, RANK_RECONNECT_MAX_S)
         self._partial_welcomes, self._roll_call_told = 0, False
 
     def roll_call_partial(self, now: float) -> bool:

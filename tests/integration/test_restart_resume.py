@@ -88,3 +88,14 @@ def test_a_restarted_rooms_roll_call_is_partial_until_the_grace_then_told_whole(
         told = [json.loads(x) for x in iter(lambda: p.pop() if p.queue else None, None)]
         assert told == [{"type": "roll_call", "peers": sorted((fresh.id, a.id, b.id))}], told
     assert "partial" not in r.welcome(r.register(now=clock[0]), resumed=False)
+
+
+def test_the_partial_window_is_at_least_the_ranks_reconnect_bound_whatever_the_grace():
+    # (serve --grace 1: a rank back 2 s after the restart was told the others had left)
+    from tabcohort.bus.room import RECONNECT_MAX_S
+    from tabcohort_server.rooms import RANK_RECONNECT_MAX_S
+    assert RANK_RECONNECT_MAX_S == RECONNECT_MAX_S
+    r = Room("r", JobConfig(dataset="synthetic", steps=10), ServerLimits(resume_grace_s=1.0), clock=lambda: 0.0)
+    r.expect_returning_ranks(0.0)
+    assert r.roll_call_partial(2.0) and r.roll_call_partial(RECONNECT_MAX_S - 0.1)
+    assert not r.roll_call_partial(RECONNECT_MAX_S)

@@ -56,6 +56,10 @@ CLOSE_MOVED = 4012
 CLOSE_TRY_AGAIN = 1013
 RETRY_CLOSE = frozenset({CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN})
 FATAL_CLOSE = frozenset({CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_UNKNOWN_ID, CLOSE_ROOM_FULL})
+#: how long a rank tries to reconnect (or retries a rate-limited registration) before it gives
+#: up, seconds (``RoomClient(reconnect_max_s=...)``); a restarted server's partial roll call
+#: lasts at least this long (PROTOCOL.md, "Membership and majority")
+RECONNECT_MAX_S = 30.0
 #: node-to-node redirects followed per connection attempt
 MAX_MOVES = 4
 
@@ -126,7 +130,7 @@ class RoomClient:
 
     def __init__(self, url: str = "", *, token: str | None = None, trainer_token: str | None = None,
                  high_water_bytes: int = DEFAULT_HIGH_WATER_BYTES,
-                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, reconnect_max_s: float = 30.0,
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, reconnect_max_s: float = RECONNECT_MAX_S,
                  rng: random.Random | None = None) -> None:
         for name, v in (("high_water_bytes", high_water_bytes), ("max_queue_bytes", max_queue_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
