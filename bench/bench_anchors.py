@@ -178,9 +178,11 @@ def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None
             post(msg, **kw)
         bus.post = timed_post
         # a fixed global batch of every rank's cap: no rank can cover a round without the others,
-        # so every round has all of them in it, as gloo's step does ("Shares")
+        # so every round has all of them in it, as gloo's step does ("Shares"); the rooms' grace
+        # rule, so a round at N = 4 waits for its 4th bucket as gloo's reduce does (the quorum
+        # rule ended it at 3 of 4)
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,
-                        eval_every=0, global_batch=world * w.batch)
+                        eval_every=0, global_batch=world * w.batch, collect_rule="grace")
         d = RankDriver(m, w, bus)
         d.start(0.01)
         with open(out, "a", buffering=1) as fh:
