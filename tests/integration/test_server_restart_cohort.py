@@ -60,3 +60,27 @@ def test_ranks_keep_one_lineage_across_server_restarts(cluster, tmp_path):
     # the bound after a leader's kill, a merged second lineage rewound thousands)
     assert max(rewinds) < 200, (rewinds, cluster.logs())
     assert all(f for f in finals) and len({f[-1] for f in finals}) == 1, finals
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
+    # docs/PROTOCOL.md "Membership and majority", a rank's own lost link: three ranks on the relay
+    # alone (--no-direct), the server killed. Before, the leader went on committing rounds that
+    # no other rank received until their beats were policy.drop (1.6 s) old: thousands of steps
+    # ahead of its followers (about 5,400 measured); now it stops within the round in flight
+    cluster.serve()
+    ranks = [cluster.rank("--no-direct", "--print-every", "0.2") for _ in range(3)]
+    wait_for(lambda: len(cluster.reports()) == 3 and all(r.get("cohort") == 3 for r in cluster.reports()),
+             60, "a cohort of 3")
+    wait_for(lambda: all(len(_steps(r.text())) >= 3 for r in ranks), 30, "progress lines")
+    cluster.server.kill()
+    marks = wait_for(lambda: all("link lost" in r.text() for r in ranks) and [len(_steps(r.text())) for r in ranks],
+                     30, "every rank to lose its link")
+    # 2 s of progress lines after the loss: past policy.drop, when the old leader stopped at last
+    wait_for(lambda: all(len(_steps(r.text())) >= m + 10 for r, m in zip(ranks, marks)), 30,
+             "progress lines while the server is away")
+    leader = [r for r in ranks if "(me)" in r.text().rsplit("link lost", 1)[0]]
+    assert len(leader) == 1, [r.text()[-2000:] for r in ranks]
+    last = {id(r): max(_steps(r.text())) for r in ranks}
+    ahead = last[id(leader[0])] - max(v for k, v in last.items() if k != id(leader[0]))
+    assert ahead < 300, (ahead, last)

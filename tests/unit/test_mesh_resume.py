@@ -83,3 +83,24 @@ def test_a_partial_welcome_keeps_the_paths_of_ranks_not_back_yet_and_the_roll_ca
     relay.on_text(json.dumps({"type": "roll_call", "peers": [1, 2]}))
     assert bus.path(2).state is PathState.DIRECT and bus.path(3) is None
     assert bus.peers == {2}
+
+
+def test_when_the_relay_s_link_closes_only_peers_without_a_direct_path_are_unreachable():
+    # docs/PROTOCOL.md "Membership and majority": the relay's ``unreachable`` names every peer;
+    # the mesh passes on only those it cannot reach another way
+    sock, connector, t = _Socket(), _Connector(), [0.0]
+    relay = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws")
+    seen = []
+    bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0], relay_while_connecting=True,
+                  on_control=seen.append)
+    relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3]}))
+    bus.writer = FrameWriter(1)
+    for k in (2, 3):
+        bus._ensure_path(k)
+    bus.channel_open(bus.channel_of[2], 1 << 20)
+    seen.clear()
+    relay.on_control({"type": "unreachable", "ids": [2, 3]})
+    assert seen == [{"type": "unreachable", "ids": [3]}]
+    bus.channel_open(bus.channel_of[3], 1 << 20)
+    relay.on_control({"type": "unreachable", "ids": [2, 3]})
+    assert len(seen) == 1                          # every peer on a direct path: nothing to say

@@ -1191,6 +1191,36 @@ def test_a_leader_without_a_majority_commits_nothing_and_resumes_when_it_sees_on
     assert r.m.looping and r.m.counters["lead_resumed"] == 1
 
 
+def test_a_leader_whose_link_layer_lost_its_peers_commits_nothing_alone_until_it_hears_one():
+    # PROTOCOL.md "Membership and majority": the bus's ``unreachable`` (its link to the room
+    # closed) takes the peers out of view at once, not after policy.drop without their beats.
+    # Without it a leader of 3 whose only link closed went on committing rounds that no other
+    # rank received until their beats were 1.6 s old (about 5,400 in a measured run)
+    for rule in ("grace", "quorum"):
+        a = leader_rig([2, 3], collect_rule=rule)
+        a.m.unreachable([2, 3, 7, True, 1], now_ms=1)     # (7: not a member; True, itself: ignored)
+        assert not a.m.has_majority(1) and a.m.counters["unreachable"] == 2
+        assert {2, 3} <= a.m.members(1)                    # out of reach is not gone
+        a.m.start(now_ms=2)                                # their beats are 402 ms old: fresh
+        assert a.computes(a.drain()) == [] and not a.m.looping, rule
+        tick(a, 1100, peers=[2])                           # 2 is heard again: 2 of 3 in view
+        assert a.m.has_majority(1100)
+
+        b = leader_rig([2, 3], collect_rule=rule)          # leading, a round open
+        b.m.start(now_ms=0)
+        own = b.computes(b.drain())[0]
+        b.m.bucket_ready(own.token, *b.w.grads_sync(own.offset), now_ms=1)
+        b.m.unreachable([2, 3], now_ms=2)
+        assert not b.m.has_majority(2)
+        silence(b, 4000)
+        assert b.m.step == 0 and b.m.counters["round_no_majority"] == 1 and not b.m.looping, rule
+        tick(b, 5000, peers=[3])                           # 3 is heard again: the lead resumes
+        assert b.m.looping and b.m.counters["lead_resumed"] == 1, rule
+        assert b.m._unreachable == {2}
+        b.m.peer_left(2, now_ms=5001)                      # (a rank that left is forgotten here too)
+        assert not b.m._unreachable
+
+
 def test_an_even_split_goes_on_only_on_the_side_of_the_lowest_member():
     low = leader_rig([2, 3, 4], rank_id=1)
     low.m.start(now_ms=0)
@@ -1254,6 +1284,9 @@ def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_
         def peer_left(self, k):
             self.calls.append(("peer_left", k))
 
+        def unreachable(self, ids):
+            self.calls.append(("unreachable", ids))
+
         machine = None
 
     s = RankSession()
@@ -1267,6 +1300,10 @@ def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_
                   "lead_peers": []})
     s.on_control({"type": "roll_call", "peers": [3]})
     assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4), ("roll_call", [3])]
+    # the bus's own word that its link closed (ids not a list: ignored)
+    s.on_control({"type": "unreachable", "ids": [3]})
+    s.on_control({"type": "unreachable", "ids": "3"})
+    assert s.driver.calls[-1] == ("unreachable", [3]) and len(s.driver.calls) == 4
 
 
 def test_a_round_with_non_finite_parameters_is_never_adopted():

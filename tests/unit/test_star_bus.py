@@ -57,3 +57,25 @@ def test_a_lone_rank_s_malformed_broadcast_still_raises():
     bus, _sock = _bus([])
     with pytest.raises(LocalProtocolError):
         bus.post({**BEAT, "from": 5, "step": -1})
+
+
+@pytest.mark.needs_loop
+def test_a_linked_socket_that_closes_makes_every_peer_unreachable_once():
+    # docs/PROTOCOL.md "Membership and majority": the bus tells its owner at once that the
+    # peers this link carried are out of reach (a leader must not go on committing alone)
+    import asyncio
+
+    async def main():
+        bus, sock = _bus([3, 2])
+        bus._loop = asyncio.get_running_loop()    # (as connect() does)
+        sock.discard = lambda: 0
+        sock.close = lambda: None
+        seen = []
+        bus.on_control = seen.append
+        bus.on_closed(1006, "")
+        assert seen == [{"type": "unreachable", "ids": [2, 3]}] and not bus.connected
+        bus.on_closed(None, "no welcome within 5 s")   # a failed reconnect attempt: said once
+        assert [o for o in seen if o["type"] == "unreachable"] == [seen[0]]
+        bus.close()
+
+    asyncio.run(main())

@@ -73,7 +73,8 @@ class MeshBus:
         high_water_bytes: queued + buffered bytes per path at which ``pressure()`` reaches 1.
         channel_high_water_bytes: flow control on each channel's ``bufferedAmount``.
         max_queue_bytes: per-path send queue bound (beyond it: ``send_overflow``).
-        on_control: called with every server control (not ``signal``) and ``failed``.
+        on_control: called with every server control (not ``signal``), ``failed``, and
+            ``unreachable`` (the relay's link closed) naming the peers without a direct path.
         on_fallback: called with ``(peer, state it left, why)`` when a path moves to the relay.
         relay_while_connecting: a pair's frames take the relay until its channel is open
             (else they wait in the path's queue).
@@ -579,6 +580,13 @@ class MeshBus:
         elif t == "signal":
             self._on_signal(obj)
             return
+        elif t == "unreachable":
+            # the relay's link closed: a peer on a direct path is still in reach
+            direct = {k for k, p in self.path_of.items() if p.state is PathState.DIRECT}
+            ids = [k for k in obj.get("ids", ()) if k not in direct]
+            if not ids:
+                return
+            obj = {"type": "unreachable", "ids": ids}
         elif t in ("welcome", "roll_call") and self.writer is not None:
             # a resumed socket (maybe at the node that took the room over): its roll call is the
             # peer table now (docs/PROTOCOL.md "Membership and majority"). A rank that joined

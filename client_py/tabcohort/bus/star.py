@@ -135,7 +135,8 @@ class StarBus:
             carries the chunks).
         channel_high_water_bytes: chunks wait in this bus while the channel buffers this much.
         on_control: called with every well-formed server control after the bus handled it,
-            and with ``{"type": "failed", "reason", "rejoin"}`` when the bus gives up.
+            with ``{"type": "unreachable", "ids"}`` (every peer, sorted) when a linked socket
+            closes, and with ``{"type": "failed", "reason", "rejoin"}`` when the bus gives up.
 
     Raises:
         ConfigError: a bad precision, size or bound.
@@ -511,6 +512,10 @@ class StarBus:
         if n:
             self.room.count("disconnected", n)
         was = self.room.connected
+        if was and self.room.peers:
+            # every peer's path was this link: they are out of reach until heard from again
+            # (docs/PROTOCOL.md "Membership and majority": a leader must not go on alone)
+            self._emit({"type": "unreachable", "ids": sorted(self.room.peers)})
         at = self.room.lost(code, now_ms=self.now_ms(), reason=reason)
         if at is None:
             (log.warning if self.room.rejoin else log.error)("rank %08x: %s", self.id, self.room.failed)

@@ -306,6 +306,9 @@ class RankMachine:
         self.quarantined: dict[int, float] = {}            # rank -> quarantined until (ms)
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
+        #: members this rank's own link layer cannot reach (:meth:`unreachable`): out of view
+        #: until heard from again
+        self._unreachable: set[int] = set()
         self._silences: Counter[int] = Counter()
         # a held-back rank (silent or on probation) -> the (term, step) of its last bucket that
         # counted as in time; a rank on probation -> the rounds that finished without its bucket,
@@ -504,7 +507,8 @@ class RankMachine:
         lets exactly one side of an even split go on; PROTOCOL.md, "Membership and majority").
         A member counts whether or not it is ready (one back from a suspension is on this side
         of any split). ``heard_since_ms``: count only members heard after it (a takeover's
-        view, :meth:`_takeover_heard_since`)."""
+        view, :meth:`_takeover_heard_since`). A member this rank's link layer reported
+        :meth:`unreachable` is out of view until heard from again."""
         # counted without building sets: the leader asks this once or twice per round
         drop_ms, roster = self.policy.drop_ms, self.roster.members
         since = -math.inf if heard_since_ms is None else heard_since_ms
@@ -514,7 +518,8 @@ class RankMachine:
                 continue
             n_members += 1
             m = roster.get(k)
-            seen = bool(m is not None and m.running and now_ms - m.seen_ms <= drop_ms and m.seen_ms > since)
+            seen = bool(m is not None and m.running and now_ms - m.seen_ms <= drop_ms and m.seen_ms > since
+                        and k not in self._unreachable)
             n_visible += seen
             if k < lowest:
                 lowest, lowest_visible = k, seen
@@ -629,6 +634,7 @@ class RankMachine:
         self.roster.members.pop(rank_id, None)
         self._end_probation(rank_id)
         self._silent.discard(rank_id)
+        self._unreachable.discard(rank_id)
         self._credited.pop(rank_id, None)
         self._minor_since.pop(rank_id, None)
         self._bias.forget(rank_id)
@@ -669,6 +675,24 @@ class RankMachine:
                 self.counters["left_by_roll_call"] += 1
                 self.peer_left(k, now_ms=now_ms)
 
+    def unreachable(self, rank_ids: Iterable[int], *, now_ms: float) -> None:
+        """This rank's own link layer has no path to ``rank_ids`` any more (its link to the room
+        closed and no direct path to them is open): they stay members, but are out of view at
+        once for the majority (:meth:`has_majority`) until a message from one is heard again,
+        not only after ``policy.drop`` without their beats. Why: a leader whose only link, the
+        room's relay, closed went on committing rounds of its own bucket alone until their
+        beats were ``policy.drop`` (1.6 s) old: 5,400 rounds of a third of the global batch in
+        one measured run, which the cohort then adopted (PROTOCOL.md, "Membership and
+        majority"). A round in flight that awaits their buckets commits nothing at its end
+        (``round_no_majority``), and the lead pauses (``paused_no_majority``)."""
+        if self._input(now_ms):
+            return
+        ids = {k for k in rank_ids if isinstance(k, int) and not isinstance(k, bool) and k != self.id}
+        ids &= set(self.membership)
+        if ids:
+            self.counters["unreachable"] += len(ids)
+            self._unreachable |= ids
+
     def handle(self, msg: Any, *, now_ms: float) -> None:
         """Feed one decoded peer message. Never raises for bad peer input."""
         if self._input(now_ms):
@@ -697,6 +721,7 @@ class RankMachine:
         if t == "grad" and len(msg["g"]) != self.worker.bucket_len:
             self.drops["grad_bad_length"] += 1
             return
+        self._unreachable.discard(sender)              # heard from: in view again
         returning = sender not in self.roster.members and self.flaps.get(sender, 0) > 0
         m = self.roster.refresh(msg, now_ms)
         if m.term > self.term and not self.may_lead_rank(sender):
@@ -1012,6 +1037,7 @@ class RankMachine:
             self._bias.forget(k)
         for k in [k for k, t in self.membership.items() if now_ms - t > self.policy.forget_ms]:
             del self.membership[k]
+            self._unreachable.discard(k)
             self._end_probation(k)
             self._credited.pop(k, None)
             self.applied_by.pop(k, None)

@@ -139,6 +139,13 @@ class RankDriver:
         self.machine.peer_left(rank_id, now_ms=self.now_ms())
         self._flush()
 
+    def unreachable(self, rank_ids: list) -> None:
+        """This rank's bus lost its path to ``rank_ids`` (``RankMachine.unreachable``)."""
+        if self._closed:
+            return
+        self.machine.unreachable(rank_ids, now_ms=self.now_ms())
+        self._flush()
+
     def roll_call(self, connected: list) -> None:
         """A ``welcome`` (the link opened again) lists every other rank connected to the room:
         members it omits left while this rank was away (``RankMachine.roll_call``)."""

@@ -344,6 +344,10 @@ class RankSession:
             k = obj.get("id")
             if isinstance(k, int) and not isinstance(k, bool) and self.driver is not None:
                 self.driver.peer_left(k)
+        elif t == "unreachable" and isinstance(obj.get("ids"), list) and self.driver is not None:
+            # the bus's own word: its link to the room closed, so the peers it carried are out of
+            # reach until heard from again (PROTOCOL.md, "Membership and majority")
+            self.driver.unreachable(obj["ids"])
         elif (t == "roll_call" or (t == "welcome" and obj.get("partial") is not True)) \
                 and isinstance(obj.get("peers"), list) and self.driver is not None:
             # the link opened again: the ranks the server lists are the room's connected ranks,
