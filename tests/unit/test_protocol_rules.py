@@ -771,6 +771,54 @@ def test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a
     assert v.m.ready
 
 
+def test_a_joiner_told_the_roll_call_is_partial_bootstraps_no_lineage_until_the_roll_call():
+    # "Joining": a restarted server's welcome is partial (its roll call is not in: ranks of its
+    # previous life, the leader among them, are still reconnecting). A rank joining then hears
+    # nobody and holds a membership of itself alone; bootstrapping, it started a term above its
+    # checkpoint's, the server took it for the leader and refused the real leader's checkpoint
+    # (a fault campaign, --no-direct). It waits for the roll call, or for a round
+    from tabcohort.protocol.machine import ROLL_CALL_WAIT_MS
+
+    r = rig(1)
+    r.m.roll_call_partial(now_ms=0)
+    r.m.start(now_ms=0)
+    t = 0.0
+    while t < 10 * T.beat_ms:
+        t += T.beat_ms
+        r.m.on_timer(now_ms=t)
+    assert not r.m.ready and r.m.counters["bootstrap"] == 0 and r.m.counters["join_waited_for_roll_call"] >= 2
+    r.m.handle(beat(9, ready=True, running=True, term=3, step=500), now_ms=t + 1)   # the leader, back
+    r.m.handle(round_msg(9, 501, term=3), now_ms=t + 2)
+    assert r.m.ready and r.m.following == 9 and not r.m.is_leader(t + 2)
+    # the whole roll call lists nobody: the room is this rank's, it bootstraps as any joiner
+    q = rig(1)
+    q.m.roll_call_partial(now_ms=0)
+    q.m.start(now_ms=0)
+    for t in (400, 800, 1200):
+        q.m.on_timer(now_ms=t)
+    assert not q.m.ready
+    q.m.roll_call([], now_ms=1300)
+    q.m.on_timer(now_ms=1600)
+    q.m.on_timer(now_ms=2000)
+    assert q.m.ready and q.m.is_leader(2000) and q.m.counters["bootstrap"] == 1
+    # the wait is bounded (a roll call that never comes): the ranks' reconnect bound
+    b = rig(1)
+    b.m.roll_call_partial(now_ms=0)
+    b.m.start(now_ms=0)
+    t = 0.0
+    while not b.m.ready and t < ROLL_CALL_WAIT_MS + 4 * T.beat_ms:
+        t += T.beat_ms
+        b.m.on_timer(now_ms=t)
+    assert b.m.ready and ROLL_CALL_WAIT_MS <= t <= ROLL_CALL_WAIT_MS + 2 * T.beat_ms
+
+
+def test_the_roll_call_wait_is_the_ranks_reconnect_bound():
+    from tabcohort.bus.room import RECONNECT_MAX_S
+    from tabcohort.protocol.machine import ROLL_CALL_WAIT_MS
+
+    assert ROLL_CALL_WAIT_MS == RECONNECT_MAX_S * 1000.0
+
+
 # ---------------------------------------------------------------- heartbeat, takeover
 def test_suspended_rank_clears_ready_and_rejoins():
     r = leader_rig([3], rank_id=1)
@@ -1287,6 +1335,9 @@ def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_
         def unreachable(self, ids):
             self.calls.append(("unreachable", ids))
 
+        def roll_call_partial(self):
+            self.calls.append(("roll_call_partial",))
+
         machine = None
 
     s = RankSession()
@@ -1298,12 +1349,58 @@ def test_the_session_feeds_a_welcome_to_the_roll_call_and_a_closed_link_to_peer_
     # until its whole one (PROTOCOL.md "Membership and majority")
     s.on_control({"type": "welcome", "id": 2, "secret": "x", "peers": [], "partial": True, "may_lead": True,
                   "lead_peers": []})
+    assert s.roll_call_partial                           # (told to the machine: "Joining")
     s.on_control({"type": "roll_call", "peers": [3]})
-    assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4), ("roll_call", [3])]
+    assert s.driver.calls == [("roll_call", [3, 4]), ("peer_left", 4), ("roll_call_partial",), ("roll_call", [3])]
+    assert not s.roll_call_partial
     # the bus's own word that its link closed (ids not a list: ignored)
     s.on_control({"type": "unreachable", "ids": [3]})
     s.on_control({"type": "unreachable", "ids": "3"})
-    assert s.driver.calls[-1] == ("unreachable", [3]) and len(s.driver.calls) == 4
+    assert s.driver.calls[-1] == ("unreachable", [3]) and len(s.driver.calls) == 5
+
+
+@pytest.mark.needs_loop
+def test_a_seat_whose_welcome_was_partial_tells_its_machine_so():
+    # the first welcome comes while the bus connects, before the seat's machine exists: the
+    # session keeps it and the seat tells the machine ("Joining": no bootstrap till the roll call)
+    import asyncio
+
+    from tabcohort.model.toy import ToyWorker
+    from tabcohort.protocol import Timing as Tm
+    from tabcohort.runtime.session import RankSession
+
+    class Bus:
+        id, may_lead, lead_roles = 1, True, {}
+        on_message = None
+
+        def post(self, msg):
+            pass
+
+        def pressure(self):
+            return 0.0
+
+        def quantize(self, params):
+            return None
+
+        def total_bytes(self):
+            return 0
+
+    job = {"timing": {k: getattr(Tm(), k) for k in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms")},
+           "lr": 0.1, "eval_every": 10, "precision": "f32"}
+
+    async def seat(partial):
+        s = RankSession()
+        s.on_control({"type": "welcome", "id": 1, "secret": "x", "peers": [], "may_lead": True, "lead_peers": [],
+                      **({"partial": True} if partial else {})})
+        m, d = s.seat(Bus(), ToyWorker(bucket_len=4, batch=2), job, "job-test")
+        await d.close()
+        return m
+
+    async def both():
+        return await seat(True), await seat(False)
+
+    told, not_told = asyncio.run(both())
+    assert told._roll_call_partial_until_ms > 0 and not_told._roll_call_partial_until_ms < 0
 
 
 def test_a_round_with_non_finite_parameters_is_never_adopted():

@@ -68,6 +68,11 @@ _QUARANTINE_CLIP_RATIO = 10.0
 _QUARANTINE_MS = 60_000.0
 #: the largest step a round may carry (a u64 beyond this is no step any lineage reached)
 _MAX_STEP = 2**63 - 1
+#: "Joining": how long a rank told that the server's roll call is partial (a restarted server's
+#: ``welcome``) waits for the whole one before it may bootstrap: the ranks' reconnect bound
+#: (``tabcohort.bus.room.RECONNECT_MAX_S``, 30 s; a test keeps them equal). Every rank of the
+#: server's previous life that comes back has done so within it
+ROLL_CALL_WAIT_MS = 30_000.0
 #: "Publish": a member that announces a step below the final publish is sent it again at most
 #: this often (a lossy link loses each send with its loss rate; a member that never catches up,
 #: e.g. one that refuses the round, costs at most this many model sends)
@@ -415,6 +420,9 @@ class RankMachine:
         self._witnessed_leads: set[int] = set()
         # "Suspension": a rank back from a suspension bootstraps no lineage before this time
         self._bootstrap_not_before_ms = -math.inf
+        # "Joining": the server's roll call is partial (a restarted server's welcome) until its
+        # ``roll_call`` or this time: no bootstrap before it
+        self._roll_call_partial_until_ms = -math.inf
         # "Membership and majority", the witness: when the server said the leader this rank
         # followed left (None once ``policy.drop`` has passed since, or before any)
         self._lead_left_ms: float | None = None
@@ -670,6 +678,7 @@ class RankMachine:
             return
         listed = {k for k in connected if isinstance(k, int) and not isinstance(k, bool)}
         self._witnessed_leads &= listed          # ("Joining": one not listed has no link)
+        self._roll_call_partial_until_ms = -math.inf   # ("Joining": the whole roll call is in)
         for k in sorted(self.membership):
             if k != self.id and k not in listed:
                 self.counters["left_by_roll_call"] += 1
@@ -680,11 +689,12 @@ class RankMachine:
         closed and no direct path to them is open): they stay members, but are out of view at
         once for the majority (:meth:`has_majority`) until a message from one is heard again,
         not only after ``policy.drop`` without their beats. Why: a leader whose only link, the
-        room's relay, closed went on committing rounds of its own bucket alone until their
-        beats were ``policy.drop`` (1.6 s) old: 5,400 rounds of a third of the global batch in
-        one measured run, which the cohort then adopted (PROTOCOL.md, "Membership and
-        majority"). A round in flight that awaits their buckets commits nothing at its end
-        (``round_no_majority``), and the lead pauses (``paused_no_majority``)."""
+        room's relay, closed went on committing rounds no other rank received until their
+        beats were ``policy.drop`` (1.6 s) old (about 5,400 in a measured run of three ranks
+        whose server was killed): a lineage of its own, thrown away once another rank took
+        over (PROTOCOL.md, "Membership and majority"). A round in flight that awaits their
+        buckets commits nothing at its end (``round_no_majority``), and the lead pauses
+        (``paused_no_majority``)."""
         if self._input(now_ms):
             return
         ids = {k for k in rank_ids if isinstance(k, int) and not isinstance(k, bool) and k != self.id}
@@ -692,6 +702,18 @@ class RankMachine:
         if ids:
             self.counters["unreachable"] += len(ids)
             self._unreachable |= ids
+
+    def roll_call_partial(self, *, now_ms: float) -> None:
+        """The server says its roll call is partial (a restarted server's ``welcome``,
+        ``partial: true``): ranks it does not list may be on their way back. Until its whole roll
+        call (:meth:`roll_call`), for at most :data:`ROLL_CALL_WAIT_MS`, this rank bootstraps no
+        lineage (PROTOCOL.md, "Joining"). Why: a rank that joined a restarted server before the
+        room's leader was back heard nobody, held a membership of itself alone and bootstrapped a
+        term above its checkpoint's; the server took it for the leader and refused the real
+        leader's checkpoint (a fault campaign over the WebSocket star)."""
+        if self._input(now_ms):
+            return
+        self._roll_call_partial_until_ms = max(self._roll_call_partial_until_ms, now_ms + ROLL_CALL_WAIT_MS)
 
     def handle(self, msg: Any, *, now_ms: float) -> None:
         """Feed one decoded peer message. Never raises for bad peer input."""
@@ -1180,6 +1202,11 @@ class RankMachine:
             # "Joining": the server says a rank that may lead is connected, and it is not heard
             # (a leader whose compute held its event loop; its beats are late): no attempt yet
             self.counters["join_waited_for_witnessed_lead"] += 1
+            return
+        if now_ms < self._roll_call_partial_until_ms:
+            # "Joining": the server's roll call is partial (it restarted): a rank that may lead
+            # and has not reconnected yet is not heard, nor is it in any list; no attempt yet
+            self.counters["join_waited_for_roll_call"] += 1
             return
         self._join_attempts += 1
         not_behind = [m for m in live if m.running and self.may_lead_rank(m.id) and (m.term, m.step) >= mine]

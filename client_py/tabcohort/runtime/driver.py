@@ -154,6 +154,14 @@ class RankDriver:
         self.machine.roll_call(connected, now_ms=self.now_ms())
         self._flush()
 
+    def roll_call_partial(self) -> None:
+        """A restarted server's ``welcome`` is partial: ranks it does not list may be on their
+        way back; no bootstrap until its ``roll_call`` (``RankMachine.roll_call_partial``)."""
+        if self._closed:
+            return
+        self.machine.roll_call_partial(now_ms=self.now_ms())
+        self._flush()
+
     def state(self) -> dict:
         """A fresh state report, with the bus's wire-level drops merged in."""
         st = self.machine.state(self.now_ms())

@@ -279,6 +279,9 @@ class RankSession:
         self.operator_lr: float | None = None
         self.rejoin = False
         self.n_rejoins = 0
+        #: the last ``welcome`` was partial (a restarted server's) and no ``roll_call`` came since:
+        #: the next seat is told so (PROTOCOL.md "Joining": it bootstraps no lineage till then)
+        self.roll_call_partial = False
 
     def seat(self, bus: Any, worker: Any, job: dict, jh: str) -> tuple[Any, Any]:
         """The machine and driver for one seat on ``bus`` (connected), at :attr:`start_step`."""
@@ -298,6 +301,8 @@ class RankSession:
         machine.set_roles(may_lead=may_lead)   # the server names roles: enforced
         for k, may in peer_roles.items():      # the server's word on each peer's role
             machine.peer_role(k, may)
+        if self.roll_call_partial:              # (its welcome came before this seat's machine)
+            machine.roll_call_partial(now_ms=RankDriver.clock_ms(asyncio.get_running_loop()))
 
         def at_limit(_state: dict) -> None:   # stopped at the job's step limit
             if machine.at_step_limit and not machine.running:
@@ -339,6 +344,12 @@ class RankSession:
 
         t = obj.get("type")
         apply_roles(self.driver, obj)
+        if t == "welcome" or t == "roll_call":
+            self.roll_call_partial = t == "welcome" and obj.get("partial") is True
+            if self.roll_call_partial and self.driver is not None:
+                # a restarted server: a rank that may lead, not back yet, is in no list; a rank
+                # that joins now must not take the room for leaderless (PROTOCOL.md "Joining")
+                self.driver.roll_call_partial()
         if t == "peer" and obj.get("up") is False:
             # the server saw the rank's link close: it left (PROTOCOL.md, "Membership and majority")
             k = obj.get("id")
