@@ -26,9 +26,9 @@ async def _leave(s: RankSession, publish_after_s: float) -> float:
     async def leader() -> None:                   # rounds keep coming, then the publication
         t_end = time.monotonic() + publish_after_s
         while time.monotonic() < t_end:
-            s.rounds_seen += 1
+            s.saw_round({"t": "round", "assign": [[1, 0, 2]]})
             await asyncio.sleep(0.01)
-        s.publish_seen = True
+        s.saw_round({"t": "round", "assign": []})
 
     task = asyncio.ensure_future(leader())
     t0 = time.monotonic()
@@ -53,3 +53,26 @@ def test_a_follower_that_stops_alone_leaves_while_the_leader_drives_on():
     s.request_stop("interrupted")
     waited = asyncio.run(_leave(s, publish_after_s=3.0))
     assert not s.publish_seen and waited < 2.5            # (the publication would come at 3 s)
+
+
+@pytest.mark.needs_loop
+def test_a_follower_that_read_the_stop_after_the_leaders_publication_leaves_at_once():
+    # the server tells every rank at once; the leader read it first and published before this
+    # rank read its own stop: the publication counts (a follower waited the whole 5 s for it)
+    s = RankSession()
+    s.saw_round({"t": "round", "assign": []})
+    s.on_control({"type": "stop", "reason": "the server is shutting down"})
+    machine, driver, bus = _follower()
+
+    async def leave() -> float:
+        t0 = time.monotonic()
+        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
+        return time.monotonic() - t0
+
+    assert asyncio.run(leave()) < 1.0 and s.publish_seen
+    old = RankSession()                                   # one long before the stop does not count
+    old.saw_round({"t": "round", "assign": []})
+    old.publish_seen_s -= 10.0
+    old.on_control({"type": "stop", "reason": "the server is shutting down"})
+    old._publish_since_s = old.room_stop_s - 1.0          # (as leave() sets it)
+    assert not old.publish_seen

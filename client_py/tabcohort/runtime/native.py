@@ -556,15 +556,13 @@ class RankRun(RankSession):
                         k = msg["from"]
                         if msg.get("assign"):
                             self.round_gaps.record(time.monotonic(), time.time())
-                            self.rounds_seen += 1
+                        self.saw_round(msg)
                         if not self.leaders or self.leaders[-1][0] != k:
                             self.leaders.append([k, time.time(), int(msg["step"])])
                             del self.leaders[:-20]
                         loss = msg.get("loss")
                         if self.first_loss is None and isinstance(loss, float) and math.isfinite(loss):
                             self.first_loss = loss
-                        if not msg.get("assign"):
-                            self.publish_seen = True
                     inner(msg)
                 bus.on_message = tap
                 for sig in (signal.SIGTERM, signal.SIGINT):

@@ -143,6 +143,10 @@ def package_version() -> str:
 
 #: how long a leaving leader stays for its re-publishes at most, seconds (PROTOCOL.md "Publish")
 REPUBLISH_LINGER_S = 3.0
+#: when the server stops a room, a publication that arrived up to this long (s) before its
+#: ``stop`` reached this rank counts as the stopping leader's: the server tells every rank at
+#: once, and the leader may read it, and publish, first
+STOP_SKEW_S = 1.0
 
 def checkpoint_term(headers: dict) -> int:
     """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
@@ -260,12 +264,17 @@ class RankSession:
         self.stop_event: asyncio.Event | None = None
         self.stop_reason: str | None = None
         self.failed: str | None = None
-        self.publish_seen = False
-        #: rounds with an assignment seen (the runtimes' taps count them): a leader that keeps
-        #: sending them after this rank stopped is not stopping, and no publication is coming
+        #: when (``time.monotonic()``, s) the last publication (a round without an assignment)
+        #: arrived, from :meth:`saw_round`
+        self.publish_seen_s: float | None = None
+        #: rounds with an assignment seen (:meth:`saw_round`): a leader that keeps sending them
+        #: after this rank stopped is not stopping, and no publication is coming
         self.rounds_seen = 0
-        #: the server stopped the whole room (a ``stop`` control): the leader is stopping too
+        #: the server stopped the whole room (a ``stop`` control): the leader is stopping too;
+        #: ``room_stop_s`` is when (``time.monotonic()``) that control arrived
         self.room_stopping = False
+        self.room_stop_s = 0.0
+        self._publish_since_s = math.inf   # (set by leave())
         self.driver: Any = None
         self.bus: Any = None
         self.start_step = 0
@@ -382,7 +391,8 @@ class RankSession:
             reason = str(obj.get("reason"))
             if reason.startswith("diverged"):   # the room ended because training diverged
                 self.failed = reason
-            self.room_stopping = True
+            if not self.room_stopping:
+                self.room_stopping, self.room_stop_s = True, time.monotonic()
             self.request_stop(f"server: {reason}")
         elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
             self.rejoin = True              # the resume was refused: the run joins again
@@ -398,6 +408,21 @@ class RankSession:
         if self.stop_event is not None:
             self.stop_event.set()
 
+    def saw_round(self, msg: dict) -> None:
+        """A ``round`` arrived (the runtimes' taps): count it when it assigns work, else note
+        the publication (PROTOCOL.md "Controls": a stopping leader publishes a round without an
+        assignment)."""
+        if msg.get("assign"):
+            self.rounds_seen += 1
+        else:
+            self.publish_seen_s = time.monotonic()
+
+    @property
+    def publish_seen(self) -> bool:
+        """A publication arrived since this rank's stop began (:meth:`leave`), or within
+        :data:`STOP_SKEW_S` before the server's ``stop`` of the whole room reached it."""
+        return self.publish_seen_s is not None and self.publish_seen_s >= self._publish_since_s
+
     async def leave(self, machine: Any, driver: Any, bus: Any, *, upload: Callable[[bool], Awaitable[None]],
                     final_report: Callable[[], dict], poll_s: float = 0.02) -> dict:
         """Leave the cohort: the leader publishes and uploads the final checkpoint, a follower
@@ -411,10 +436,13 @@ class RankSession:
         was_leader = machine.looping or machine.is_leader(driver.now_ms()) or (
             machine.at_step_limit and machine.counters.get("published", 0) > 0)
         # a follower waits for the leader's publication *after* this stop (PROTOCOL.md,
-        # "Controls": a stopping leader publishes); one seen earlier does not count
-        self.publish_seen = False
-        driver.stop()
+        # "Controls": a stopping leader publishes); one seen earlier does not count, but when the
+        # server stops the room it tells every rank at once, and a leader that read it first
+        # published before this rank read its own (its follower then waited the whole 5 s for a
+        # publication it held: 3 of 14 runs of a fault campaign)
         t0 = time.monotonic()
+        self._publish_since_s = self.room_stop_s - STOP_SKEW_S if self.room_stopping else t0
+        driver.stop()
         end, rounds0 = t0 + 5.0, self.rounds_seen
 
         def leader_drives_on() -> bool:

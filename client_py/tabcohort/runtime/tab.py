@@ -152,10 +152,7 @@ class TabRun(RankSession):
                     self.gaps["recv_max_ms"] = max(self.gaps["recv_max_ms"], now - self._last_recv_ms)
                 self._last_recv_ms = now
                 if msg.get("t") == "round":
-                    if not msg.get("assign"):
-                        self.publish_seen = True
-                    else:
-                        self.rounds_seen += 1
+                    self.saw_round(msg)
                 inner(msg)
             bus.on_message = tap
             bus_post = bus.post
