@@ -659,6 +659,11 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     if not room.plausible_step(step, time.monotonic()):
         raise _refuse_upload(room, "step_implausible", web.HTTPConflict,
                              f"step {step} is far ahead of the room's step {room.step()}")
+    job = h.get("X-Tabcohort-Job")
+    if job is not None and job != a.job_hash:
+        # a rank still on the job this server ran before a restart with another one
+        raise _refuse_upload(room, "other_job", web.HTTPConflict,
+                             f"the checkpoint is of job {job[:64]}; the room trains job {a.job_hash}")
     final = h.get("X-Tabcohort-Final") == "1"
     newest = room.store.latest_meta()
     if newest is not None and step < newest["step"]:
@@ -898,7 +903,8 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                     await ws.send_str(item)
                     room.sent(peer, item)
 
-    room.send_control(peer, room.welcome(peer, resumed=resumed))
+    # (with the job's hash: a rank resuming on a server restarted with another job stops)
+    room.send_control(peer, {**room.welcome(peer, resumed=resumed), "job_hash": request.app[ASSETS][room.name].job_hash})
     if room.stopped:  # a rank that joins a stopped room is told at once, as the others were
         room.send_control(peer, {"type": "stop", "reason": room.stop_reason})
     room.announce(peer, True)

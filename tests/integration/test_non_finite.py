@@ -234,3 +234,23 @@ def test_serve_stops_a_room_whose_parameters_ran_away_and_the_ranks_exit_1(clust
     st = wait_for(lambda: (s := cluster.state())["stopped"] and s, 90, "the room to stop")
     assert st["stop_reason"].startswith("diverged at step") and "loss has stayed above" in st["stop_reason"], st
     assert [p.p.wait(30) for p in ranks] == [1, 1]
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_of_another_job_is_refused_and_the_welcome_names_the_job(app_client, tmp_path):
+    # a rank that resumed its id on a server restarted with another job of the same length:
+    # its old job's model was stored as the new job's checkpoint
+    job = await (await app_client.get("/api/rooms/r/job")).json()
+    ws, welcome = await _register(app_client)
+    assert welcome["job_hash"] == job["job_hash"]
+    good = f32([0.5] * job["bucket_len"])
+    h = {"X-Tabcohort-Rank": str(welcome["id"]), "X-Tabcohort-Secret": welcome["secret"],
+         "X-Tabcohort-Step": "5", "X-Tabcohort-Digest": hashlib.sha256(good).hexdigest()}
+    r = await app_client.put("/api/rooms/r/checkpoint", data=good, headers={**h, "X-Tabcohort-Job": "0" * 32})
+    text = await r.text()
+    assert r.status == 409 and job["job_hash"] in text and "0" * 32 in text
+    assert checkpoint.load(str(tmp_path / "ck"), "r") is None
+    assert app_client.server.app[ROOMS].get("r").drops["checkpoint_other_job"] == 1
+    r = await app_client.put("/api/rooms/r/checkpoint", data=good, headers={**h, "X-Tabcohort-Job": job["job_hash"]})
+    assert r.status == 200, await r.text()
+    await ws.close()

@@ -214,6 +214,10 @@ def upload_headers(machine: Any, bus: Any, body_digest: str, *, final: bool) -> 
     h = {"X-Tabcohort-Rank": str(bus.id), "X-Tabcohort-Secret": bus.secret or "",
          "X-Tabcohort-Step": str(machine.step), "X-Tabcohort-Digest": body_digest,
          "X-Tabcohort-Cursor": str(int(machine.checkpoint_cursor)), "X-Tabcohort-Loss": repr(float(machine.loss))}
+    if isinstance(getattr(machine, "job", None), str):
+        # the job this model was trained on: a server restarted with another job refuses it
+        # (a rank that resumed its id there uploaded its old job's model as the new job's)
+        h["X-Tabcohort-Job"] = machine.job
     acc = machine.accuracy
     if isinstance(acc, (int, float)) and math.isfinite(acc):
         h["X-Tabcohort-Accuracy"] = repr(float(acc))
@@ -291,6 +295,8 @@ class RankSession:
         #: the last ``welcome`` was partial (a restarted server's) and no ``roll_call`` came since:
         #: the next seat is told so (PROTOCOL.md "Joining": it bootstraps no lineage till then)
         self.roll_call_partial = False
+        #: the job hash this rank's seats run (set by :meth:`seat`)
+        self.job_hash: str | None = None
 
     def seat(self, bus: Any, worker: Any, job: dict, jh: str) -> tuple[Any, Any]:
         """The machine and driver for one seat on ``bus`` (connected), at :attr:`start_step`."""
@@ -299,6 +305,7 @@ class RankSession:
         from .driver import RankDriver, bus_role
 
         may_lead, peer_roles = bus_role(bus)
+        self.job_hash = jh
         machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(asyncio.get_running_loop()),
                               timing=Timing(**job["timing"]), lr=self.job_lr(job), eval_every=job["eval_every"],
                               precision=job["precision"], collect_rule=job.get("collect_rule", "grace"),
@@ -352,6 +359,14 @@ class RankSession:
         from .driver import apply_roles
 
         t = obj.get("type")
+        if t == "welcome" and isinstance(obj.get("job_hash"), str) and self.job_hash is not None \
+                and obj["job_hash"] != self.job_hash:
+            # a server restarted with another job took this rank's resume: training on would be
+            # the old job's model in the new job's room (its checkpoints stored as the new job's)
+            self.failed = (f"the server now serves another job (job hash {obj['job_hash']}; this rank "
+                           f"runs {self.job_hash}): start the rank again to fetch the room's job")
+            self.request_stop(f"job changed: {self.failed}")
+            return
         apply_roles(self.driver, obj)
         if t == "welcome" or t == "roll_call":
             self.roll_call_partial = t == "welcome" and obj.get("partial") is True
