@@ -52,7 +52,7 @@ class RoomAssets:
         return 4 * (self.bucket_len + self.state_len)
 
     def _load_job(self, room: Room) -> None:
-        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, JobError, load_job, loss_ceiling, probe, resolve_backend
+        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, JobError, check_round_fits, load_job, loss_ceiling, probe, resolve_backend
 
         job = room.job
         ref, options = job.job_ref()
@@ -88,6 +88,7 @@ class RoomAssets:
         from tabcohort.protocol.optim import TrainConfig
         train = TrainConfig.from_job(job)
         self.state_len = train.state_len(self.bucket_len)   # the leader's optimizer state
+        check_round_fits(loaded, self.bucket_len, self.state_len)   # (JobError: before listening)
         self.job_hash = loaded.job_hash(self.worker, train.spec())
         self.job_code = loaded.source.bundle
         self.job_data = loaded.data.raw

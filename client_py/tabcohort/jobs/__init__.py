@@ -377,6 +377,37 @@ PROBE_SAMPLES = 8
 PROBE_TIMEOUT_S = 120.0
 
 
+#: room for a round frame's other fields (step, term, assignment ...) beside its vectors
+ROUND_FRAME_HEADROOM = 1 << 20
+
+
+def check_round_fits(job: LoadedJob, bucket_len: int, state_len: int = 0) -> None:
+    """A round carries the parameters and the optimizer state (``state_len`` values) in one
+    frame, at float32 at worst (f16 and bf16 fall back to it): it must fit the frame a receiver
+    reassembles (``WireLimits.max_frame_bytes``, 64 MiB) and each vector ``max_vector_len``.
+    Before, a larger job passed every check and trained on its leader alone: every follower
+    dropped every round (``simulate`` ended "bit-identical: NO" with no reason).
+
+    Raises:
+        JobError: naming the size, the bound and the largest model that fits.
+    """
+    from ..wire.limits import WireLimits
+
+    lim = WireLimits()
+    room = lim.max_frame_bytes - ROUND_FRAME_HEADROOM
+    need = 4 * (bucket_len + state_len)
+    if need <= room and max(bucket_len, state_len) <= lim.max_vector_len:
+        return
+    per = 2 if state_len else 1
+    most = min(room // (4 * per), lim.max_vector_len)
+    state = f" and {state_len:,} of optimizer state" if state_len else ""
+    raise JobError(f"bucket_len {bucket_len:,}{state}: a round carries {need / 2**20:.1f} MiB at float32, more "
+                   f"than a frame may hold ({lim.max_frame_bytes >> 20} MiB, WireLimits.max_frame_bytes), so no "
+                   f"follower could receive one; at most {most:,} parameters"
+                   + (" with this outer optimizer's state (the sgd outer optimizer carries none)" if state_len else ""),
+                   job.source.ref)
+
+
 def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
           worker: JobWorker | None = None, timeout_s: float | None = None) -> JobWorker:
     """The checks before any rank joins: build a worker (or take ``worker``), check

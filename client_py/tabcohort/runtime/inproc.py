@@ -181,7 +181,7 @@ class InprocCohort:
 
     def __init__(self, cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> None:
         cfg.validate()
-        from ..jobs import BUILTIN, PROBE_TIMEOUT_S, load_job, probe
+        from ..jobs import BUILTIN, PROBE_TIMEOUT_S, check_round_fits, load_job, probe
         from ..jobs.builtin_mlp import canonical
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
@@ -189,8 +189,9 @@ class InprocCohort:
         options = dict(cfg.job_options) or None if cfg.job else canonical(
             {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "activation": cfg.activation, "data_seed": cfg.seed})
         self.loaded_job = load_job(cfg.job or BUILTIN, options=options)   # JobError before any rank starts
-        probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend,
-              timeout_s=None if sys.platform == "emscripten" else PROBE_TIMEOUT_S)   # (no threads there)
+        w = probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend,
+                  timeout_s=None if sys.platform == "emscripten" else PROBE_TIMEOUT_S)   # (no threads there)
+        check_round_fits(self.loaded_job, w.bucket_len, cfg.train.state_len(w.bucket_len))
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
         self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision,
