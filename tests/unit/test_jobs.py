@@ -249,6 +249,11 @@ def test_job_options_reach_load_data_and_the_factory_and_the_job_hash(tmp_path):
         load_job(path, options={"size": 3})
     with pytest.raises(JobError, match="takes no options"):
         load_job(_job(tmp_path), options={"scale": 2.0})
+    # a name in both: load_data got the local value, the factory and the hash the other
+    both = _job(tmp_path, OPTIONS_JOB.replace("OPTIONS = {\"scale\": 1.0}", "OPTIONS = {\"scale\": 1.0}\n"
+                                              "LOCAL_OPTIONS = {\"scale\": 3.0}"), name="bothjob.py")
+    with pytest.raises(JobError, match="scale is in both OPTIONS and LOCAL_OPTIONS"):
+        load_job(both)
 
 
 def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchronously(tmp_path):

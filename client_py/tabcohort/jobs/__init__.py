@@ -285,6 +285,10 @@ def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dic
     given = dict(given or {})
     if not isinstance(local, dict):
         raise JobError(f"LOCAL_OPTIONS must be a dict, got {type(local).__name__}", source.ref)
+    both = sorted(set(local) & set(defaults)) if isinstance(defaults, dict) else []
+    if both:   # (load_data got the local value, the factory and the job hash the other)
+        raise JobError(f"{', '.join(both)} is in both OPTIONS and LOCAL_OPTIONS: a name is one or the other "
+                       "(OPTIONS are in the job hash and published, LOCAL_OPTIONS reach only load_data)", source.ref)
     local = {**local, **{k: given.pop(k) for k in list(given) if k in local}}
     if defaults is None:
         if given:
