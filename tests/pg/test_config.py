@@ -90,6 +90,8 @@ CASES = [
       "PG_ICE_SERVERS": "http://stun.example"}, "PG_ICE_SERVERS"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_ROOM": "r"}, "PG_ROOM"),
     ({"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "PG_RTC_HOSTS": "127.0.0.1"}, "PG_RTC_HOSTS"),
+    # one address twice in a mesh: rank 0 waited PG_CONNECT_TIMEOUT_S for a rank that cannot listen
+    ({"RANK": "0", "WORLD": "2", "PEERS": "127.0.0.1:29500,127.0.0.1:29500"}, "PEERS"),
 ]
 
 
@@ -125,6 +127,12 @@ def test_async_bring_up_validates_before_the_transport(monkeypatch):
     with pytest.raises(ConfigError) as ei:
         asyncio.run(init_process_group(env={"RANK": "0", "WORLD": "2", "PEERS": PEERS2, "TOPOLOGY": "bus"}))
     assert ei.value.variable == "TOPOLOGY"
+
+
+def test_a_star_may_repeat_an_address_its_workers_do_not_listen_at():
+    cfg = load_config(env={"RANK": "1", "WORLD": "2", "PEERS": "127.0.0.1:29500,127.0.0.1:29500", "TOPOLOGY": "star"},
+                      resolve=False)
+    assert cfg.topology == "star"
 
 
 def test_good_config_and_star_needs_only_the_hub():

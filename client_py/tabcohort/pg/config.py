@@ -264,6 +264,12 @@ def load_config(*, env: Mapping[str, str] | None = None, resolve: bool = True, *
             raise ConfigError(pvar, pv, "not set: a static group of more than one rank needs PEERS=host:port,...")
         if topology == "mesh" and len(peers) != world:
             raise ConfigError(pvar, pv, f"mesh needs one peer per rank: {len(peers)} given, world size {world}")
+        if topology == "mesh" and len(set(peers)) != len(peers):
+            # (each mesh rank listens at its own entry: a repeated one left a rank waiting for
+            # PG_CONNECT_TIMEOUT_S, then "rank(s) [1] did not connect")
+            dup = next(p for i, p in enumerate(peers) if p in peers[:i])
+            raise ConfigError(pvar, pv, f"{dup[0]}:{dup[1]} is given twice: every mesh rank listens at an address "
+                                        "and port of its own")
         if topology == "star" and len(peers) not in (1, world):
             raise ConfigError(pvar, pv, f"star needs the hub's address or one per rank: {len(peers)} given, "
                                         f"world size {world}")
