@@ -904,7 +904,8 @@ async def _serve_peer(request: web.Request, ws: web.WebSocketResponse, room: Roo
                     room.sent(peer, item)
 
     # (with the job's hash: a rank resuming on a server restarted with another job stops)
-    room.send_control(peer, {**room.welcome(peer, resumed=resumed), "job_hash": request.app[ASSETS][room.name].job_hash})
+    room.send_control(peer, {**room.welcome(peer, resumed=resumed),
+                             "job_hash": request.app[ASSETS][room.name].job_hash})
     if room.stopped:  # a rank that joins a stopped room is told at once, as the others were
         room.send_control(peer, {"type": "stop", "reason": room.stop_reason})
     room.announce(peer, True)
