@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -360,3 +361,16 @@ def test_a_rank_of_a_token_room_follows_a_nodes_redirect_with_its_token(cluster)
             await runner.cleanup()
     job = asyncio.run(main())
     assert job["room"] == cluster.room and job["bucket_len"] > 0, job
+
+
+def test_an_https_url_for_a_plain_http_server_fails_at_once_with_the_hint(cluster):
+    # a new-user trial: the rank retried the TLS handshake for the whole 30 s, "waiting for the
+    # server" (ClientConnectorSSLError), as if the server were still starting
+    http_url = cluster.serve()
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "rank", "--server", http_url.replace("http://", "https://"),
+                        "--room", cluster.room], env=_env(), cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and took < 20, (took, out)
+    assert "TLS handshake failed" in out and f"try {http_url}" in out and "Traceback" not in out, out

@@ -510,6 +510,14 @@ class RankRun(RankSession):
             try:
                 return await self._get(http, path)
             except aiohttp.ClientConnectionError as exc:
+                if isinstance(exc, aiohttp.ClientSSLError):
+                    # a TLS handshake that fails is no server still starting: retrying for 30 s
+                    # only hid the cause (an https:// URL for an http server, a bad certificate)
+                    why = str(getattr(exc, "os_error", None) or exc).replace(" ssl:default", "")
+                    hint = (f"; the server may speak plain HTTP: try http://{self.cfg.shown_url.split('://', 1)[-1]}"
+                            if self.cfg.shown_url.startswith("https://") else "")
+                    raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}): TLS handshake "
+                                         f"failed: {why}{hint}") from None
                 if loop.time() + delay > deadline:
                     why = str(getattr(exc, "os_error", None) or exc).replace(" ssl:default", "")
                     raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}) unreachable for "
