@@ -40,7 +40,7 @@ class RoomAssets:
     def __init__(self, room: Room) -> None:
         self.job_code: bytes | None = None
         self.job_data: bytes | None = None
-        self._load_job(room)
+        self._load_job_named(room)
         self.checkpoint_data: bytes | None = None
         #: one checkpoint upload at a time per room (each holds up to the parameters' size)
         self.upload_lock = asyncio.Lock()
@@ -50,6 +50,23 @@ class RoomAssets:
     def checkpoint_bytes(self) -> int:
         """A checkpoint body: the parameters, then the optimizer state (float32 LE)."""
         return 4 * (self.bucket_len + self.state_len)
+
+    def _load_job_named(self, room: Room) -> None:
+        """:meth:`_load_job`; a built-in job's error names the options that made it (``--hidden``,
+        ``--dataset``, ``--activation``), not ``--job``, which the operator never gave."""
+        from tabcohort.errors import ConfigError
+        from tabcohort.jobs import BUILTIN, JobError
+
+        try:
+            self._load_job(room)
+        except JobError as e:
+            ref, options = room.job.job_ref()
+            if ref != BUILTIN or e.variable != "--job":
+                raise
+            shown = " ".join(f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                             for k, v in options.items() if k in ("hidden", "dataset", "activation"))
+            raise ConfigError("--hidden", options.get("hidden"), e.reason,
+                              head=f"the built-in MLP job ({shown})") from None
 
     def _load_job(self, room: Room) -> None:
         from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, JobError, check_round_fits, load_job, loss_ceiling, probe, resolve_backend
@@ -62,6 +79,10 @@ class RoomAssets:
         loaded = load_job(ref, options=options)
         batch = job.batch or job.global_batch
         self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S)
+        from tabcohort.protocol.optim import TrainConfig
+        train = TrainConfig.from_job(job)
+        # (before the pure-Python path's check, which takes minutes on a model too large to send)
+        check_round_fits(loaded, self.worker.bucket_len, train.state_len(self.worker.bucket_len))
         backends = [resolve_backend("auto")]
         if resolve_backend("auto") != "python":   # the path a tab without numpy takes
             py = None
@@ -85,10 +106,7 @@ class RoomAssets:
         self.bucket_len = self.worker.bucket_len
         #: the room's runaway-loss bound (README "Divergence"), or None
         self.loss_ceiling = loss_ceiling(self.worker)
-        from tabcohort.protocol.optim import TrainConfig
-        train = TrainConfig.from_job(job)
         self.state_len = train.state_len(self.bucket_len)   # the leader's optimizer state
-        check_round_fits(loaded, self.bucket_len, self.state_len)   # (JobError: before listening)
         self.job_hash = loaded.job_hash(self.worker, train.spec())
         self.job_code = loaded.source.bundle
         self.job_data = loaded.data.raw

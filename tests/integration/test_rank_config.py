@@ -235,6 +235,18 @@ def test_serve_on_a_port_in_use_is_a_config_error():
     assert r.returncode == 2 and f"--port={port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_serve_names_the_built_in_job_s_options_for_a_model_too_large_to_send_at_once():
+    # a new-user trial: `serve --hidden 5000,4000` waited 120 s for the pure-Python path's check,
+    # then blamed --job (a path inside tabcohort the user never gave); the size check comes first
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--hidden", "5000,4000",
+                        "--dataset", "synthetic"], capture_output=True, text=True, timeout=110, env=_env(), cwd=ROOT)
+    took = time.monotonic() - t0
+    assert r.returncode == 2 and took < 100, (took, r.stderr)
+    assert "--hidden=5000,4000" in r.stderr and "at most 16,515,072 parameters" in r.stderr, r.stderr
+    assert "--job=" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_token_room_missing_and_wrong_token_are_clear_errors(cluster):
     cluster.serve("--token", "room-token-s3cret-0123")
     for extra, text in (([], "this room needs a token"), (["--token", "a-wrong-room-token-0123"], "rejected the room token")):
