@@ -35,6 +35,15 @@ def pytest_configure(config: pytest.Config) -> None:
     expect = os.environ.get("TABCOHORT_EXPECT_SRC")
     if expect and not pathlib.Path(tabcohort.__file__).resolve().is_relative_to(pathlib.Path(expect).resolve()):
         raise pytest.UsageError(f"tabcohort imported from {tabcohort.__file__}, not from {expect}")
+    # a second checkout's tests importing the first one's editable install test the wrong code,
+    # and pass (a new-user trial did exactly that): say so before anything runs
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if not expect and sys.platform != "emscripten" and \
+            not pathlib.Path(tabcohort.__file__).resolve().is_relative_to(root):
+        raise pytest.UsageError(
+            f"tabcohort is imported from {tabcohort.__file__}, outside this checkout ({root}): these tests "
+            f"would test that code. Install this checkout (pip install -e .) or run with "
+            f"PYTHONPATH={root / 'client_py'}{os.pathsep}{root / 'server'}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
