@@ -5,11 +5,16 @@ wait is a bounded poll of the server's JSON."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
+import subprocess
 import time
 
 import pytest
 
 from .conftest import wait_for
+from .test_server_restart_cohort import _steps, _worst_rewind
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("aiortc")
@@ -96,3 +101,60 @@ def test_mesh_pair_whose_ice_fails_uses_the_relay_within_the_bound(cluster):
                                and r["ready"]), None), 20, "the bad rank's report in the cohort of 3")
     assert b["link_bytes"]["relay"] > 0 and b["link_bytes"]["rtc"] == 0
     assert all(p.p.poll() is None for p in good)
+
+
+def _private_netns() -> bool:
+    """Only a loopback interface in this network namespace (``unshare -n``: /proc/net/dev is per
+    namespace): nothing but this test's processes is affected by a change to it."""
+    try:
+        lines = pathlib.Path("/proc/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return False
+    return [ln.split(":")[0].strip() for ln in lines] == ["lo"]
+
+
+@pytest.fixture
+def silent_address():
+    """198.51.100.7 on this namespace's loopback with every UDP datagram to or from it dropped: a
+    host candidate whose ICE checks go unanswered (neither refused nor failed), so a pair with it
+    stays connecting until the rank's --rtc-timeout. Only in a private network namespace (the
+    tests run in one: ``unshare -n``), never on the host's own loopback and firewall."""
+    if not _private_netns() or os.geteuid() != 0 or not shutil.which("iptables") or not shutil.which("ip"):
+        pytest.skip("needs root in a private network namespace with ip and iptables (unshare -n)")
+    addr = "198.51.100.7"
+    rules = [["-A", "INPUT", "-p", "udp", "-d", addr, "-j", "DROP"],
+             ["-A", "INPUT", "-p", "udp", "-s", addr, "-j", "DROP"]]
+    try:
+        subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True, capture_output=True)
+        for r in rules:
+            subprocess.run(["iptables", *r], check=True, capture_output=True)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot set up the silent address: {e.stderr!r}")
+    yield addr
+    for r in rules:
+        subprocess.run(["iptables", "-D", *r[1:]], capture_output=True)
+    subprocess.run(["ip", "addr", "del", f"{addr}/32", "dev", "lo"], capture_output=True)
+
+
+def test_a_mesh_joiner_whose_channel_is_slow_follows_the_leader_instead_of_bootstrapping(cluster, tmp_path,
+                                                                                           silent_address):
+    """A rank joining a mesh room hears nobody until its pairs' channels open, or until they take
+    the relay at --rtc-timeout. It must wait for the connected rank that may lead (the server's
+    word) that long, not only a takeover window: it bootstrapped from the room's checkpoint in a
+    term above the leader's, the leader stood down and adopted it, and the cohort lost every step
+    since that checkpoint (a fault campaign with tabs: 1,117 steps; docs/PROTOCOL.md "Joining")."""
+    cluster.serve("--topology", "mesh", "--checkpoint-dir", str(tmp_path / "ck"))
+    a = cluster.rank(*LOOPBACK, "--print-every", "0.5")
+    wait_for(lambda: (rs := cluster.reports()) and rs[0]["step"] >= 2000 and cluster.state()["checkpoint"], 60,
+             "the first rank training alone, past its first checkpoint")
+    b = cluster.rank("--rtc-hosts", silent_address, "--rtc-timeout", "6", "--print-every", "0.5")
+    reps = wait_for(lambda: (rs := cluster.reports()) and len(rs) == 2 and all(r["cohort"] == 2 and r["ready"]
+                                                                               for r in rs) and rs,
+                    60, "a cohort of 2 (the joiner's pair on the relay after --rtc-timeout)")
+    marks = [len(_steps(p.text())) for p in (a, b)]
+    wait_for(lambda: all(len(_steps(p.text())) >= m + 2 for p, m in zip((a, b), marks)), 30, "training on")
+    joiner = next(r for r in reps if r["pid"] == b.p.pid)
+    leader = next(r for r in reps if r["pid"] == a.p.pid)
+    assert joiner["counters"].get("bootstrap", 0) == 0, joiner["counters"]
+    assert leader["counters"].get("stand_down", 0) == 0, leader["counters"]
+    assert _worst_rewind(_steps(a.text())) < 50, a.text()[-3000:]

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from tabcohort.protocol import Compute, Post, Report, Timing, assignment, policy
+from tabcohort.errors import LocalProtocolError
 from tabcohort.protocol.machine import Phase
 from tabcohort.vec import to_vector
 
@@ -729,6 +730,34 @@ def test_joiner_does_not_bootstrap_while_a_live_peer_is_ready():
         r.m.handle(beat(9, ready=True, running=True), now_ms=t)
         r.m.on_timer(now_ms=t)
     assert not r.m.ready
+
+
+def test_a_mesh_joiner_waits_for_a_connected_rank_that_may_lead_as_long_as_its_link_may_take_to_reach_it():
+    # "Joining": in a mesh a new pair's frames wait for its data channel, up to the link's connect
+    # bound (then the pair takes the relay); a joiner that bootstrapped after a takeover window
+    # made a lineage above the leader's, which stood down and lost every step since the
+    # checkpoint (a fault campaign: 1,117 steps)
+    reach = 6000.0
+    r = rig(1, join_reach_ms=reach)
+    r.m.peer_role(9, True)
+    r.m.start(now_ms=0)
+    t = 0.0
+    while t < T.takeover_ms + reach - 400:
+        t += 400
+        r.m.on_timer(now_ms=t)
+    assert not r.m.ready and r.m.counters["bootstrap"] == 0
+    r.m.handle(beat(9, ready=True, running=True), now_ms=t + 1)     # the relay carries its beats: it follows
+    r.m.on_timer(now_ms=t + 400)
+    assert not r.m.ready and r.m.counters["bootstrap"] == 0
+    # never heard at all (its link up, its process stopped): bootstrap after the longer window
+    q = rig(1, join_reach_ms=reach)
+    q.m.peer_role(9, True)
+    q.m.start(now_ms=0)
+    for t in range(400, int(T.takeover_ms + reach) + 1200, 400):
+        q.m.on_timer(now_ms=t)
+    assert q.m.ready and q.m.counters["bootstrap"] == 1
+    with pytest.raises(LocalProtocolError):
+        rig(1, join_reach_ms=-1.0)
 
 
 def test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a_takeover_window():

@@ -167,6 +167,14 @@ class MeshBus:
     def downlink_bytes(self) -> int:
         return self.relay.downlink_bytes + sum(p.direct_received for p in self.path_of.values())
 
+    @property
+    def reach_bound_ms(self) -> float:
+        """How long a new pair's frames may wait before they reach the peer at all: a pair's
+        channel may take up to the connect bound to open (its frames wait in the path's queue),
+        then the pair takes the relay; 0 with ``relay_while_connecting``. A joining rank waits
+        this much longer for a connected rank that may lead (PROTOCOL.md "Joining")."""
+        return 0.0 if self.relay_while_connecting else self.connect_timeout_s * 1000.0
+
     def now_ms(self) -> float:
         return self._clock_ms() if self._clock_ms is not None else self._loop.time() * 1000.0
 

@@ -251,7 +251,7 @@ class RankMachine:
                  global_batch: int | None = None, step_limit: int | None = None,
                  may_lead: bool = True, lr_max: float = 10.0, aggregate: str = "clip",
                  train: TrainConfig | None = None, opt_state: Any = None, start_step: int = 0,
-                 term_floor: int = 0, start_cursor: int = 0) -> None:
+                 term_floor: int = 0, start_cursor: int = 0, join_reach_ms: float = 0.0) -> None:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or not 0 <= rank_id <= _U32:
             raise LocalProtocolError(f"rank id must be a uint32, got {rank_id!r}")
         if worker.batch <= 0 or worker.bucket_len <= 0:
@@ -263,6 +263,13 @@ class RankMachine:
         if isinstance(start_cursor, bool) or not isinstance(start_cursor, int) or not 0 <= start_cursor <= _MAX_STEP:
             raise LocalProtocolError(f"start_cursor must be an integer in [0, 2^63), got {start_cursor!r}")
         self.term_floor = term_floor
+        if isinstance(join_reach_ms, bool) or not isinstance(join_reach_ms, (int, float)) or \
+                not (math.isfinite(join_reach_ms) and join_reach_ms >= 0):
+            raise LocalProtocolError(f"join_reach_ms must be a number of ms >= 0, got {join_reach_ms!r}")
+        #: how long the link may take before this rank can hear a peer at all (a mesh: a pair's
+        #: frames wait for its data channel, up to the connect bound, then take the relay); a
+        #: joiner waits this much longer for a witnessed rank that may lead ("Joining")
+        self.join_reach_ms = float(join_reach_ms)
         if collect_rule not in ("quorum", "grace"):
             raise LocalProtocolError(f"collect_rule must be 'quorum' or 'grace', got {collect_rule!r}")
         if not 0 <= grace_fraction <= 1:
@@ -1197,10 +1204,11 @@ class RankMachine:
         mine = (self.term, self.step)
         if any(m.ready and self.may_lead_rank(m.id) and (m.term, m.step) >= mine for m in live):
             return
-        if now_ms - self._join_started_ms < self.policy.takeover_ms and \
+        if now_ms - self._join_started_ms < self.policy.takeover_ms + self.join_reach_ms and \
                 self._witnessed_leads - {m.id for m in live}:
             # "Joining": the server says a rank that may lead is connected, and it is not heard
-            # (a leader whose compute held its event loop; its beats are late): no attempt yet
+            # (a leader whose compute held its event loop; its beats are late; in a mesh, its
+            # frames wait for the pair's channel, up to the link's connect bound): no attempt yet
             self.counters["join_waited_for_witnessed_lead"] += 1
             return
         if now_ms < self._roll_call_partial_until_ms:

@@ -313,7 +313,8 @@ class RankSession:
                               aggregate=job.get("aggregate", "clip"), lr_max=job.get("lr_max", 10.0),
                               may_lead=may_lead, train=TrainConfig.from_job(job), opt_state=self.start_state,
                               start_step=int(self.start_step or 0), term_floor=int(self.start_term or 0),
-                              start_cursor=int(self.start_cursor or 0))
+                              start_cursor=int(self.start_cursor or 0),
+                              join_reach_ms=float(getattr(bus, "reach_bound_ms", 0.0) or 0.0))
         machine.set_roles(may_lead=may_lead)   # the server names roles: enforced
         for k, may in peer_roles.items():      # the server's word on each peer's role
             machine.peer_role(k, may)
