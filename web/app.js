@@ -404,7 +404,12 @@ function render(s) {
   const doing = s.is_leader ? "leader" : s.ready ? "follower" : s.joining ? "joining" : "waiting";
   // a rank that only contributes cannot start training: say what it waits for
   // (and a ready one whose leader is gone: it said "follower" with the step frozen, a new-user trial)
-  const waits = !s.is_leader && s.may_lead === false && (!s.ready || s.leader_live === false)
+  // (and a tab cut off from the server hears no leader: it said there was none, and told the
+  // user to start one, while the leader trained on and the tab was reconnecting: a fault campaign)
+  const away = !!s.link && s.link.connected === false && !s.final;
+  const waits = away
+    ? ": the link to the server is lost; reconnecting"
+    : !s.is_leader && s.may_lead === false && (!s.ready || s.leader_live === false)
     ? (s.ready ? ": no rank that may lead is in the room; training waits for one (started with the trainer token)"
        : ": waiting for a rank that may lead (one started with the trainer token)") : "";
   $("s-role").textContent = (bound ? `${doing} (${bound})` : doing) + waits;
