@@ -64,8 +64,8 @@ from . import checkpoint as ckpt
 from .config import ServerConfig, same_secret
 from .guard import AuthLimiter, origin_allowed
 from .metrics import RoomCollector
-from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, Peer, Room,
-                    RoomError, RoomRegistry)
+from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, RANK_RECONNECT_MAX_S,
+                    Peer, Room, RoomError, RoomRegistry)
 from .assets import RoomAssets, npy_header
 from .schema import check_register, parse_json
 
@@ -208,7 +208,15 @@ def load_room_checkpoint(room: Room, assets: RoomAssets, directory: str | None, 
     step = int(room.checkpoint.get("step") or 0)
     room.resumed_from_step = step
     room.resumed_from = {"id": got[0]["id"], "step": step, "accuracy": got[0].get("accuracy")}
-    room.trust_step(step, time.monotonic())
+    # the ranks trained on from that checkpoint while no server held the room (native ranks over
+    # their direct paths, up to their reconnect bound), and it was up to one interval old: a
+    # baseline taken now refused the honest leader's first reports (``report_step_jump``) and
+    # checkpoints (``step_implausible``) after most restarts (a fault campaign: 7 of 10 SIGTERM
+    # restarts at 4,000 steps/s). Credit the checkpoint's age, at most an interval and that bound.
+    t = got[0].get("time")
+    age = time.time() - t if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) else 0.0
+    credit = min(max(0.0, age), float(room.job.checkpoint_interval_s) + RANK_RECONNECT_MAX_S)
+    room.trust_step(step, time.monotonic() - credit)
     if room.job.steps and step >= room.job.steps and not room.stopped:  # already done: do not train on
         room.stop(f"steps {room.job.steps} reached (checkpoint at step {step})")
     return True

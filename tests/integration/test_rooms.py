@@ -349,3 +349,42 @@ def test_an_implausible_step_jump_of_the_leader_is_dropped_and_counted():
     assert r.step() == 1 and not r.stopped and a.report["step"] == 1   # the report was dropped whole
     report(r, a, 1.0, step=1 + slack, is_leader=True, term=1)          # within the bound: taken
     assert r.step() == 1 + slack and r.stopped
+
+
+def test_a_room_resumed_from_its_checkpoint_credits_the_checkpoints_age_to_the_leaders_step_bound(tmp_path):
+    # A server restarted on its checkpoint directory: the ranks trained on from that checkpoint
+    # while no server held the room (native ranks over their direct paths) and it was up to one
+    # interval old. The bound on the leader's step counted only from the restart: the honest
+    # leader's first reports were dropped (report_step_jump) and its checkpoints refused after 7
+    # of 10 restarts (a fault campaign, 4,000 steps/s)
+    import hashlib
+    import struct
+    import time
+    from types import SimpleNamespace
+
+    from tabcohort_server import checkpoint as ckpt
+    from tabcohort_server.app import load_room_checkpoint
+
+    def resumed(age_s: float) -> Room:
+        d = tmp_path / f"ck{age_s:g}"
+        d.mkdir()
+        data = struct.pack("<2f", 0.5, -0.5)
+        ckpt.save(str(d), "r", {"step": 1000, "digest": hashlib.sha256(data).hexdigest(), "n": 2, "job_hash": "h",
+                                "term": 1, "time": time.time() - age_s}, data)
+        r = Room("r", JobConfig(dataset="synthetic"), ServerLimits(), clock=time.monotonic)
+        assets = SimpleNamespace(bucket_len=2, job_hash="h", checkpoint_bytes=len(data), checkpoint_data=None)
+        assert load_room_checkpoint(r, assets, str(d)) and r.resumed_from_step == 1000
+        return r
+
+    lim = ServerLimits()
+    r = resumed(4.0)     # stored 4 s before: the cohort went on at 10,000 steps/s meanwhile
+    a = r.register(now=time.monotonic(), trainer=True)
+    ahead = int(lim.step_jump_slack + 4.0 * 10_000)
+    report(r, a, time.monotonic(), step=1000 + ahead, is_leader=True, term=1)
+    assert "report_step_jump" not in r.drops and r.step() == 1000 + ahead
+    # the credit is bounded (an interval and the ranks' reconnect bound), so an old checkpoint
+    # does not lift the bound for ever
+    old = resumed(3600.0)
+    b = old.register(now=time.monotonic(), trainer=True)
+    report(old, b, time.monotonic(), step=1000 + int(lim.max_steps_per_s * 600), is_leader=True, term=1)
+    assert old.drops.get("report_step_jump") == 1
