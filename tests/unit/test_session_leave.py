@@ -14,7 +14,7 @@ from tabcohort.runtime.session import RankSession
 
 
 def _follower() -> tuple[SimpleNamespace, SimpleNamespace, SimpleNamespace]:
-    machine = SimpleNamespace(looping=False, ready=True, at_step_limit=False, counters={},
+    machine = SimpleNamespace(looping=False, ready=True, at_step_limit=False, counters={}, step=7,
                               is_leader=lambda now_ms: False)
     driver = SimpleNamespace(stop=lambda: None, now_ms=lambda: 0.0)
     return machine, driver, SimpleNamespace(failed=None, connected=True, queued_bytes=lambda: 0)
@@ -76,3 +76,34 @@ def test_a_follower_that_read_the_stop_after_the_leaders_publication_leaves_at_o
     old.on_control({"type": "stop", "reason": "the server is shutting down"})
     old._publish_since_s = old.room_stop_s - 1.0          # (as leave() sets it)
     assert not old.publish_seen
+
+
+@pytest.mark.needs_loop
+def test_a_follower_of_a_stopped_room_waits_past_5_s_while_the_leaders_rounds_keep_coming():
+    # a leader tab in a cohort of fast native ranks read the server's stop 7 s late (its page's
+    # inbox behind their buckets): the followers stopped at 5 s and ended on other parameters
+    # than the room's final checkpoint (a fault campaign with tabs, 2 of 3 runs of 60 s)
+    s = RankSession()
+    said: list[str] = []
+    s.progress = said.append
+    s.on_control({"type": "stop", "reason": "stopped by the operator"})
+    waited = asyncio.run(_leave(s, publish_after_s=6.5))
+    assert s.publish_seen and 6.5 <= waited < 8.0, waited
+    assert not said, said
+
+
+@pytest.mark.needs_loop
+def test_a_follower_of_a_stopped_room_whose_leader_goes_quiet_leaves_at_5_s_and_says_so():
+    s = RankSession()
+    said: list[str] = []
+    s.progress = said.append
+    s.on_control({"type": "stop", "reason": "stopped by the operator"})
+
+    async def quiet() -> float:             # no rounds, no publication (the leader is gone)
+        machine, driver, bus = _follower()
+        t0 = time.monotonic()
+        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
+        return time.monotonic() - t0
+    waited = asyncio.run(quiet())
+    assert 5.0 <= waited < 6.0 and not s.publish_seen
+    assert said and "without the leader's final publication" in said[0], said

@@ -147,6 +147,10 @@ REPUBLISH_LINGER_S = 3.0
 #: ``stop`` reached this rank counts as the stopping leader's: the server tells every rank at
 #: once, and the leader may read it, and publish, first
 STOP_SKEW_S = 1.0
+#: how long a follower of a room the server stopped waits for the leader's final publication
+#: while the leader's rounds keep coming (``leave``); 5 s when they stop coming
+ROOM_STOP_PUBLISH_WAIT_S = 30.0
+
 
 def checkpoint_term(headers: dict) -> int:
     """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
@@ -442,7 +446,9 @@ class RankSession:
     async def leave(self, machine: Any, driver: Any, bus: Any, *, upload: Callable[[bool], Awaitable[None]],
                     final_report: Callable[[], dict], poll_s: float = 0.02) -> dict:
         """Leave the cohort: the leader publishes and uploads the final checkpoint, a follower
-        waits (bounded, 5 s) for that publication; then the final report, flushed (bounded, 2 s).
+        waits for that publication (5 s; while the leader's rounds keep coming after the server
+        stopped the room, up to :data:`ROOM_STOP_PUBLISH_WAIT_S`); then the final report,
+        flushed (bounded, 2 s).
 
         Returns:
             The final state report (``final: True``) as ``final_report`` made it.
@@ -470,11 +476,27 @@ class RankSession:
             # follower tab, gone, ended on another model)
             return (not self.room_stopping and self.rounds_seen - rounds0 >= 3
                     and time.monotonic() - t0 >= 0.25)
+        seen = [t0, rounds0]
+
+        def leader_still_driving() -> bool:
+            # the server stopped the room, so the leader publishes once it reads the control; a
+            # leader tab in a cohort of fast native ranks read it 7 s late (its page's inbox
+            # behind their buckets), the followers stopped at 5 s, and they ended on other
+            # parameters than the room's final checkpoint (a fault campaign with tabs): wait on
+            # while its rounds keep coming, bounded
+            now = time.monotonic()
+            if self.rounds_seen != seen[1]:
+                seen[:] = [now, self.rounds_seen]
+            return self.room_stopping and now - seen[0] < 1.0 and now - t0 < ROOM_STOP_PUBLISH_WAIT_S
         # (a rank that never became ready follows nobody: nothing to wait for)
-        while time.monotonic() < end and (machine.looping if was_leader else
-                                          machine.ready and not self.publish_seen and not machine.at_step_limit
-                                          and not leader_drives_on()):
+        while (machine.looping if was_leader else
+               machine.ready and not self.publish_seen and not machine.at_step_limit and not leader_drives_on()) \
+                and (time.monotonic() < end or (not was_leader and leader_still_driving())):
             await asyncio.sleep(poll_s)
+        if not was_leader and self.room_stopping and machine.ready and not self.publish_seen \
+                and not machine.at_step_limit:
+            self.progress(f"stopping without the leader's final publication (waited {time.monotonic() - t0:.0f} s): "
+                          f"this rank's parameters (step {machine.step}) may differ from the room's final checkpoint")
         if was_leader and not bus.failed:
             machine.evaluate_now()   # the final checkpoint's accuracy is its own model's
             await upload(True)
