@@ -1298,6 +1298,34 @@ def test_a_leader_whose_link_layer_lost_its_peers_commits_nothing_alone_until_it
         assert not b.m._unreachable
 
 
+def test_no_takeover_while_a_member_the_rank_hears_follows_a_moving_lineage_ahead_of_it():
+    # PROTOCOL.md "Heartbeat and takeover", a lineage that moves is led: ranks 1 (leading) and 2
+    # lost the channel between them and the server that relayed; rank 3 (a tab that may not
+    # lead) still reached both. Rank 2, hearing no round but 3's beats, counted {2, 3} of 3 and
+    # took over on its older parameters; 3 adopted the higher term, and at the heal the
+    # leader's lineage lost 9,620 and 19,245 steps (a fault campaign with tabs in a mesh room)
+    def run(moving):
+        r = follower_of(1, rank_id=2, peers=[3])
+        r.m.peer_role(1, True)
+        r.m.peer_role(3, False)
+        t, step3 = 0.0, 5
+        while t < 3 * T.takeover_ms:
+            d = r.m.next_deadline_ms()
+            t = min(d, t + 200.0) if d is not None else t + 200.0
+            step3 = step3 + 40 if moving or step3 == 5 else step3   # 3 adopts rank 1's rounds
+            r.m.handle(beat(3, step=step3, term=1), now_ms=t)
+            r.m.on_timer(now_ms=t)
+            if r.m.looping:
+                break
+        return r, t
+
+    r, t = run(moving=True)
+    assert not r.m.looping and r.m.counters["takeover"] == 0
+    assert r.m.counters["takeover_deferred_lineage_moves"] >= 1
+    r, t = run(moving=False)                   # 3 is ahead, but stands still: nobody leads it
+    assert r.m.looping and r.m.counters["takeover"] == 1, t
+
+
 def test_an_even_split_goes_on_only_on_the_side_of_the_lowest_member():
     low = leader_rig([2, 3, 4], rank_id=1)
     low.m.start(now_ms=0)

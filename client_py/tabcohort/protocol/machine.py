@@ -66,6 +66,10 @@ _CLIP_QUARANTINE = 4
 #: gradient norms); clipping already bounds it, quarantine would throw its compute away
 _QUARANTINE_CLIP_RATIO = 10.0
 _QUARANTINE_MS = 60_000.0
+#: "Heartbeat and takeover": a member this many steps ahead of a rank, in its term, whose
+#: lineage moves, follows a live leader (one round in flight is no evidence: a follower that
+#: missed the dead leader's last round is one step behind the others)
+_MOVING_AHEAD_STEPS = 2
 #: the largest step a round may carry (a u64 beyond this is no step any lineage reached)
 _MAX_STEP = 2**63 - 1
 #: "Joining": how long a rank told that the server's roll call is partial (a restarted server's
@@ -752,7 +756,7 @@ class RankMachine:
             return
         self._unreachable.discard(sender)              # heard from: in view again
         returning = sender not in self.roster.members and self.flaps.get(sender, 0) > 0
-        m = self.roster.refresh(msg, now_ms)
+        m = self.roster.refresh(msg, now_ms, self.policy.drop_ms)
         if m.term > self.term and not self.may_lead_rank(sender):
             # "Untrusted ranks": only a rank that may lead starts a term; a higher term from
             # any other is a false claim (it must not push the next takeover's term up)
@@ -1153,6 +1157,10 @@ class RankMachine:
         since = self._takeover_heard_since(now_ms)
         if not self.may_lead or now_ms < self.defer_until_ms or not self.has_majority(now_ms, heard_since_ms=since):
             return False
+        if self._lineage_moves_ahead(now_ms):
+            # a member this rank hears follows a leader this rank cannot hear: it is alive
+            self.counters["takeover_deferred_lineage_moves"] += 1
+            return False
         while True:
             # (a member not ready, back from a suspension, whose lineage is ahead of this rank's
             # is a candidate too: it counts towards the majority, and this rank must not
@@ -1172,6 +1180,19 @@ class RankMachine:
                 return False
             self._skipped_leads.add(chosen)
             self.counters["lead_candidate_skipped"] += 1
+
+    def _lineage_moves_ahead(self, now_ms: float) -> bool:
+        """True when a live running member announces a lineage at least
+        :data:`_MOVING_AHEAD_STEPS` steps ahead of this rank's (or of a later term) and moved
+        forward within ``policy.drop``: it adopts rounds of a leader this rank does not hear, so
+        that leader is alive, and a takeover now would start a term on older parameters
+        (PROTOCOL.md, "Heartbeat and takeover": a lineage that moves is led)."""
+        drop_ms = self.policy.drop_ms
+        for m in self.roster.live(now_ms, drop_ms):
+            if m.running and now_ms - m.advanced_ms <= drop_ms and (
+                    m.term > self.term or (m.term == self.term and m.step >= self.step + _MOVING_AHEAD_STEPS)):
+                return True
+        return False
 
     def _take_lead(self, now_ms: float) -> None:
         """Start a new term (one above every term this rank has seen) and lead it."""
