@@ -107,3 +107,37 @@ def test_a_follower_of_a_stopped_room_whose_leader_goes_quiet_leaves_at_5_s_and_
     waited = asyncio.run(quiet())
     assert 5.0 <= waited < 6.0 and not s.publish_seen
     assert said and "without the leader's final publication" in said[0], said
+
+
+@pytest.mark.needs_loop
+def test_a_publication_that_a_newer_lead_went_on_from_does_not_count_for_the_rooms_stop():
+    # the leader of term 3 left alone (its own Ctrl-C) and published step 10; the witness let
+    # another rank take over (term 4) at once, and the server stopped the room less than 1 s
+    # later: that publication is not the model the room ends on, the new leader's is
+    s = RankSession()
+    s.saw_round({"t": "round", "term": 3, "step": 10, "assign": {}})
+    s.saw_round({"t": "round", "term": 4, "step": 10, "assign": {5: [0, 2]}})
+    s.on_control({"type": "stop", "reason": "duration 60 s reached"})
+    machine, driver, bus = _follower()
+
+    async def leave() -> float:
+        async def new_leader() -> None:            # reads its stop a little later and publishes
+            await asyncio.sleep(0.3)
+            s.saw_round({"t": "round", "term": 4, "step": 11, "assign": {}})
+
+        task = asyncio.ensure_future(new_leader())
+        t0 = time.monotonic()
+        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
+        waited = time.monotonic() - t0
+        await task
+        return waited
+
+    assert 0.3 <= asyncio.run(leave()) < 5.0 and s.publish_seen
+    # a round of the published lead that arrives after its publication (another path) is older
+    # than it: the publication still counts
+    r = RankSession()
+    r.saw_round({"t": "round", "term": 3, "step": 11, "assign": {}})
+    r.saw_round({"t": "round", "term": 3, "step": 10, "assign": {5: [0, 2]}})
+    r.on_control({"type": "stop", "reason": "duration 60 s reached"})
+    r._publish_since_s = r.room_stop_s - 1.0              # (as leave() sets it)
+    assert r.publish_seen

@@ -152,6 +152,12 @@ STOP_SKEW_S = 1.0
 ROOM_STOP_PUBLISH_WAIT_S = 30.0
 
 
+def _at_or_above(key: tuple, than: tuple) -> bool:
+    """``(term, step)`` ``key`` is at or above ``than``; False unless both are integer pairs."""
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (*key, *than))
+    return ok and key >= than
+
+
 def checkpoint_term(headers: dict) -> int:
     """The term of the leader that uploaded a checkpoint (``X-Tabcohort-Term``), 0 when absent
     or not an integer in [0, 2^63)."""
@@ -275,6 +281,7 @@ class RankSession:
         #: when (``time.monotonic()``, s) the last publication (a round without an assignment)
         #: arrived, from :meth:`saw_round`
         self.publish_seen_s: float | None = None
+        self._publish_key: tuple = (None, None)   # (term, step) of that publication
         #: rounds with an assignment seen (:meth:`saw_round`): a leader that keeps sending them
         #: after this rank stopped is not stopping, and no publication is coming
         self.rounds_seen = 0
@@ -431,11 +438,17 @@ class RankSession:
     def saw_round(self, msg: dict) -> None:
         """A ``round`` arrived (the runtimes' taps): count it when it assigns work, else note
         the publication (PROTOCOL.md "Controls": a stopping leader publishes a round without an
-        assignment)."""
+        assignment). A round that assigns work at or above the publication's (term, step) means
+        a lead went on from it (a leader that left alone, then a takeover): that publication is
+        no longer the model the room ends on, and does not count."""
+        key = (msg.get("term"), msg.get("step"))
         if msg.get("assign"):
             self.rounds_seen += 1
+            if self.publish_seen_s is not None and _at_or_above(key, self._publish_key):
+                self.publish_seen_s = None
         else:
             self.publish_seen_s = time.monotonic()
+            self._publish_key = key
 
     @property
     def publish_seen(self) -> bool:
