@@ -555,7 +555,8 @@ class RankRun(RankSession):
                     self.progress(f"stopped ({self.stop_reason or f'server: {bus.stopped_reason}'}) before "
                                   "joining the cohort")
                     await bus.aclose()
-                    return 0
+                    # (a rejoin's welcome can name another job: the run failed, as after a seat)
+                    return 1 if self.failed else 0
                 machine, driver = self.seat(bus, worker, job, jh)
                 inner = bus.on_message
 
