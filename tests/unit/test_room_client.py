@@ -42,6 +42,16 @@ def test_a_malformed_control_is_dropped_and_counted(bad):
     assert (rc.id, rc.peers, rc.relay_pressure) == before
 
 
+@pytest.mark.parametrize("local", [{"type": "unreachable", "ids": [3, 9]}, {"type": "unreachable", "ids": [{}]},
+                                   {"type": "failed", "reason": "x", "rejoin": True}])
+def test_a_bus_local_control_from_the_server_is_dropped(local):
+    # ``unreachable`` and ``failed`` are the bus's own word to its owner (docs/INTERFACES.md):
+    # one arriving over the wire is no server control (it would take the peers out of the
+    # machine's view, or end the seat; an ``ids`` of unhashables raised in the mesh's handler)
+    rc = joined()
+    assert rc.control(local) is None and rc.drops == {"bad_control": 1}
+
+
 def test_peer_pressure_and_stop_controls():
     rc = joined()
     rc.control({"type": "peer", "id": 4, "up": True})

@@ -111,6 +111,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: controls a room bus gives its owner of its own accord, never read from the server
+LOCAL_CONTROLS = frozenset({"unreachable", "failed"})
+
+
 class RoomClient:
     """One rank's relay-protocol state (see the module docstring). Sans-I/O.
 
@@ -246,6 +250,11 @@ class RoomClient:
             self.relay_pressure = float(p)
         elif t == "stop":
             self.stopped_reason = str(obj.get("reason"))
+        elif t in LOCAL_CONTROLS:
+            # the bus's own word to its owner (``unreachable``, ``failed``), never the server's:
+            # one over the wire would take peers out of the machine's view or end the seat
+            self.count("bad_control")
+            return None
         return obj
 
     # ------------------------------------------------------------------ sending
