@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from tabcohort.runtime.session import RankSession, upload_headers
 
 
@@ -31,3 +33,46 @@ def test_an_upload_names_the_job_its_model_was_trained_on():
     m = SimpleNamespace(job="c" * 32, step=7, checkpoint_cursor=0, loss=0.5, accuracy=None)
     h = upload_headers(m, SimpleNamespace(id=3, secret="s"), "d" * 64, final=False)
     assert h["X-Tabcohort-Job"] == "c" * 32
+
+
+@pytest.mark.needs_loop
+def test_a_first_welcome_of_another_job_stops_the_seat_built_after_it():
+    # the first welcome comes while the bus connects, before seat() knows the rank's job: a
+    # server restarted with another job between the rank's job fetch and its link (a review)
+    import asyncio
+
+    from tabcohort.model.toy import ToyWorker
+    from tabcohort.protocol import Timing as Tm
+
+    class Bus:
+        id, may_lead, lead_roles = 1, True, {}
+        on_message = None
+
+        def post(self, msg):
+            pass
+
+        def pressure(self):
+            return 0.0
+
+        def quantize(self, params):
+            return None
+
+        def total_bytes(self):
+            return 0
+
+    job = {"timing": {k: getattr(Tm(), k) for k in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms")},
+           "lr": 0.1, "eval_every": 10, "precision": "f32"}
+
+    async def seat(room_job):
+        s = RankSession()
+        s.on_control({"type": "welcome", "id": 1, "secret": "x", "peers": [], "job_hash": room_job})
+        _m, d = s.seat(Bus(), ToyWorker(bucket_len=4, batch=2), job, "a" * 32)
+        await d.close()
+        return s
+
+    async def both():
+        return await seat("b" * 32), await seat("a" * 32)
+
+    other, same = asyncio.run(both())
+    assert other.failed is not None and "b" * 32 in other.failed and other.stop_reason is not None
+    assert same.failed is None and same.stop_reason is None

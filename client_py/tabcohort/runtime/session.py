@@ -306,8 +306,10 @@ class RankSession:
         #: the last ``welcome`` was partial (a restarted server's) and no ``roll_call`` came since:
         #: the next seat is told so (PROTOCOL.md "Joining": it bootstraps no lineage till then)
         self.roll_call_partial = False
-        #: the job hash this rank's seats run (set by :meth:`seat`)
+        #: the job hash this rank's seats run (set by :meth:`seat`), and the room's, from the
+        #: last ``welcome`` that named it
         self.job_hash: str | None = None
+        self.room_job_hash: str | None = None
 
     def seat(self, bus: Any, worker: Any, job: dict, jh: str) -> tuple[Any, Any]:
         """The machine and driver for one seat on ``bus`` (connected), at :attr:`start_step`."""
@@ -317,6 +319,10 @@ class RankSession:
 
         may_lead, peer_roles = bus_role(bus)
         self.job_hash = jh
+        if self.room_job_hash is not None and self.room_job_hash != jh:
+            # (the first welcome comes while the bus connects, before this: a server restarted
+            # with another job between this rank's job fetch and its link)
+            self._job_changed(self.room_job_hash)
         machine = RankMachine(bus.id, worker, bus, job=jh, now_ms=RankDriver.clock_ms(asyncio.get_running_loop()),
                               timing=Timing(**job["timing"]), lr=self.job_lr(job), eval_every=job["eval_every"],
                               precision=job["precision"], collect_rule=job.get("collect_rule", "grace"),
@@ -366,19 +372,23 @@ class RankSession:
         self.start_term = max(self.start_term, machine.term)
         self.n_rejoins += 1
 
+    def _job_changed(self, room_job: str) -> None:
+        """A server restarted with another job took this rank's link: training on would be the
+        old job's model in the new job's room (its checkpoints stored as the new job's)."""
+        self.failed = (f"the server now serves another job (job hash {room_job}; this rank runs "
+                       f"{self.job_hash}): start the rank again to fetch the room's job")
+        self.request_stop(f"job changed: {self.failed}")
+
     def on_control(self, obj: dict) -> None:
         """A server control (or the bus's ``failed``), after the bus handled it."""
         from .driver import apply_roles
 
         t = obj.get("type")
-        if t == "welcome" and isinstance(obj.get("job_hash"), str) and self.job_hash is not None \
-                and obj["job_hash"] != self.job_hash:
-            # a server restarted with another job took this rank's resume: training on would be
-            # the old job's model in the new job's room (its checkpoints stored as the new job's)
-            self.failed = (f"the server now serves another job (job hash {obj['job_hash']}; this rank "
-                           f"runs {self.job_hash}): start the rank again to fetch the room's job")
-            self.request_stop(f"job changed: {self.failed}")
-            return
+        if t == "welcome" and isinstance(obj.get("job_hash"), str):
+            self.room_job_hash = obj["job_hash"][:128]
+            if self.job_hash is not None and self.room_job_hash != self.job_hash:
+                self._job_changed(self.room_job_hash)
+                return
         apply_roles(self.driver, obj)
         if t == "welcome" or t == "roll_call":
             self.roll_call_partial = t == "welcome" and obj.get("partial") is True
