@@ -157,6 +157,9 @@ async function main() {
     const d = ev.data;
     switch (d.k) {
       case "ws-open": {
+        // one socket per link: a new attempt replaces the last one (closed here, without news)
+        const prev = sockets.get(d.link);
+        if (prev) { sockets.delete(d.link); prev.close(1000, "replaced"); }
         const ws = new WebSocket(d.url);
         ws.binaryType = "arraybuffer";
         sockets.set(d.link, ws);
@@ -167,7 +170,11 @@ async function main() {
           else post({ k: "ws-chunk", link: d.link, data: e.data }, [e.data]);
         };
         ws.onclose = (e) => {
-          if (sockets.get(d.link) === ws) sockets.delete(d.link);
+          // a socket the worker closed or replaced is no news: its close event comes later, and
+          // taken for the next attempt's it made the worker give that attempt up too, and a tab
+          // once stayed disconnected for good after a server restart (a fault campaign)
+          if (sockets.get(d.link) !== ws) return;
+          sockets.delete(d.link);
           // 4012: another node of the cluster owns the room; the reason is its base URL
           if (e.code === 4012 && followOwner(e.reason, new URLSearchParams(location.search).get("room"))) return;
           post({ k: "ws-closed", link: d.link, code: e.code, reason: e.reason });
