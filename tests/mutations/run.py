@@ -424,7 +424,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "k in self.quarantined or k in self._silent)}",
      [f"{SH}::test_under_a_fixed_global_batch_a_rank_on_probation_gets_probes_until_it_is_readmitted"]),
     ("joining: no attempt while a connected rank that may lead is not heard (bounded)", M,
-     "if now_ms - self._join_started_ms < self.policy.takeover_ms and \\\n                self._witnessed_leads - {m.id for m in live}:",
+     "if now_ms - self._join_started_ms < self.policy.takeover_ms + self.join_reach_ms and \\\n                self._witnessed_leads - {m.id for m in live}:",
      "if False:",
      [f"{U}::test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a_takeover_window"]),
     ("joining: the wait for a witnessed rank is bounded by a takeover window", M,
