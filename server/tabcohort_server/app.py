@@ -119,7 +119,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     key = _secret_key(config.checkpoint_dir)
     for room in rooms.rooms.values():
         room.secret_key = key
-        if returning:
+        if returning and _ranks_may_return(config.checkpoint_dir, room.name):
             room.expect_returning_ranks(room.clock())
     from .rtc_relay import RtcTerminator
     rtc = app[RTC] = RtcTerminator(config.rtc_ice_servers, config.rtc_host_addresses)
@@ -291,8 +291,48 @@ def sample_history(app: web.Application, now_s: float) -> None:
             app[ASSETS][name].history.add(now_s, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
 
 
+def _shutdown_roll_path(directory: str, room: str) -> str:
+    import os
+    return os.path.join(directory, f".connected-at-shutdown-{room}.json")
+
+
+def _ranks_may_return(directory: str, room: str) -> bool:
+    """Whether ranks of the server that ran on ``directory`` before may come back to ``room``:
+    unknown (True) unless it stopped gracefully and recorded that no rank was connected then
+    (:func:`_close_sockets`); the record is read once. Why: a cohort killed before its server
+    was stopped has no rank to come back, and the roll call's partial window made the fresh
+    ranks of a restart wait 30 s before one could bootstrap (PROTOCOL.md "Joining")."""
+    import os
+    path = _shutdown_roll_path(directory, room)
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f).get("ids")
+    except (OSError, ValueError, AttributeError):
+        return True
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return not (isinstance(ids, list) and not ids)
+
+
 async def _close_sockets(app: web.Application) -> None:
-    """Graceful shutdown: close every open WebSocket with GOING_AWAY (bounded)."""
+    """Graceful shutdown: record which ranks were connected to each room (a server restarted on
+    the checkpoint directory knows whether any may come back: :func:`_ranks_may_return`), then
+    close every open WebSocket with GOING_AWAY (bounded)."""
+    config = app[CONFIG]
+    directory = config.checkpoint_dir
+    if directory and config.cluster is None:   # (a cluster's nodes share the directory)
+        for room in app[ROOMS].rooms.values():
+            path = _shutdown_roll_path(directory, room.name)
+            try:
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump({"ids": sorted(room.connected)}, f)
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("room %s: could not record the ranks connected at shutdown: %s", room.name, e)
     socks = list(app[SOCKETS])
     t = app[CONFIG].limits.close_timeout_s
 
