@@ -381,7 +381,9 @@ function onPy(m) {
     case "stopped":
       tc.stopped = m;
       setPhase("stopped");
-      status(`Stopped (${m.reason || "by request"}) at step ${m.step}.`);
+      // (a tab that gave up its link rejoins as a new rank when the page is loaded again)
+      status(`Stopped (${m.reason || "by request"}) at step ${m.step}.` +
+             (String(m.reason || "").startsWith("link failed") ? " Reload the page to join again." : ""));
       $("start").disabled = $("stop").disabled = true;
       $("leader-controls").hidden = true;
       break;
@@ -414,7 +416,8 @@ function render(s) {
   // (and a tab cut off from the server hears no leader: it said there was none, and told the
   // user to start one, while the leader trained on and the tab was reconnecting: a fault campaign)
   const away = !!s.link && s.link.connected === false && !s.final;
-  const waits = away
+  const waits = s.final ? ""
+    : away
     ? ": the link to the server is lost; reconnecting"
     : !s.is_leader && s.may_lead === false && (!s.ready || s.leader_live === false)
     ? (s.ready ? ": no rank that may lead is in the room; training waits for one (started with the trainer token)"

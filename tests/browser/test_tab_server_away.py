@@ -36,3 +36,18 @@ def test_a_tab_cut_off_from_its_server_says_it_is_reconnecting(cluster, tabs, tm
     wait_for(lambda: "reconnecting" not in tab.page.inner_text("#s-role"), 10, "the page to drop the notice")
     assert tab.tc("tc.phase") == "training"
     print(f"\nserver away at step {st['step']}; page said {role!r}; back at step {back['step']}")
+
+
+def test_a_tab_whose_server_never_comes_back_gives_up_and_says_to_reload(cluster, tabs):
+    # past the ranks' 30 s reconnect bound the tab stops; its page said (a fault campaign) the
+    # room had no rank that may lead, and not how to join again
+    url = cluster.serve()
+    cluster.rank()
+    tab = tabs(url, "?room=digits")
+    wait_tab(tab, lambda s: s["cohort"] == 2 and s["ready"] and s["step"] >= 20, 120, "a tab and a rank training")
+    cluster.server.p.send_signal(signal.SIGKILL)
+    cluster.server.p.wait(20)
+    wait_for(lambda: tab.tc("tc.phase") == "stopped", 75, "the tab to give up reconnecting")
+    status, role = tab.page.inner_text("#status"), tab.page.inner_text("#s-role")
+    assert "gave up reconnecting" in status and "Reload the page to join again" in status, status
+    assert "no rank that may lead" not in role and "reconnecting" not in role, role
