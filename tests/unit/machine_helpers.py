@@ -93,3 +93,40 @@ def round_msg(sender, step, *, params=None, assign=None, lr=0.1, n=4, loss=math.
 def grad(sender, to, step, *, g=None, n=4, loss=1.0, samples=2, term=1):
     return {"t": "grad", "from": sender, "to": to, "step": step, "term": term, "loss": loss, "samples": samples,
             "g": to_vector(g if g is not None else [1.0] * n)}
+
+
+class SeatBus:
+    """The room bus a :meth:`RankSession.seat` reads (id and roles) and its machine posts to:
+    a connected bus that sends nothing anywhere."""
+
+    id, may_lead, lead_roles = 1, True, {}
+    on_message = None
+
+    def post(self, msg):
+        pass
+
+    def pressure(self):
+        return 0.0
+
+    def quantize(self, params):
+        return None
+
+    def total_bytes(self):
+        return 0
+
+
+#: the served job fields a seat reads (the toy worker's room)
+SEAT_JOB = {"timing": {k: getattr(Timing(), k) for k in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms")},
+            "lr": 0.1, "eval_every": 10, "precision": "f32"}
+
+
+async def seat_after(welcome: dict, job_hash: str = "job-test"):
+    """A :class:`RankSession` told ``welcome`` (as a bus's connect does), then seated on a
+    :class:`SeatBus` with the toy worker: ``(session, machine)`` (its driver closed)."""
+    from tabcohort.runtime.session import RankSession
+
+    s = RankSession()
+    s.on_control(welcome)
+    m, d = s.seat(SeatBus(), ToyWorker(bucket_len=4, batch=2), SEAT_JOB, job_hash)
+    await d.close()
+    return s, m

@@ -1422,35 +1422,11 @@ def test_a_seat_whose_welcome_was_partial_tells_its_machine_so():
     # session keeps it and the seat tells the machine ("Joining": no bootstrap till the roll call)
     import asyncio
 
-    from tabcohort.model.toy import ToyWorker
-    from tabcohort.protocol import Timing as Tm
-    from tabcohort.runtime.session import RankSession
-
-    class Bus:
-        id, may_lead, lead_roles = 1, True, {}
-        on_message = None
-
-        def post(self, msg):
-            pass
-
-        def pressure(self):
-            return 0.0
-
-        def quantize(self, params):
-            return None
-
-        def total_bytes(self):
-            return 0
-
-    job = {"timing": {k: getattr(Tm(), k) for k in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms")},
-           "lr": 0.1, "eval_every": 10, "precision": "f32"}
+    from .machine_helpers import seat_after
 
     async def seat(partial):
-        s = RankSession()
-        s.on_control({"type": "welcome", "id": 1, "secret": "x", "peers": [], "may_lead": True, "lead_peers": [],
-                      **({"partial": True} if partial else {})})
-        m, d = s.seat(Bus(), ToyWorker(bucket_len=4, batch=2), job, "job-test")
-        await d.close()
+        _s, m = await seat_after({"type": "welcome", "id": 1, "secret": "x", "peers": [], "may_lead": True,
+                                  "lead_peers": [], **({"partial": True} if partial else {})})
         return m
 
     async def both():

@@ -41,37 +41,12 @@ def test_a_first_welcome_of_another_job_stops_the_seat_built_after_it():
     # server restarted with another job between the rank's job fetch and its link (a review)
     import asyncio
 
-    from tabcohort.model.toy import ToyWorker
-    from tabcohort.protocol import Timing as Tm
-
-    class Bus:
-        id, may_lead, lead_roles = 1, True, {}
-        on_message = None
-
-        def post(self, msg):
-            pass
-
-        def pressure(self):
-            return 0.0
-
-        def quantize(self, params):
-            return None
-
-        def total_bytes(self):
-            return 0
-
-    job = {"timing": {k: getattr(Tm(), k) for k in ("beat_ms", "drop_ms", "collect_ms", "takeover_ms", "forget_ms")},
-           "lr": 0.1, "eval_every": 10, "precision": "f32"}
-
-    async def seat(room_job):
-        s = RankSession()
-        s.on_control({"type": "welcome", "id": 1, "secret": "x", "peers": [], "job_hash": room_job})
-        _m, d = s.seat(Bus(), ToyWorker(bucket_len=4, batch=2), job, "a" * 32)
-        await d.close()
-        return s
+    from .machine_helpers import seat_after
 
     async def both():
-        return await seat("b" * 32), await seat("a" * 32)
+        welcome = {"type": "welcome", "id": 1, "secret": "x", "peers": []}
+        return (await seat_after({**welcome, "job_hash": "b" * 32}, "a" * 32))[0], \
+            (await seat_after({**welcome, "job_hash": "a" * 32}, "a" * 32))[0]
 
     other, same = asyncio.run(both())
     assert other.failed is not None and "b" * 32 in other.failed and other.stop_reason is not None
