@@ -104,3 +104,24 @@ def test_when_the_relay_s_link_closes_only_peers_without_a_direct_path_are_unrea
     bus.channel_open(bus.channel_of[3], 1 << 20)
     relay.on_control({"type": "unreachable", "ids": [2, 3]})
     assert len(seen) == 1                          # every peer on a direct path: nothing to say
+
+
+def test_a_direct_path_that_closes_while_the_relay_is_down_makes_its_peer_unreachable():
+    # docs/PROTOCOL.md "Membership and majority": the relay's link closed first (the peer on a
+    # direct path stayed in reach), then that path closed too: nothing carries the pair now
+    sock, connector, t = _Socket(), _Connector(), [0.0]
+    relay = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws")
+    seen = []
+    bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0], relay_while_connecting=True,
+                  on_control=seen.append)
+    relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3]}))
+    bus.writer = FrameWriter(1)
+    for k in (2, 3):
+        bus._ensure_path(k)
+    bus.channel_open(bus.channel_of[2], 1 << 20)
+    bus.channel_open(bus.channel_of[3], 1 << 20)
+    bus.channel_down(bus.channel_of[3], "connection reset")   # the relay is up: 3 is still in reach
+    relay.room.lost(None, now_ms=t[0])
+    seen.clear()
+    bus.channel_down(bus.channel_of[2], "connection reset")
+    assert {"type": "unreachable", "ids": [2]} in seen

@@ -420,6 +420,10 @@ class MeshBus:
         self._declare_relay()
         if self.on_fallback is not None:
             self.on_fallback(p.peer, was, why)
+        if was is PathState.DIRECT and not self.relay.connected and self.on_control is not None:
+            # the pair's last path closed while the relay's link is down: out of reach until heard
+            # from again, as when the relay's link closes (docs/PROTOCOL.md "Membership and majority")
+            self.on_control({"type": "unreachable", "ids": [p.peer]})
 
     def _declare_relay(self) -> None:
         if self.writer is None:
