@@ -141,3 +141,18 @@ def test_a_publication_that_a_newer_lead_went_on_from_does_not_count_for_the_roo
     r.on_control({"type": "stop", "reason": "duration 60 s reached"})
     r._publish_since_s = r.room_stop_s - 1.0              # (as leave() sets it)
     assert r.publish_seen
+
+
+def test_a_follower_stops_taking_part_when_it_reads_the_rooms_stop_and_a_leader_goes_on_to_publish():
+    # PROTOCOL.md "Controls": the peer controls of the others leaving may come in the same read
+    # as the stop; a follower still running then took over as a cohort of one and committed
+    # steps alone before leave() had its turn (a thawed follower ended 30 steps past the room's
+    # final checkpoint)
+    for leads in (False, True):
+        stops = []
+        machine = SimpleNamespace(looping=leads, is_leader=lambda now_ms, leads=leads: leads)
+        s = RankSession()
+        s.driver = SimpleNamespace(machine=machine, now_ms=lambda: 0.0, stop=lambda: stops.append(1))
+        s.on_control({"type": "stop", "reason": "stopped by the operator"})
+        assert s.room_stopping and s.stop_reason == "server: stopped by the operator"
+        assert stops == ([] if leads else [1]), leads

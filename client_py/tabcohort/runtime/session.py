@@ -430,6 +430,14 @@ class RankSession:
                 self.failed = reason
             if not self.room_stopping:
                 self.room_stopping, self.room_stop_s = True, time.monotonic()
+            d = self.driver
+            if d is not None and d.machine is not None and not (d.machine.looping or d.machine.is_leader(d.now_ms())):
+                # a follower stops taking part at once, not when leave() gets its turn: the peer
+                # controls of the others leaving came in the same read, and a rank still behind on
+                # its link (thawed after a freeze) took over as a cohort of one and committed 30
+                # steps alone before it stopped, ending on other parameters than the room's final
+                # checkpoint (PROTOCOL.md "Controls"). A leader goes on to its publication.
+                d.stop()
             self.request_stop(f"server: {reason}")
         elif t == "failed" and obj.get("rejoin") and self.stop_reason is None:
             self.rejoin = True              # the resume was refused: the run joins again
