@@ -102,8 +102,14 @@ class SeatBus:
     id, may_lead, lead_roles = 1, True, {}
     on_message = None
 
+    def __init__(self):
+        self.silence_bounds_ms = []
+
     def post(self, msg):
         pass
+
+    def set_silence_bound_ms(self, bound_ms):
+        self.silence_bounds_ms.append(bound_ms)
 
     def pressure(self):
         return 0.0

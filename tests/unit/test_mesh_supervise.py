@@ -102,6 +102,19 @@ def test_a_late_tick_gives_no_idle_verdict():
     assert bus.path(2).state is PathState.RELAY and "no bytes from the peer" in bus.path(2).why
 
 
+def test_a_direct_path_silent_for_the_silence_bound_moves_to_the_relay():
+    # docs/PROTOCOL.md "Direct TCP path", "Silence": the session sets policy.drop_ms
+    bus, connector, t = _mesh(1, 2)
+    bus.set_silence_bound_ms(1600.0)
+    bus.channel_open(bus.channel_of[2], 65536)
+    t[0] = 1500.0
+    bus.supervise(t[0])
+    assert bus.path(2).state is PathState.DIRECT
+    t[0] = 1700.0
+    bus.supervise(t[0])
+    assert bus.path(2).state is PathState.RELAY and "no bytes from the peer for 1.6 s" in bus.path(2).why
+
+
 def test_a_peers_backlog_claim_alone_never_paces_this_rank():
     # any rank could send {"kind": "backlog", "bytes": 2**62}: counted up to the queue bound,
     # it lifted the pressure far over 1 and the leader paced (the room stalled)

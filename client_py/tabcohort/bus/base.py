@@ -8,6 +8,7 @@ bus belongs to a server room (docs/INTERFACES.md, "Bus").
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 
@@ -118,6 +119,15 @@ class RoomBus(Bus, Protocol):
         """A mesh's path-supervision ticks and those late (its loop blocked for > 1 s), as
         ``{"ticks": n, "late": n}``; ``None`` on a star, which supervises no paths."""
 
+    def set_silence_bound_ms(self, bound_ms: float) -> None:
+        """A direct path with no bytes from its peer for ``bound_ms`` milliseconds moves to the
+        relay (a mesh; a star has no paths of its own and ignores it). The session sets the
+        machine's ``policy.drop_ms`` (docs/PROTOCOL.md "Direct TCP path", "Silence").
+
+        Raises:
+            ValueError: ``bound_ms`` is not a positive finite number.
+        """
+
     def set_precision(self, precision: str) -> None:
         """Send at ``precision`` from now on.
 
@@ -167,3 +177,11 @@ def merge_counts(*sources: dict[str, int]) -> dict[str, int]:
 def sum_link_bytes(links: dict[int, LinkBytes]) -> int:
     """Total of sent + received over a :meth:`Bus.bytes` result."""
     return sum(lb.sent + lb.received for lb in links.values())
+
+
+def check_bound_ms(bound_ms: float) -> float:
+    """``bound_ms`` as a float, or ValueError naming it (``RoomBus.set_silence_bound_ms``)."""
+    if isinstance(bound_ms, bool) or not isinstance(bound_ms, (int, float)) or not math.isfinite(bound_ms) \
+            or bound_ms <= 0:
+        raise ValueError(f"silence bound must be a positive number of milliseconds, got {bound_ms!r}")
+    return float(bound_ms)

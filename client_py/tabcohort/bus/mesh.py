@@ -42,7 +42,7 @@ from typing import Any, Callable
 from ..errors import ConfigError, RemoteProtocolError
 from ..wire import DATA_CHANNEL_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
-from .base import LinkBytes, delegated, merge_counts
+from .base import LinkBytes, check_bound_ms, delegated, merge_counts
 from .path import CHANNEL_CLOSED, CLOSED_BY_PEER, RETRY_BASE_MS, Path, PathKind, PathState
 from .room import DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES
 from .star import Channel, Connector, StarBus
@@ -320,6 +320,11 @@ class MeshBus:
     def quantize(self, params: Any) -> Any:
         """As the star bus's (the same precision, before and after :meth:`connect`)."""
         return self.writer.quantize(params) if self.writer is not None else self.relay.quantize(params)
+
+    def set_silence_bound_ms(self, bound_ms: float) -> None:
+        """An open direct path with no bytes from its peer for ``bound_ms`` moves to the relay
+        (``RoomBus``; docs/PROTOCOL.md "Direct TCP path", "Silence")."""
+        self.idle_timeout_s = check_bound_ms(bound_ms) / 1000.0
 
     def set_precision(self, precision: str) -> None:
         """As :meth:`StarBus.set_precision <tabcohort.bus.star.StarBus.set_precision>` (the relay's too)."""

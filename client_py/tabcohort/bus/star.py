@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 from ..errors import ConfigError, RemoteProtocolError
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES, FrameReader, FrameWriter, WireLimits, parse_route
 from ..wire.codecs import DEFAULT_INT8_BLOCK
-from .base import LinkBytes, delegated, merge_counts
+from .base import LinkBytes, check_bound_ms, delegated, merge_counts
 from .path import Path, PathState
 from .room import CLOSE_MOVED, DEFAULT_HIGH_WATER_BYTES, DEFAULT_MAX_QUEUE_BYTES, LinkFailed, RoomClient, http_base
 
@@ -361,6 +361,10 @@ class StarBus:
         return (self.writer or FrameWriter(0, precision=self.precision, int8_block=self.int8_block,
                                            use_numpy=self.use_numpy)).quantize(params)
 
+    def set_silence_bound_ms(self, bound_ms: float) -> None:
+        """Nothing: a star's one path is its socket to the server (``RoomBus``)."""
+        check_bound_ms(bound_ms)
+
     def set_precision(self, precision: str) -> None:
         """Send at ``precision`` from now on.
 
@@ -638,3 +642,4 @@ class StarBus:
         ch, self.channel = self.channel, None
         if ch is not None:
             ch.close()
+

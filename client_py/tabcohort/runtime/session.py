@@ -338,13 +338,20 @@ class RankSession:
         if self.roll_call_partial:              # (its welcome came before this seat's machine)
             machine.roll_call_partial(now_ms=RankDriver.clock_ms(asyncio.get_running_loop()))
 
-        def at_limit(_state: dict) -> None:   # stopped at the job's step limit
-            if machine.at_step_limit and not machine.running:
+        silence_bound_ms = [None]
+
+        def on_report(_state: dict) -> None:
+            if machine.at_step_limit and not machine.running:   # stopped at the job's step limit
                 self.request_stop(f"step limit {machine.step_limit} reached")
+            # a direct path silent for policy.drop moves to the relay (PROTOCOL.md "Direct TCP
+            # path", "Silence"): the policy stretches with the cohort, so it follows it
+            if machine.policy.drop_ms != silence_bound_ms[0]:
+                silence_bound_ms[0] = machine.policy.drop_ms
+                bus.set_silence_bound_ms(machine.policy.drop_ms)
         def compute_failed(why: str) -> None:   # the job fails every time: this rank stops, exit 1
             self.failed = why
             self.request_stop(f"job failed: {why}")
-        self.driver = RankDriver(machine, worker, bus, on_report=at_limit, on_compute_failed=compute_failed)
+        self.driver = RankDriver(machine, worker, bus, on_report=on_report, on_compute_failed=compute_failed)
         return machine, self.driver
 
     def start_from_checkpoint(self, worker: Any, job: dict, headers: dict, data: bytes) -> None:
