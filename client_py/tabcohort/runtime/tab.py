@@ -46,6 +46,8 @@ class TabRun(RankSession):
         self.cfg = cfg
         self.port = port or JsPort()
         self.hub: Any = None   # the PortHub, once _run started it
+        #: the worker loop's queue of immediate callbacks (runtime.soon), once run_tab installed it
+        self.soon: Any = None
         self.stop_event = asyncio.Event()
         self.t0 = time.monotonic()
         # largest gaps (ms, loop clock) between consecutive heartbeats sent and messages received:
@@ -452,8 +454,12 @@ class TabRun(RankSession):
         st["uptime_s"] = round(time.monotonic() - self.t0, 3)
         st["gaps"] = {k: round(v, 1) for k, v in self.gaps.items()}
         hub = self.hub
-        # page messages taken per wake-up, and pauses of a rank that fell behind the round rate
+        # page messages taken per wake-up, and pauses of a rank that fell behind the round rate;
+        # the worker's immediate callbacks: host tasks posted for them, and the most ready at once
         st["page_inbox"] = {"wakeups": hub.n_wakeups, "items": hub.n_items, "catch_up_pauses": hub.n_catch_up_pauses}
+        soon = self.soon
+        if soon is not None:
+            st["page_inbox"].update(soon_pumps=soon.n_pumps, soon_run=soon.n_run, soon_max_ready=soon.max_ready_len)
         w = self.driver.worker   # why this backend (a fallback), and the GPU's name (model/backend_js.py)
         note, adapter = getattr(w, "backend_note", None), getattr(w, "adapter", None)
         st["backend_note"] = note[:256] if isinstance(note, str) else None   # (the server keeps <= 256)
@@ -498,6 +504,14 @@ def _size(n: int) -> str:
 
 
 async def run_tab(cfg_json: str) -> int:
-    """Entry point for ``web/rank-worker.js``: ``cfg_json`` is the page's config as JSON."""
-    return await TabRun(json.loads(cfg_json)).run()
+    """Entry point for ``web/rank-worker.js``: ``cfg_json`` is the page's config as JSON.
+
+    First puts the worker loop's immediate callbacks under one pending host task
+    (:mod:`tabcohort.runtime.soon`): with Pyodide's own, a leader tab's timers, fetches and page
+    messages waited seconds behind the loop's backlog."""
+    from . import soon
+
+    run = TabRun(json.loads(cfg_json))
+    run.soon = soon.install(asyncio.get_running_loop())
+    return await run.run()
 
