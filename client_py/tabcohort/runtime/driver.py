@@ -106,9 +106,11 @@ class RankDriver:
         ``period_s`` seconds have passed since it last set it; the caller clears it.
 
         For periodic work beside the machine (state reports, a page's view): on Pyodide a busy
-        leader's rounds run through ``call_soon`` (MessageChannel turns), which Chromium serves
-        before due timers, so a plain ``asyncio.sleep`` loop there ran 2-10 s late. Waiting on this
-        event (with the timer as a fallback when the driver is idle) keeps the period.
+        leader's rounds run through ``call_soon`` (MessageChannel turns), and a plain
+        ``asyncio.sleep`` loop there ran 2-10 s late (the cause was the backlog of host messages
+        that Pyodide's own ``call_soon`` piled up, which ``tabcohort.runtime.soon`` removes).
+        Waiting on this event (with the timer as a fallback when the driver is idle) keeps the
+        period.
         """
         ev = asyncio.Event()
         self._wakers.append([float(period_s) * 1000.0, self.now_ms() + float(period_s) * 1000.0, ev])
