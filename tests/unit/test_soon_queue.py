@@ -15,6 +15,16 @@ import pytest
 from tabcohort.runtime.soon import IMMEDIATE_DELAY_S, SoonQueue, install
 
 
+class StubLoop:
+    """What an ``asyncio.Handle`` asks of its loop (no loop runs in these tests)."""
+
+    def get_debug(self) -> bool:
+        return False
+
+    def call_exception_handler(self, context: dict) -> None:
+        raise AssertionError(context)
+
+
 class SharedChannelHost:
     """Pyodide's immediate scheduling: ``post`` queues ``fn`` and posts one message; a message
     runs every ``fn`` queued when it is served."""
@@ -38,33 +48,30 @@ def leader_loop_backlog(*, with_queue: bool, turns: int, extra_every: int) -> tu
     ``extra_every`` turns, one more callback beside it (a task woken by a page message). Returns
     the most host messages pending at once and the order the callbacks ran in."""
     host = SharedChannelHost()
-    loop = asyncio.new_event_loop()
-    try:
-        ran: list[str] = []
-        queue = SoonQueue(host.post)
+    loop = StubLoop()
+    ran: list[str] = []
+    queue = SoonQueue(host.post)
 
-        def soon(fn: Callable[[], None]) -> None:
-            if with_queue:
-                queue.push(asyncio.Handle(fn, (), loop))
-            else:
-                host.post(fn)
-        state = {"turn": 0}
+    def soon(fn: Callable[[], None]) -> None:
+        if with_queue:
+            queue.push(asyncio.Handle(fn, (), loop))
+        else:
+            host.post(fn)
+    state = {"turn": 0}
 
-        def turn() -> None:
-            state["turn"] += 1
-            ran.append(f"t{state['turn']}")
-            if state["turn"] < turns:
-                soon(turn)
-                if state["turn"] % extra_every == 0:
-                    soon(lambda k=state["turn"]: ran.append(f"x{k}"))
-        soon(turn)
-        most = 0
-        while host.messages:
-            most = max(most, host.messages)
-            host.serve_one()
-        return most, ran
-    finally:
-        loop.close()
+    def turn() -> None:
+        state["turn"] += 1
+        ran.append(f"t{state['turn']}")
+        if state["turn"] < turns:
+            soon(turn)
+            if state["turn"] % extra_every == 0:
+                soon(lambda k=state["turn"]: ran.append(f"x{k}"))
+    soon(turn)
+    most = 0
+    while host.messages:
+        most = max(most, host.messages)
+        host.serve_one()
+    return most, ran
 
 
 def test_pyodides_own_scheduling_piles_up_a_message_per_extra_callback():
@@ -85,45 +92,40 @@ def test_one_host_task_pending_however_many_callbacks_are_queued():
 
 def test_a_pump_runs_only_what_was_ready_when_it_started():
     host = SharedChannelHost()
-    loop = asyncio.new_event_loop()
-    try:
-        q = SoonQueue(host.post)
-        ran: list[int] = []
-        q.push(asyncio.Handle(lambda: (ran.append(1), q.push(asyncio.Handle(ran.append, (3,), loop))), (), loop))
-        q.push(asyncio.Handle(ran.append, (2,), loop))
-        cancelled = asyncio.Handle(ran.append, (99,), loop)
-        q.push(cancelled)
-        cancelled.cancel()
-        assert host.messages == 1 and q.pending()
-        host.serve_one()
-        assert ran == [1, 2] and host.messages == 1      # 3 waits for the next pump
-        host.serve_one()
-        assert ran == [1, 2, 3] and host.messages == 0 and not q.pending()
-        assert (q.n_pumps, q.n_run, q.max_ready_len) == (2, 3, 3)
-    finally:
-        loop.close()
+    loop = StubLoop()
+    q = SoonQueue(host.post)
+    ran: list[int] = []
+    q.push(asyncio.Handle(lambda: (ran.append(1), q.push(asyncio.Handle(ran.append, (3,), loop))), (), loop))
+    q.push(asyncio.Handle(ran.append, (2,), loop))
+    cancelled = asyncio.Handle(ran.append, (99,), loop)
+    q.push(cancelled)
+    cancelled.cancel()
+    assert host.messages == 1 and q.pending()
+    host.serve_one()
+    assert ran == [1, 2] and host.messages == 1      # 3 waits for the next pump
+    host.serve_one()
+    assert ran == [1, 2, 3] and host.messages == 0 and not q.pending()
+    assert (q.n_pumps, q.n_run, q.max_ready_len) == (2, 3, 3)
 
 
 def test_a_handle_that_raises_through_leaves_the_rest_to_the_next_pump():
     host = SharedChannelHost()
-    loop = asyncio.new_event_loop()
-    try:
-        q = SoonQueue(host.post)
-        ran: list[int] = []
+    loop = StubLoop()
+    q = SoonQueue(host.post)
+    ran: list[int] = []
 
-        def leave() -> None:
-            raise SystemExit(0)      # (asyncio's Handle lets only these through)
-        q.push(asyncio.Handle(leave, (), loop))
-        q.push(asyncio.Handle(ran.append, (2,), loop))
-        with pytest.raises(SystemExit):
-            host.serve_one()
-        assert ran == [] and host.messages == 1
+    def leave() -> None:
+        raise SystemExit(0)      # (asyncio's Handle lets only these through)
+    q.push(asyncio.Handle(leave, (), loop))
+    q.push(asyncio.Handle(ran.append, (2,), loop))
+    with pytest.raises(SystemExit):
         host.serve_one()
-        assert ran == [2]
-    finally:
-        loop.close()
+    assert ran == [] and host.messages == 1
+    host.serve_one()
+    assert ran == [2]
 
 
+@pytest.mark.needs_loop
 def test_install_keeps_asyncio_working_and_timers_on_the_host():
     async def main() -> tuple[list[str], SoonQueue, bool]:
         loop = asyncio.get_running_loop()
