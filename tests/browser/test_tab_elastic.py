@@ -53,7 +53,9 @@ def test_close_reopen_and_close_the_leaders_tab(cluster, tabs, topology):
     first_ready = wait_tab(again, lambda s: s["ready"], 30, "the reopened tab to be synced")
     assert first_ready["id"] != victim_id
     # synced by one round: its first ready state already carries the cohort's step, not step 0
-    assert first_ready["step"] >= st_join, (first_ready["step"], st_join)
+    # (the round that synced it may be the one the leader was applying when it was read: a
+    # round carries the step it starts from, so one step behind the leader's state at most)
+    assert first_ready["step"] >= st_join - 1, (first_ready["step"], st_join)
     wait_tab(again, lambda s: s["cohort"] == 3, 30, "a cohort of 3 again")
     if mesh:  # the reopened tab's pairs are data channels too, from both ends
         # (a pair that missed the connect bound on a loaded host is on the relay until its lower
