@@ -800,6 +800,42 @@ def test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a
     assert v.m.ready
 
 
+def test_a_resumed_rank_that_hears_every_member_that_may_lead_does_not_wait_for_the_roll_call():
+    # "Joining": the partial roll call's wait keeps a rank from bootstrapping while a rank that
+    # may lead may still come back; when every member it holds that may lead is heard, none can.
+    # A leader suspended (SIGSTOP 3 s) inside a restarted server's window rejoined not ready,
+    # 3 steps ahead of its followers, which deferred to it; it waited 16 beats for the roll call
+    # and no step moved for about 9 s (a fault campaign)
+    r = rig(1, start_step=500)
+    r.m.term = 2
+    for k in (7, 9):
+        r.m.peer_role(k, True)
+    r.m.roll_call_partial(now_ms=0)
+    r.m.start(now_ms=0)
+    t = 0.0
+    while t < 8 * T.beat_ms and not r.m.ready:
+        t += T.beat_ms
+        for k in (7, 9):
+            r.m.handle(beat(k, ready=True, running=True, term=2, step=497), now_ms=t - 1)
+        r.m.on_timer(now_ms=t)
+    assert r.m.ready and r.m.counters["bootstrap"] == 1 and t <= 3 * T.beat_ms, t
+    assert r.m.counters["join_waited_for_roll_call"] == 0
+    # one member that may lead not heard (still reconnecting): it waits, as a new joiner does
+    q = rig(1, start_step=500)
+    q.m.term = 2
+    for k in (7, 9):
+        q.m.peer_role(k, True)
+    q.m.handle(beat(9, ready=True, running=True, term=2, step=497), now_ms=0)   # (a member, silent since)
+    t = 2 * T.drop_ms
+    q.m.roll_call_partial(now_ms=t)
+    q.m.start(now_ms=t)
+    for _ in range(14):   # (the server's word that 9 is connected holds the first attempts too)
+        t += T.beat_ms
+        q.m.handle(beat(7, ready=True, running=True, term=2, step=497), now_ms=t - 1)
+        q.m.on_timer(now_ms=t)
+    assert not q.m.ready and q.m.counters["join_waited_for_roll_call"] >= 2
+
+
 def test_a_joiner_told_the_roll_call_is_partial_bootstraps_no_lineage_until_the_roll_call():
     # "Joining": a restarted server's welcome is partial (its roll call is not in: ranks of its
     # previous life, the leader among them, are still reconnecting). A rank joining then hears

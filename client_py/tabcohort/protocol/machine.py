@@ -1232,9 +1232,10 @@ class RankMachine:
             # frames wait for the pair's channel, up to the link's connect bound): no attempt yet
             self.counters["join_waited_for_witnessed_lead"] += 1
             return
-        if now_ms < self._roll_call_partial_until_ms:
+        if now_ms < self._roll_call_partial_until_ms and not self._every_lead_member_heard(live):
             # "Joining": the server's roll call is partial (it restarted): a rank that may lead
             # and has not reconnected yet is not heard, nor is it in any list; no attempt yet
+            # (unless every member that may lead is heard: none is missing)
             self.counters["join_waited_for_roll_call"] += 1
             return
         self._join_attempts += 1
@@ -1253,6 +1254,14 @@ class RankMachine:
             # ready, not a beat period later (until then a follower would count itself leader).
             self._beat(now_ms)
             self._take_lead(now_ms)
+
+    def _every_lead_member_heard(self, live: list) -> bool:
+        """This rank holds members that may lead, and every one of them is in ``live`` (heard
+        within ``policy.drop``): none of them is among the ranks a partial roll call may still
+        bring back ("Joining"). False for a rank that holds no such member (a new joiner)."""
+        leads = [k for k in self.membership if self.may_lead_rank(k)]
+        heard = {m.id for m in live}
+        return bool(leads) and all(k in heard for k in leads)
 
     # --- follower
     def _on_round(self, msg: dict, now_ms: float) -> None:
