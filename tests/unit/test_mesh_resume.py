@@ -85,18 +85,24 @@ def test_a_partial_welcome_keeps_the_paths_of_ranks_not_back_yet_and_the_roll_ca
     assert bus.peers == {2}
 
 
-def test_when_the_relay_s_link_closes_only_peers_without_a_direct_path_are_unreachable():
-    # docs/PROTOCOL.md "Membership and majority": the relay's ``unreachable`` names every peer;
-    # the mesh passes on only those it cannot reach another way
+def _mesh_of_three():
+    """Rank 1's mesh bus with paths to 2 and 3 (not open yet): ``(relay, bus, controls seen, t)``."""
     sock, connector, t = _Socket(), _Connector(), [0.0]
     relay = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws")
-    seen = []
+    seen: list[dict] = []
     bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0], relay_while_connecting=True,
                   on_control=seen.append)
     relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3]}))
     bus.writer = FrameWriter(1)
     for k in (2, 3):
         bus._ensure_path(k)
+    return relay, bus, seen, t
+
+
+def test_when_the_relay_s_link_closes_only_peers_without_a_direct_path_are_unreachable():
+    # docs/PROTOCOL.md "Membership and majority": the relay's ``unreachable`` names every peer;
+    # the mesh passes on only those it cannot reach another way
+    relay, bus, seen, t = _mesh_of_three()
     bus.channel_open(bus.channel_of[2], 1 << 20)
     seen.clear()
     relay.on_control({"type": "unreachable", "ids": [2, 3]})
@@ -109,15 +115,7 @@ def test_when_the_relay_s_link_closes_only_peers_without_a_direct_path_are_unrea
 def test_a_direct_path_that_closes_while_the_relay_is_down_makes_its_peer_unreachable():
     # docs/PROTOCOL.md "Membership and majority": the relay's link closed first (the peer on a
     # direct path stayed in reach), then that path closed too: nothing carries the pair now
-    sock, connector, t = _Socket(), _Connector(), [0.0]
-    relay = StarBus(sock, "ws://127.0.0.1:1/api/rooms/r/ws")
-    seen = []
-    bus = MeshBus(relay, connector, connect_timeout_s=3.0, clock_ms=lambda: t[0], relay_while_connecting=True,
-                  on_control=seen.append)
-    relay.on_text(json.dumps({"type": "welcome", "id": 1, "secret": "s", "peers": [2, 3]}))
-    bus.writer = FrameWriter(1)
-    for k in (2, 3):
-        bus._ensure_path(k)
+    relay, bus, seen, t = _mesh_of_three()
     bus.channel_open(bus.channel_of[2], 1 << 20)
     bus.channel_open(bus.channel_of[3], 1 << 20)
     bus.channel_down(bus.channel_of[3], "connection reset")   # the relay is up: 3 is still in reach
