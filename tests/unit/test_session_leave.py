@@ -156,3 +156,35 @@ def test_a_follower_stops_taking_part_when_it_reads_the_rooms_stop_and_a_leader_
         s.on_control({"type": "stop", "reason": "stopped by the operator"})
         assert s.room_stopping and s.stop_reason == "server: stopped by the operator"
         assert stops == ([] if leads else [1]), leads
+
+
+@pytest.mark.needs_loop
+def test_a_follower_that_reads_the_rooms_stop_then_the_others_leaving_does_not_take_over():
+    # the same with the real machine (PROTOCOL.md "Controls"): stop, then the peer controls of the
+    # leader and the other follower leaving, in one read; without the early stop this rank, the
+    # lowest id, held a membership of itself alone and took over
+    from tabcohort.model.toy import ToyWorker
+
+    from .machine_helpers import SEAT_JOB, SeatBus, beat, round_msg
+
+    async def go():
+        s = RankSession()
+        s.on_control({"type": "welcome", "id": 1, "secret": "x", "peers": [3, 5], "may_lead": True,
+                      "lead_peers": [3, 5]})
+        m, d = s.seat(SeatBus(), ToyWorker(bucket_len=4, batch=2), SEAT_JOB, "job-test")
+        d.start()
+        t = d.now_ms()
+        for k in (3, 5):
+            m.peer_role(k, True)
+            m.handle(beat(k, ready=True, running=True, term=1, step=10), now_ms=t)
+        m.handle(round_msg(3, 11, term=1, assign={5: 0}), now_ms=t)
+        assert m.ready and m.following == 3, dict(m.drops)
+        s.on_control({"type": "stop", "reason": "stopped by the operator"})
+        s.on_control({"type": "peer", "id": 3, "up": False})
+        s.on_control({"type": "peer", "id": 5, "up": False})
+        for i in range(1, 21):
+            m.on_timer(now_ms=t + 400.0 * i)
+        await d.close()
+        return m
+    m = asyncio.run(go())
+    assert not m.is_leader(m._last_input_ms) and m.counters["takeover"] == 0 and m.step == 11

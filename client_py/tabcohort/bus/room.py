@@ -60,6 +60,8 @@ FATAL_CLOSE = frozenset({CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_UNKNOWN_ID, 
 #: up, seconds (``RoomClient(reconnect_max_s=...)``); a restarted server's partial roll call
 #: lasts at least this long (PROTOCOL.md, "Membership and majority")
 RECONNECT_MAX_S = 30.0
+#: the last reconnect attempt comes within this long (ms) before the bound (RoomClient.lost)
+LAST_ATTEMPT_SPREAD_MS = 2_000.0
 #: node-to-node redirects followed per connection attempt
 MAX_MOVES = 4
 
@@ -175,6 +177,7 @@ class RoomClient:
         self._resuming = False
         self._attempt = 0
         self._give_up_ms: float | None = None
+        self._last_attempt = False        # the one attempt within the bound's final spread is drawn
         self._lost_at_ms = 0.0            # when the link was lost (the give-up message says how long ago)
         self._backlog_sent = 0
 
@@ -222,6 +225,7 @@ class RoomClient:
             self.may_lead = obj.get("may_lead") is True
             self.lead_roles = {k: k in leads for k in self.peers}
             self.connected, self._resuming, self._attempt, self._give_up_ms = True, False, 0, None
+            self._last_attempt = False
         elif t == "peer":
             k = obj.get("id")
             if not isinstance(k, int) or isinstance(k, bool):
@@ -343,8 +347,7 @@ class RoomClient:
             self._give_up_ms = now_ms + self.reconnect_max_ms
         if code not in RETRY_CLOSE:
             return None
-        at = now_ms + self._next_delay_ms()
-        return at if at <= self._give_up_ms else None
+        return self._next_attempt_ms(now_ms)
 
     def lost(self, code: int | None, *, now_ms: float, reason: str = "") -> float | None:
         """The socket closed (``code`` from the server, ``None`` for a network error; ``reason``
@@ -356,7 +359,7 @@ class RoomClient:
         self.relay_pressure = 0.0
         self._backlog_sent = 0
         if first:
-            self._resuming, self._attempt = True, 0
+            self._resuming, self._attempt, self._last_attempt = True, 0, False
             self._give_up_ms = now_ms + self.reconnect_max_ms
             self._lost_at_ms = now_ms
         if code in FATAL_CLOSE:
@@ -370,13 +373,8 @@ class RoomClient:
                         "start this rank again with the one it prints (README \"Roles\")")
             self.fail(why, rejoin=not first and code == CLOSE_UNKNOWN_ID)
             return None
-        at = now_ms + self._next_delay_ms()
-        if self._give_up_ms is not None and at > self._give_up_ms:
-            if now_ms < self._give_up_ms:
-                # the last attempt comes at the bound itself: a rank whose next draw passed it gave
-                # up 22 s after its link was lost, and three ranks whose server was back at 25-30 s
-                # exited and lost every step since the last checkpoint (a fault campaign)
-                return self._give_up_ms
+        at = self._next_attempt_ms(now_ms)
+        if at is None:
             away_s = (now_ms - self._lost_at_ms) / 1000.0
             self.fail(f"gave up reconnecting after {away_s:.0f} s without the server (the "
                       f"{self.reconnect_max_ms / 1000.0:g} s bound)")
@@ -389,6 +387,22 @@ class RoomClient:
             self.failed, self.rejoin = why, rejoin
         self.connected = False
         return {"type": "failed", "reason": self.failed, "rejoin": self.rejoin}
+
+    def _next_attempt_ms(self, now_ms: float) -> float | None:
+        """The next attempt's deadline (full jitter), or ``None`` past the bound. When the draw
+        passes the bound, one last attempt comes within its final :data:`LAST_ATTEMPT_SPREAD_MS`
+        (uniform, so ranks that lost one server do not all come back at one instant): a rank
+        whose draw passed it gave up 22 s after its link was lost, and three ranks whose server
+        was back at 25-30 s exited and lost every step since the last checkpoint (a fault
+        campaign)."""
+        at = now_ms + self._next_delay_ms()
+        if self._give_up_ms is None or at <= self._give_up_ms:
+            return at
+        if now_ms >= self._give_up_ms or self._last_attempt:
+            return None
+        self._last_attempt = True
+        lo = max(now_ms, self._give_up_ms - LAST_ATTEMPT_SPREAD_MS)
+        return lo + self.rng.random() * (self._give_up_ms - lo)
 
     def _next_delay_ms(self) -> float:
         d = full_jitter_s(self._attempt, self.rng) * 1000.0

@@ -527,7 +527,9 @@ class StarBus:
             return
         if was:
             log.warning("rank %08x: link lost (code %s); reconnecting", self.id, code)
-        self._timer = self._loop.call_at(at / 1000.0, self._attempt)
+        # (a delay, never a deadline: Pyodide's call_at reads the clock again and refuses one
+        # already past, which would leave the rank neither reconnecting nor failed)
+        self._timer = self._loop.call_later(max(0.0, (at - self.now_ms()) / 1000.0), self._attempt)
 
     def _attempt(self) -> None:
         """A reconnect attempt (a deadline from :meth:`RoomClient.lost` passed)."""

@@ -63,7 +63,9 @@ class SoonQueue:
         """Run the handles that are ready now (not those they queue: the next pump's)."""
         self._pending = False
         try:
-            for _ in range(len(self._ready)):
+            n = len(self._ready)
+            while n and self._ready:   # (a handle run here may itself run a pump: never pop an empty queue)
+                n -= 1
                 h = self._ready.popleft()
                 if not h.cancelled():
                     self.n_run += 1
