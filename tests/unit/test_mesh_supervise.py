@@ -149,8 +149,12 @@ def test_a_channel_its_peer_closed_is_logged_without_alarm_and_a_failed_one_warn
     import logging
 
     from tabcohort.bus.path import CHANNEL_CLOSED
-    for why, level in ((CHANNEL_CLOSED, logging.INFO), ("ICE connection failed", logging.WARNING)):
+    broken = "direct connection lost (BrokenPipeError(32, 'Broken pipe'))"
+    for why, level, stopped in ((CHANNEL_CLOSED, logging.INFO, False), ("ICE connection failed", logging.WARNING, False),
+                                (broken, logging.WARNING, False), (broken, logging.INFO, True)):
         bus, _connector, _t = _mesh(1, 2)
+        if stopped:   # (the server stopped the room: a peer that left first broke the pipe)
+            bus.relay.room.control({"type": "stop", "reason": "stopped by the operator"})
         ch = bus.channel_of[2]
         bus.channel_open(ch, 1 << 16)
         caplog.clear()

@@ -415,9 +415,10 @@ class MeshBus:
         # within the connect bound (a tab takes no TCP path: README "Direct paths") is the normal
         # case of a mixed room, and a connection the peer closed cleanly is a peer leaving (every
         # rank at a room's stop) or gone (its kernel closes a killed process's sockets too, and the
-        # room then reports it left): both logged without alarm; a reset or an error still warns
+        # room then reports it left): both logged without alarm, as is anything once the server
+        # stopped the room (a peer that left first: a broken pipe); a reset or an error still warns
         quiet = (was is PathState.CONNECTING and why.startswith("channel not open within")) or \
-            why in (CLOSED_BY_PEER, CHANNEL_CLOSED)
+            why in (CLOSED_BY_PEER, CHANNEL_CLOSED) or self.stopped_reason is not None
         (log.info if quiet else log.warning)("rank %08x: link to %08x uses the relay: %s%s",
                                              self.id, p.peer, why, again)
         self.relay.send_control({"type": "signal", "to": p.peer, "kind": "bye"})
