@@ -435,7 +435,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "        self._witnessed_leads &= listed          # (\"Joining\": one not listed has no link)\n", "",
      [f"{U}::test_a_joiner_does_not_bootstrap_over_a_connected_rank_that_may_lead_until_a_takeover_window"]),
     ("joining: no attempt while the server's roll call is partial (a restarted server)", M,
-     "if now_ms < self._roll_call_partial_until_ms:", "if False:",
+     "if now_ms < self._roll_call_partial_until_ms and not self._every_lead_member_heard(live):", "if False:",
      [f"{U}::test_a_joiner_told_the_roll_call_is_partial_bootstraps_no_lineage_until_the_roll_call"]),
     ("joining: a rank that hears every member that may lead does not wait for the roll call", M,
      "        return bool(leads) and all(k in heard for k in leads)", "        return False",
