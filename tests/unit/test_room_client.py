@@ -93,6 +93,18 @@ def test_a_lost_socket_retries_at_full_jitter_deadlines_then_resumes():
     assert rc.connected and rc.n_reconnects == 1 and not rc.resuming and "resume" not in rc.register()
 
 
+def _attempts(at, failed) -> list[float]:
+    """Every attempt's deadline (ms) until the client gives up; each attempt fails at once
+    (``failed(t)`` returns the next deadline, or None)."""
+    t, out = 0.0, []
+    while at is not None:
+        assert t <= at <= 30_000.0
+        out.append(at)
+        t = at
+        at = failed(t)
+    return out
+
+
 def test_reconnecting_gives_up_after_reconnect_max_s_with_a_last_attempt_near_the_bound():
     # one last attempt within the bound's final 2 s, whatever the draws: a rank gave up at 22 s of
     # a 30 s bound when its next draw passed it, and ranks whose server came back at 25 s exited;
@@ -102,13 +114,8 @@ def test_reconnecting_gives_up_after_reconnect_max_s_with_a_last_attempt_near_th
     for seed in range(40):
         rc = joined(reconnect_max_s=30.0)
         rc.rng.seed(seed)
-        t, attempts = 0.0, []
-        at = rc.lost(1006, now_ms=t)
-        while at is not None:
-            assert t <= at <= 30_000.0
-            attempts.append(at)
-            t = at
-            at = rc.lost(None, now_ms=t)
+        attempts = _attempts(rc.lost(1006, now_ms=0.0), lambda t: rc.lost(None, now_ms=t))
+        t = attempts[-1]
         assert attempts[-1] >= 30_000.0 - LAST_ATTEMPT_SPREAD_MS, attempts
         lasts.append(attempts[-1])
         want = f"gave up reconnecting after {t / 1000.0:.0f} s without the server (the 30 s bound)"
@@ -122,13 +129,7 @@ def test_a_refused_first_registration_also_gets_a_last_attempt_near_the_bound():
     from tabcohort.bus.room import LAST_ATTEMPT_SPREAD_MS, RoomClient
     for seed in range(40):
         rc = RoomClient(rng=random.Random(seed), reconnect_max_s=30.0)
-        t, attempts = 0.0, []
-        at = rc.refused(4029, now_ms=t)
-        while at is not None:
-            assert t <= at <= 30_000.0
-            attempts.append(at)
-            t = at
-            at = rc.refused(4029, now_ms=t)
+        attempts = _attempts(rc.refused(4029, now_ms=0.0), lambda t: rc.refused(4029, now_ms=t))
         assert attempts[-1] >= 30_000.0 - LAST_ATTEMPT_SPREAD_MS, attempts
 
 
