@@ -4,6 +4,8 @@ again after the backoff, on a late tick too (docs/PROTOCOL.md "Direct TCP path",
 
 from __future__ import annotations
 
+import pytest
+
 from tabcohort.bus.mesh import MeshBus
 from tabcohort.bus.path import RETRY_BASE_MS, PathState
 from tabcohort.bus.star import StarBus
@@ -123,6 +125,22 @@ def test_a_peers_backlog_claim_alone_never_paces_this_rank():
     p = bus.path(2)
     assert p.remote_backlog == bus.high_water_bytes
     assert p.buffered(bus.channel_buffered(2)) / bus.high_water_bytes <= 1.0   # its part of pressure()
+
+
+def test_the_backlog_cap_is_a_checked_knob():
+    # a test battery whose stalled page must pace its sender raises it, as the server's own
+    # ServerLimits.backlog_max_pressure; a bad value names itself before any network activity
+    from tabcohort.errors import ConfigError
+
+    for bad in (-1, float("nan"), float("inf"), True, "4"):
+        with pytest.raises(ConfigError, match="backlog_max_pressure"):
+            MeshBus(StarBus(_Socket(), "ws://127.0.0.1:1/api/rooms/r/ws"), _Connector(), backlog_max_pressure=bad)
+    relay = StarBus(_Socket(), "ws://127.0.0.1:1/api/rooms/r/ws")
+    bus = MeshBus(relay, _Connector(), high_water_bytes=1000, backlog_max_pressure=4, clock_ms=lambda: 0.0)
+    relay.room.control({"type": "welcome", "id": 1, "secret": "s", "peers": [1, 2]})
+    bus._on_control({"type": "peer", "id": 2, "up": True})
+    bus._on_signal({"type": "signal", "from": 2, "kind": "backlog", "bytes": 2**62})
+    assert bus.path(2).remote_backlog == 4000
 
 
 def test_offers_are_taken_at_most_once_per_connect_bound():

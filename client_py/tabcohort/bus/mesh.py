@@ -79,6 +79,11 @@ class MeshBus:
         relay_while_connecting: a pair's frames take the relay until its channel is open
             (else they wait in the path's queue).
         relay_max_message_bytes: the chunk size of frames that go through the relay.
+        backlog_max_pressure: the most a peer's ``backlog`` claim adds to ``pressure()``, in
+            high-water marks. The default 1 is the protocol's (docs/PROTOCOL.md, the ``signal``
+            control: a claim alone never paces this rank); only a test battery whose stalled
+            page must pace its sender sets it higher, as the server's own knob
+            (``ServerLimits.backlog_max_pressure``).
         clock_ms: the clock of every bound (ms); ``None``: the running event loop's.
 
     Raises:
@@ -96,9 +101,13 @@ class MeshBus:
                  on_fallback: Callable[[int, PathState, str], None] | None = None,
                  relay_while_connecting: bool = False,
                  relay_max_message_bytes: int = DATA_CHANNEL_MAX_MESSAGE_BYTES,
+                 backlog_max_pressure: float = 1.0,
                  clock_ms: Callable[[], float] | None = None) -> None:
         if not isinstance(high_water_bytes, int) or high_water_bytes < 1:
             raise ConfigError("high_water_bytes", high_water_bytes, "must be a positive int")
+        if not (isinstance(backlog_max_pressure, (int, float)) and not isinstance(backlog_max_pressure, bool)
+                and 0 <= backlog_max_pressure < float("inf")):
+            raise ConfigError("backlog_max_pressure", backlog_max_pressure, "must be a finite number >= 0")
         if not (isinstance(connect_timeout_s, (int, float)) and connect_timeout_s > 0):
             raise ConfigError("connect_timeout_s", connect_timeout_s, "must be a positive number of seconds")
         FrameWriter(0, precision=precision, int8_block=int8_block)
@@ -118,6 +127,7 @@ class MeshBus:
         self.connect_timeout_s = float(connect_timeout_s)
         self.idle_timeout_s = idle_timeout_s
         self.high_water_bytes = high_water_bytes
+        self.backlog_cap_bytes = int(backlog_max_pressure * high_water_bytes)
         self.channel_high_water_bytes = channel_high_water_bytes
         self.max_queue_bytes = max_queue_bytes
         self.on_control = on_control
@@ -633,10 +643,11 @@ class MeshBus:
             return
         p = self._ensure_path(frm)
         if kind == "backlog":
-            # a peer's claim counts at most one high-water mark: alone it never lifts this
-            # rank's pressure over 1, so it paces nothing (a rank of any role could send a
-            # huge one and stall the room; the server caps its own backlog control the same way)
-            if not p.set_remote_backlog(obj.get("bytes"), self.high_water_bytes):
+            # a peer's claim counts at most one high-water mark (backlog_max_pressure 1): alone
+            # it never lifts this rank's pressure over 1, so it paces nothing (a rank of any role
+            # could send a huge one and stall the room; the server caps its own backlog control
+            # the same way)
+            if not p.set_remote_backlog(obj.get("bytes"), self.backlog_cap_bytes):
                 self._count("bad_signal")
             return
         if kind == self.offer_kind and frm < self.id:
