@@ -10,8 +10,8 @@
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
-# With no tier named, the CPU-bound tiers that time nothing (mutations sim | unit runtime no-numpy
-# pyodide) run in two lanes at once, one per core, each lane's output printed when it ends; the
+# With no tier named, the CPU-bound tiers that time nothing (mutations pyodide | unit runtime sim
+# no-numpy) run in two lanes at once, one per core, each lane's output printed when it ends; the
 # network tiers (integration pg browser container), whose tests wait on real sockets and timers,
 # then run one at a time on an otherwise idle machine. TABCOHORT_TEST_LANES=1 runs everything in order.
 set -uo pipefail
@@ -92,11 +92,12 @@ lane() {   # run the named tiers in order, output to a file printed whole when t
 t_all=$(date +%s)
 if [ $lanes = 1 ]; then
   t0=$(date +%s)
-  # (balanced by the tiers' measured times: mutations + sim about as long as the other four)
-  echo "=== lanes: (mutations sim) | (unit runtime no-numpy pyodide), one per core"
+  # (balanced by the tiers' measured times: mutations + pyodide about as long as the other four,
+  # since the mutations' children are forked from one process with the test tools loaded)
+  echo "=== lanes: (mutations pyodide) | (unit runtime sim no-numpy), one per core"
   set -m   # (job control: each lane a process group of its own, SIGINT not ignored in it)
-  lane a mutations sim & pa=$!
-  lane b unit runtime no-numpy pyodide & pb=$!
+  lane a mutations pyodide & pa=$!
+  lane b unit runtime sim no-numpy & pb=$!
   set +m
   lane_groups="$pa $pb"
   # (a trapped signal ends a wait early: wait again while the lane lives)
