@@ -28,6 +28,8 @@ FRESH="${FRESH:-1}"
 INSTALL="${INSTALL:-1}"
 for v in PORT RANKS STEPS; do
   if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then echo "[demo] $v='${!v}': expected a whole number" >&2; exit 2; fi
+  # (PORT=08091 ended in a Python SyntaxError and skipped the port-in-use check; PORT=0080 ran on 80)
+  if [[ "${!v}" =~ ^0[0-9] ]]; then echo "[demo] $v='${!v}': write it without leading zeros" >&2; exit 2; fi
 done
 # (PORT=0 hung: serve bound a free port, the ranks dialled port 0; PORT=70000 ended in a traceback)
 if [ "$PORT" -eq 0 ] 2>/dev/null; then
@@ -49,6 +51,12 @@ fi
 if [ "$("$PY" -c 'import sys; print(sys.version_info >= (3, 11))' 2> /dev/null)" != True ]; then
   said="$("$PY" --version 2>&1 | head -n 1 || true)"
   echo "[demo] PYTHON=$PY: not a Python 3.11+ interpreter${said:+ ($said)}" >&2
+  exit 2
+fi
+# the listen address, before anything is deleted (HOST=999.9.9.9 removed the previous run's
+# checkpoint, then the server refused the address)
+if ! "$PY" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$HOST" > /dev/null 2>&1; then
+  echo "[demo] HOST=$HOST: resolves to no address; give an address of this machine (default 127.0.0.1; 0.0.0.0: every interface)" >&2
   exit 2
 fi
 # another process on the port would answer the health check below for this demo's server (which
@@ -136,9 +144,10 @@ prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
 [ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
 # the operator token for this run (the view's link below carries it; serve would otherwise make one)
-op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
+# (hex: a token that starts with "-" is read as an option; and given with "=" below for the same reason)
+op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_hex(24))')}"
 "$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
-  --steps "$STEPS" --checkpoint-dir "$CKPT" --operator-token "$op_token" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
+  --steps "$STEPS" --checkpoint-dir "$CKPT" --operator-token="$op_token" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"

@@ -422,8 +422,8 @@ def _simulate(a: argparse.Namespace) -> int:
         if not cfg.job:
             load_dataset(cfg.dataset, seed=cfg.seed)
         else:
-            from .jobs import load_job
-            load_job(cfg.job, with_data=False, options=job_options)
+            from .jobs import PROBE_TIMEOUT_S, load_job
+            load_job(cfg.job, with_data=False, options=job_options, timeout_s=PROBE_TIMEOUT_S)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
@@ -530,12 +530,16 @@ def _evaluate(a: argparse.Namespace) -> int:
     if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
                           f"got {params.descr} {params.shape}")
+    bad = [i for i, x in enumerate(params.data) if not math.isfinite(x)]
+    if bad:   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
+        raise ConfigError("--model", a.model, f"{len(bad)} of its {params.size} parameters are not finite "
+                          f"(the first at index {bad[0]}: {params.data[bad[0]]!r}): not a model to evaluate")
     batch = int(job.get("batch") or 1)
     info = job.get("job_info")
     if not isinstance(info, dict):
         raise ConfigError("--model", a.model, "its job.json names no job (job_info): exported by an older "
                           "tabcohort; evaluate it with that version")
-    from .jobs import find_source, load_job, shipped_source
+    from .jobs import PROBE_TIMEOUT_S, find_source, load_job, shipped_source
     ref = a.job
     if not ref:   # the built-in job (or another that ships with tabcohort): this install's own copy
         own = shipped_source(info.get("code_sha256"))
@@ -567,7 +571,7 @@ def _evaluate(a: argparse.Namespace) -> int:
             raise ConfigError("--dataset", a.dataset, "only for a model of the built-in job trained on an .npz file")
         options = {**options, "dataset_path": a.dataset}
     try:
-        loaded = load_job(ref, options=options)
+        loaded = load_job(ref, options=options, timeout_s=PROBE_TIMEOUT_S)
     except ConfigError as exc:
         if a.dataset is not None and exc.variable in ("dataset", "dataset_path"):
             raise ConfigError("--dataset", a.dataset, exc.reason) from None   # (the file the user gave)

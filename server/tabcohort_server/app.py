@@ -61,7 +61,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tabcohort.errors import ConfigError
 
 from . import checkpoint as ckpt
-from .config import ServerConfig, same_secret
+from .config import ServerConfig, new_token, same_secret
 from .guard import AuthLimiter, origin_allowed
 from .metrics import RoomCollector
 from .rooms import (CLOSE_BAD_REGISTER, CLOSE_BAD_TOKEN, CLOSE_RATE_LIMITED, CLOSE_RETRY_LATER, RANK_RECONNECT_MAX_S,
@@ -98,7 +98,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     # bodies are small JSON everywhere but the checkpoint upload, which streams (put_checkpoint)
     app = web.Application(client_max_size=1 << 20, middlewares=[_origin_middleware])
     app[CONFIG] = config
-    app[OPERATOR_TOKEN] = config.operator_token or secrets.token_urlsafe(24)
+    app[OPERATOR_TOKEN] = config.operator_token or new_token()
     app[TRAINER_TOKEN] = config.trainer_token or _trainer_token(config.checkpoint_dir)
     app[REFUSED] = Counter()
     app[AUTH] = AuthLimiter(limits.max_auth_failures, limits.auth_window_s)
@@ -173,7 +173,7 @@ def _trainer_token(directory: str | None) -> str:
             # was served as given, or silently replaced when short)
             check_token(path, tok)
             return tok
-    tok = secrets.token_urlsafe(24)
+    tok = new_token()
     if directory:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -224,7 +224,10 @@ def load_room_checkpoint(room: Room, assets: RoomAssets, directory: str | None, 
 
 def _secret_key(directory: str | None) -> bytes:
     """The key of the ranks' resume secrets: kept in the checkpoint directory (mode 0600) so a
-    server restarted on it re-seats ranks that resume with their ids; random otherwise."""
+    server restarted on it re-seats ranks that resume with their ids; random otherwise.
+
+    Raises:
+        ConfigError: ``.resume-key`` there is shorter than 32 bytes (damaged or edited)."""
     import os
     import secrets
     if not directory:
@@ -250,6 +253,10 @@ def _secret_key(directory: str | None) -> bytes:
     except FileExistsError:
         with open(path, "rb") as f:
             key = f.read()
+        if len(key) < 32:   # (a damaged or edited file: a 3-byte one was the HMAC key, unsaid)
+            raise ConfigError("--checkpoint-dir", directory,
+                              f"{path} holds {len(key)} bytes, not a resume key (32 or more random bytes): "
+                              f"damaged or edited; delete it (ranks of the previous run then join as new ranks)")
     except OSError:   # a file system without hard links: the last writer wins, as before
         os.replace(tmp, path)
         return key

@@ -76,7 +76,7 @@ class RoomAssets:
         if ref == BUILTIN:
             from tabcohort.jobs.builtin_mlp import canonical
             options = canonical(options)
-        loaded = load_job(ref, options=options)
+        loaded = load_job(ref, options=options, timeout_s=PROBE_TIMEOUT_S)
         batch = job.batch or job.global_batch
         self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S)
         from tabcohort.protocol.optim import TrainConfig

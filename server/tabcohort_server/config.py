@@ -43,7 +43,18 @@ def check_token(name: str, value: object) -> None:
         shown = value if not isinstance(value, str) else f"<{len(value)} characters>"
         raise ConfigError(name, shown, f"must be {MIN_TOKEN_CHARS}..{MAX_TOKEN_CHARS} printable ASCII "
                                        f"characters without spaces (e.g. python -c 'import secrets; "
-                                       f"print(secrets.token_urlsafe(24))')")
+                                       f"print(secrets.token_hex(24))')")
+
+
+def new_token() -> str:
+    """A fresh random token: 24 bytes from :mod:`secrets` as URL-safe base64 (32 characters),
+    never starting with ``-``. Why: one is given on a command line (``--trainer-token TOKEN``),
+    and argparse reads a value that starts with ``-`` as an option ("expected one argument"):
+    1 in 64 generated tokens did (the demo's server failed to start on one in CI)."""
+    while True:
+        tok = secrets.token_urlsafe(24)
+        if not tok.startswith("-"):
+            return tok
 
 
 def check_room_name(name: object) -> None:

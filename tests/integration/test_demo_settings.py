@@ -60,6 +60,10 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     # (PYTHON=nonexistent deleted the previous run's checkpoint, then failed with shell errors)
     ({"PYTHON": "tabcohort-no-such-python"}, "[demo] PYTHON=tabcohort-no-such-python: no such command"),
     ({"PYTHON": "true"}, "[demo] PYTHON=true: not a Python 3.11+ interpreter"),
+    # (PORT=08091 printed a Python SyntaxError and skipped the port-in-use check; HOST=999.9.9.9
+    # deleted the previous run's checkpoint, then the server refused the address)
+    ({"PORT": "08091"}, "[demo] PORT='08091': write it without leading zeros"),
+    ({"HOST": "999.9.9.9"}, "[demo] HOST=999.9.9.9: resolves to no address"),
 ])
 def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
     ckdir = tmp_path / "ckpt"

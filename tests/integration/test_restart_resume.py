@@ -23,6 +23,30 @@ def room(key: bytes | None) -> Room:
     return r
 
 
+def test_a_damaged_resume_key_is_a_configuration_error_naming_the_file(tmp_path):
+    # a 3-byte .resume-key was read back and used as the HMAC key of every resume secret, unsaid
+    from tabcohort.errors import ConfigError
+    (tmp_path / ".resume-key").write_bytes(b"zz\n")
+    with pytest.raises(ConfigError, match=r"--checkpoint-dir.*\.resume-key holds 3 bytes, not a resume key"):
+        _secret_key(str(tmp_path))
+    assert (tmp_path / ".resume-key").read_bytes() == b"zz\n"   # (nothing replaced behind the operator)
+
+
+def test_generated_tokens_never_start_with_a_dash(monkeypatch):
+    # 1 in 64 did: `--operator-token -x...` is read as an option (the demo's server failed in CI)
+    import secrets
+
+    from tabcohort_server.config import check_token, new_token
+    draws = iter(["-" + "a" * 31, "b" * 32])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(draws))
+    assert new_token() == "b" * 32
+    monkeypatch.undo()
+    toks = [new_token() for _ in range(500)]
+    assert not [t for t in toks if t.startswith("-")] and len(set(toks)) == 500
+    for t in toks[:5]:
+        check_token("--trainer-token", t)
+
+
 def test_a_restarted_room_with_the_same_key_reseats_a_resuming_id(tmp_path):
     key = _secret_key(str(tmp_path))
     assert _secret_key(str(tmp_path)) == key and len(key) == 32  # persisted

@@ -423,6 +423,29 @@ def test_a_job_whose_grads_never_return_fails_the_start_up_check_within_its_time
         probe(job, batch=8, seed=0, backend="python", timeout_s=30)
 
 
+def test_a_job_whose_module_never_finishes_importing_fails_the_bounded_load(tmp_path):
+    """A job that slept at its top level hung ``serve`` and ``simulate`` with nothing printed
+    (the bound covered the calls after the import only)."""
+    import sys
+    import time
+    from tabcohort.jobs import JobError
+    if sys.platform == "emscripten":     # (Pyodide has no threads: the load runs inline, unbounded)
+        return
+    flag = tmp_path / "release"
+    (tmp_path / "hangs_on_import.py").write_text(
+        "import os, time\n"
+        f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.01)\n"
+        "def make_worker(batch, seed):\n    raise RuntimeError('never reached')\n")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(JobError, match=r"did not finish within 0.5 s: importing the job's module has not "
+                                           r"returned \(its top level must define things"):
+            load_job(str(tmp_path / "hangs_on_import.py"), timeout_s=0.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        flag.write_text("")
+
+
 def test_a_copy_of_the_rooms_job_under_another_name_is_told_what_to_rename(tmp_path):
     # a new-user trial: a byte-identical copy saved as another file was refused as "another job,
     # or another version of it" (the code hash covers the module and factory names)

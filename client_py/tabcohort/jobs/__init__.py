@@ -303,23 +303,87 @@ def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dic
     return {**defaults, **given}, local
 
 
-def load_job(ref: str, *, with_data: bool = True, options: dict | None = None) -> LoadedJob:
+def load_job(ref: str, *, with_data: bool = True, options: dict | None = None,
+             timeout_s: float | None = None) -> LoadedJob:
     """Find, compile and import the job ``PATH_OR_MODULE[:FACTORY]`` and run its ``load_data()``
     (when ``with_data``; a rank gets the data from the server instead). ``options`` override the
     job's ``OPTIONS`` defaults.
 
+    Args:
+        timeout_s: with a number, the import may take that many seconds and ``load_data()``
+            :data:`LOAD_DATA_TIMEOUT_S` (:func:`run_bounded`; before, a module that never
+            finished importing hung ``serve`` and ``simulate`` with nothing said). ``None``:
+            unbounded (Pyodide has no threads).
+
     Raises:
         JobError: see :func:`find_source`, :meth:`JobSource.import_module`, :func:`job_options`;
             ``load_data`` raising or returning something that is not a dict of arrays; the
-            data's sha256 differing from the job's ``DATA_SHA256``.
+            data's sha256 differing from the job's ``DATA_SHA256``; the import or
+            ``load_data()`` still running at its bound.
     """
     src = find_source(ref)
-    mod = src.import_module()
+    mod = run_bounded(src.import_module, timeout_s=timeout_s, doing=["importing the job's module"], ref=src.ref,
+                      hint="its top level must define things, not wait or train: move that work into a function")
     data = JobData()
     if with_data:
         opts, local = job_options(src, mod, options)
-        data = job_data(src, mod, None if opts is None else {**opts, **local})
+        data = run_bounded(lambda: job_data(src, mod, None if opts is None else {**opts, **local}),
+                           timeout_s=None if timeout_s is None else max(timeout_s, LOAD_DATA_TIMEOUT_S),
+                           doing=["load_data()"], ref=src.ref)
     return LoadedJob(src, mod, data, options)
+
+
+#: seconds a job's ``load_data()`` may take when :func:`load_job` is bounded (it may build or
+#: read a large dataset: longer than the other start-up checks)
+LOAD_DATA_TIMEOUT_S = 600.0
+
+
+def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[str], ref: str,
+                hint: str = "a job's calls must return; a slow first call can be warmed up in the factory") -> Any:
+    """``fn()`` on a daemon thread, waited for at most ``timeout_s`` seconds; ``doing[0]`` names
+    the call in progress (``fn`` may update it). The wait is interruptible: on the main thread
+    Ctrl-C raises ``KeyboardInterrupt`` at once (a running event loop's SIGINT handler, e.g.
+    ``asyncio.run``'s, only cancels a task, which cannot run while this thread waits: the first
+    Ctrl-C did nothing). ``timeout_s=None``, or no threads (Pyodide): inline, unbounded.
+
+    Raises:
+        JobError: ``fn`` still running at the bound (the thread is left behind: the caller is
+            expected to exit), naming ``doing[0]``; whatever ``fn`` raised.
+    """
+    if timeout_s is None:
+        return fn()
+    import signal
+    import threading
+    import time
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:       # handed to the caller's thread
+            out.append(e)
+    t = threading.Thread(target=run, name="job-check", daemon=True)
+    try:
+        t.start()
+    except RuntimeError:                 # no threads here (Pyodide): inline, unbounded
+        return fn()
+    prev = None
+    if threading.current_thread() is threading.main_thread():
+        prev = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        end = time.monotonic() + timeout_s
+        while t.is_alive() and time.monotonic() < end:
+            t.join(min(0.25, max(0.0, end - time.monotonic())))
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
+    if not out:
+        raise JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
+                       f"returned ({hint})", ref)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def shipped_source(code_sha256: str | None) -> JobSource | None:
@@ -421,35 +485,15 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
 
     Args:
         timeout_s: with a number, the checks run on a daemon thread and a check still running
-            after that many seconds fails them (the thread is left behind: the caller is
-            expected to exit). ``None``: inline, unbounded (Pyodide has no threads).
+            after that many seconds fails them (:func:`run_bounded`). ``None``: inline,
+            unbounded (Pyodide has no threads).
 
     Raises:
         JobError: naming the check that failed, or the one still running at the timeout.
     """
-    if timeout_s is None:
-        return _probe(job, batch, seed, backend, worker, [""])
-    import threading
-    doing, out = ["building the worker"], []
-
-    def run() -> None:
-        try:
-            out.append(_probe(job, batch, seed, backend, worker, doing))
-        except BaseException as e:       # handed to the caller's thread
-            out.append(e)
-    t = threading.Thread(target=run, name="job-probe", daemon=True)
-    try:
-        t.start()
-    except RuntimeError:                 # no threads here (Pyodide): inline, unbounded
-        return _probe(job, batch, seed, backend, worker, doing)
-    t.join(timeout_s)
-    if not out:
-        raise JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
-                       f"returned (a job's calls must return; a slow first call can be warmed up in the factory)",
-                       job.source.ref)
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    doing = ["building the worker"]
+    return run_bounded(lambda: _probe(job, batch, seed, backend, worker, doing), timeout_s=timeout_s,
+                       doing=doing, ref=job.source.ref)
 
 
 def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorker | None,

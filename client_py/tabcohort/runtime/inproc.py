@@ -188,9 +188,10 @@ class InprocCohort:
         # the built-in MLP is a job like any other, with the dataset and the model as its options
         options = dict(cfg.job_options) or None if cfg.job else canonical(
             {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "activation": cfg.activation, "data_seed": cfg.seed})
-        self.loaded_job = load_job(cfg.job or BUILTIN, options=options)   # JobError before any rank starts
+        bound_s = None if sys.platform == "emscripten" else PROBE_TIMEOUT_S   # (no threads there)
+        self.loaded_job = load_job(cfg.job or BUILTIN, options=options, timeout_s=bound_s)   # JobError before any rank starts
         w = probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend,
-                  timeout_s=None if sys.platform == "emscripten" else PROBE_TIMEOUT_S)   # (no threads there)
+                  timeout_s=bound_s)
         check_round_fits(self.loaded_job, w.bucket_len, cfg.train.state_len(w.bucket_len))
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
