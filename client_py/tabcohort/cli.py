@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the result as JSON")
 
     r = sub.add_parser("rank", formatter_class=_Help, help="run a native rank that joins a room on a server",
-                       description="Join a room's cohort over the server (star topology, WebSocket "
-                                   "link). Settings also come from TABCOHORT_SERVER, TABCOHORT_ROOM, "
+                       description="Join a room's cohort through the server (the room's topology: a star "
+                                   "through the server, or a mesh of direct links; see --link). Settings also come from TABCOHORT_SERVER, TABCOHORT_ROOM, "
                                    "TABCOHORT_TOKEN, TABCOHORT_TRAINER_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK "
                                    "(arguments win).")
     r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080 (TABCOHORT_SERVER)")

@@ -504,7 +504,8 @@ class RankRun(RankSession):
         import aiohttp
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        start = loop.time()
+        deadline = start + wait_s
         delay = 0.25
         while True:
             try:
@@ -518,12 +519,14 @@ class RankRun(RankSession):
                             if self.cfg.shown_url.startswith("https://") else "")
                     raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}): TLS handshake "
                                          f"failed: {why}{hint}") from None
-                if loop.time() + delay > deadline:
+                remaining = deadline - loop.time()
+                if remaining <= 0:   # (the last try is at the bound: it gave up at 28 s saying 30)
                     why = str(getattr(exc, "os_error", None) or exc).replace(" ssl:default", "")
                     raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}) unreachable for "
-                                         f"{wait_s:g} s: {why}; is it running, and is the URL right?") from None
+                                         f"{loop.time() - start:.0f} s: {why}; is it running, and is the URL "
+                                         f"right?") from None
                 self.progress(f"waiting for the server at {self.cfg.shown_url} ({type(exc).__name__})")
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                await asyncio.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
                 delay = min(delay * 2, 4.0)
 
     async def run(self) -> int:
