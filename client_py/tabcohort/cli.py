@@ -530,7 +530,11 @@ def _evaluate(a: argparse.Namespace) -> int:
     if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
                           f"got {params.descr} {params.shape}")
-    bad = [i for i, x in enumerate(params.data) if not math.isfinite(x)]
+    from ._compat import np
+    if np is not None:
+        bad = np.flatnonzero(~np.isfinite(params.numpy())).tolist()
+    else:
+        bad = [i for i, x in enumerate(params.data) if not math.isfinite(x)]
     if bad:   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
         raise ConfigError("--model", a.model, f"{len(bad)} of its {params.size} parameters are not finite "
                           f"(the first at index {bad[0]}: {params.data[bad[0]]!r}): not a model to evaluate")
