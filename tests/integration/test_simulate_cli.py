@@ -217,3 +217,15 @@ def test_one_rank_is_said_in_the_singular():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tabcohort simulate: 1 rank, dataset synthetic" in r.stdout, r.stdout
     assert "1 ranks" not in r.stdout and "bit-identical parameters on 1 rank: yes" in r.stdout, r.stdout
+
+
+def test_a_loss_that_stays_run_away_stops_the_run_within_the_bound():
+    # `--lr 1000 --steps 20000` showed a loss near 400 the whole way, ran to the end (10 s), and
+    # only then said diverged; a served room stops after DIVERGED_AFTER_S (5 s): so does simulate
+    import time
+    t0 = time.monotonic()
+    r = simulate("--ranks", "2", "--dataset", "digits", "--lr", "1000", "--steps", "10000000", "--max-seconds", "120")
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "diverged" in r.stderr and "has stayed above" in r.stderr and "for 5 s" in r.stderr, r.stderr[-2000:]
+    assert took < 60, took   # (not the 120 s --max-seconds)

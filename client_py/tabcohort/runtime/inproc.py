@@ -280,6 +280,7 @@ class InprocCohort:
                    "partition": cfg.partition_at_step}
         heal_at: float | None = None
         last_step, last_advance = -1, 0.0
+        runaway_since: float | None = None   # when the leader's loss first passed the ceiling
         while True:
             # faults are checked every FAULT_POLL_S (a fast cohort runs thousands of steps a second)
             await asyncio.sleep(FAULT_POLL_S)
@@ -324,6 +325,22 @@ class InprocCohort:
                     f"no round has applied for {DIVERGED_AFTER_S:g} s (the parameters stay the last finite "
                     f"ones: a NaN or infinity never reaches them); {self._lr_advice()}, or "
                     f"look for a NaN in the job's loss or gradients")
+            # a loss over the ceiling for DIVERGED_AFTER_S stops the run as it stops a served room
+            # (the server's rule, "Divergence" in README): it trained on to --steps, then said so
+            ld = self.leader()
+            ceiling = loss_ceiling(ld.worker) if ld is not None else None
+            loss = ld.machine.loss if ld is not None else None
+            if ceiling is None or loss is None or not math.isfinite(loss) or loss <= ceiling:
+                runaway_since = None
+            elif runaway_since is None:
+                runaway_since = now
+            elif now - runaway_since >= DIVERGED_AFTER_S:
+                for d in list(self.drivers.values()):
+                    await d.close()
+                raise TabcohortError(
+                    f"training diverged at step {step}: the training loss has stayed above {ceiling:.3g} "
+                    f"({LOSS_BLOWUP:g}x a guess's) for {DIVERGED_AFTER_S:g} s, now {loss:.4g} (gradients "
+                    f"finite, the parameters ran away); {self._lr_advice()}")
             acc = self._accuracy()
             if now - last_print >= 1.0:
                 last_print = now
