@@ -465,6 +465,13 @@ class InprocCohort:
                           f"within 10 s: --link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one "
                           f"round ({n:,} bytes of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s; the "
                           f"model the run reports is the leader's")
+        elif off and self._note is None and self.cfg.delay_ms:
+            # (--link-delay-ms 60000 said "NO" and nothing more: a new-user trial)
+            behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
+            self._note = (f"{behind} did not receive the leader's final publish of step {best.machine.step} "
+                          f"within 10 s: --link-delay-ms {self.cfg.delay_ms:g} delays every message that long "
+                          f"(longer than the takeover window, each rank may also have led alone); the model the "
+                          f"run reports is the leader's")
         try:
             acc: float | None = float(best.worker.evaluate())
         except Exception as exc:
