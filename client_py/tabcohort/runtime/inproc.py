@@ -402,7 +402,10 @@ class InprocCohort:
         ld = self.leader()
         st = ld.state() if ld is not None else None
         if st is None:
-            self.progress(f"[{now:6.1f}s] step {step:5d}  no rank driving rounds: joining or handover ({len(self.drivers)} rank{'' if len(self.drivers) == 1 else 's'})")
+            # (a short run's one line said "joining or handover" at its final step)
+            why = ("the step limit: rounds have stopped" if self.cfg.steps and step >= self.cfg.steps else
+                   "starting: no rank leads yet" if step == 0 else "no rank driving rounds: joining or handover")
+            self.progress(f"[{now:6.1f}s] step {step:5d}  {why} ({len(self.drivers)} rank{'' if len(self.drivers) == 1 else 's'})")
             return
         acc_s = f"{acc * 100:5.1f}%" if acc is not None else "  n/a"
         loss = st["loss"]   # (NaN before the first round: it said "loss nan")
