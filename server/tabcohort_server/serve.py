@@ -296,15 +296,6 @@ def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:
 
     from tabcohort.errors import ConfigError
 
-    if checkpoint_dir:
-        try:
-            os.makedirs(checkpoint_dir, exist_ok=True)
-            probe = os.path.join(checkpoint_dir, ".write-test")
-            with open(probe, "wb"):
-                pass
-            os.remove(probe)
-        except OSError as exc:
-            raise ConfigError("--checkpoint-dir", checkpoint_dir, f"not a writable directory ({exc.strerror})") from None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -319,6 +310,16 @@ def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:
                 raise ConfigError("--host", host, f"not an address of this machine, cannot listen on it "
                                                   f"({exc.strerror})") from None
             raise ConfigError("--port", port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
+    # (after the address: a port in use left an empty --checkpoint-dir behind, created for nothing)
+    if checkpoint_dir:
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            probe = os.path.join(checkpoint_dir, ".write-test")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise ConfigError("--checkpoint-dir", checkpoint_dir, f"not a writable directory ({exc.strerror})") from None
 
 
 def lock_checkpoint_dir(checkpoint_dir: str) -> Any:

@@ -224,15 +224,17 @@ def test_serve_help_says_it_hosts_the_room_room_names():
     assert "One `tabcohort serve` hosts one room, the one `--room` names" in readme
 
 
-def test_serve_on_a_port_in_use_is_a_config_error():
+def test_serve_on_a_port_in_use_is_a_config_error(tmp_path):
     import socket
+    ckdir = tmp_path / "new-dir"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", str(port)], capture_output=True,
-                           text=True, timeout=60, env=_env(), cwd=ROOT)
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", str(port), "--checkpoint-dir",
+                            str(ckdir)], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
     assert r.returncode == 2 and f"--port={port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not ckdir.exists()   # (it was created, empty, for a server that never ran)
 
 
 def test_serve_names_the_built_in_job_s_options_for_a_model_too_large_to_send_at_once():
