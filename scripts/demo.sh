@@ -54,9 +54,19 @@ if [ "$("$PY" -c 'import sys; print(sys.version_info >= (3, 11))' 2> /dev/null)"
   exit 2
 fi
 # the listen address, before anything is deleted (HOST=999.9.9.9 removed the previous run's
-# checkpoint, then the server refused the address)
-if ! "$PY" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$HOST" > /dev/null 2>&1; then
-  echo "[demo] HOST=$HOST: resolves to no address; give an address of this machine (default 127.0.0.1; 0.0.0.0: every interface)" >&2
+# checkpoint, then the server refused the address): one of its addresses must bind here
+# (bounded: a resolver that does not answer)
+if ! timeout 15 "$PY" -c '
+import socket, sys
+for fam, kind, proto, _, addr in socket.getaddrinfo(sys.argv[1], 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+    try:
+        with socket.socket(fam, kind, proto) as s:
+            s.bind(addr)
+        sys.exit(0)
+    except OSError:
+        pass
+sys.exit(1)' "$HOST" > /dev/null 2>&1; then
+  echo "[demo] HOST=$HOST: not an address this machine can listen on; give one of its addresses (default 127.0.0.1; 0.0.0.0: every interface)" >&2
   exit 2
 fi
 # another process on the port would answer the health check below for this demo's server (which

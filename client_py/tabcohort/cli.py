@@ -32,11 +32,11 @@ EPILOG = """\
 examples:
   tabcohort serve --room digits --dataset digits --checkpoint-dir ckpt   # prints the URL to open
   tabcohort rank --server http://127.0.0.1:8080 --room digits \\
-      --trainer-token "$(cat ckpt/.trainer-token)"                       # a native rank that may lead
+      --trainer-token="$(cat ckpt/.trainer-token)"                      # a native rank that may lead
   tabcohort simulate --ranks 4 --steps 400                               # no server needed
   tabcohort serve --job examples/jobs/cnn_digits.py --lr 0.3 --checkpoint-dir ckpt  # your own model and data
   tabcohort rank --server http://127.0.0.1:8080 --room digits --trust-job \\
-      --trainer-token "$(cat ckpt/.trainer-token)"                       # ... run by a native rank
+      --trainer-token="$(cat ckpt/.trainer-token)"                      # ... run by a native rank
   tabcohort evaluate --job examples/jobs/cnn_digits.py --model digits-step200.npz
 
 tabcohort COMMAND --help lists a command's options and their defaults."""
@@ -532,12 +532,14 @@ def _evaluate(a: argparse.Namespace) -> int:
                           f"got {params.descr} {params.shape}")
     from ._compat import np
     if np is not None:
-        bad = np.flatnonzero(~np.isfinite(params.numpy())).tolist()
-    else:
-        bad = [i for i, x in enumerate(params.data) if not math.isfinite(x)]
-    if bad:   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
-        raise ConfigError("--model", a.model, f"{len(bad)} of its {params.size} parameters are not finite "
-                          f"(the first at index {bad[0]}: {params.data[bad[0]]!r}): not a model to evaluate")
+        where = np.flatnonzero(~np.isfinite(params.numpy()))
+        n_bad, first = int(where.size), (int(where[0]) if where.size else None)
+    else:   # (no list of every index: a diverged export may be all NaN)
+        first = next((i for i, x in enumerate(params.data) if not math.isfinite(x)), None)
+        n_bad = 0 if first is None else sum(1 for x in params.data if not math.isfinite(x))
+    if first is not None:   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
+        raise ConfigError("--model", a.model, f"{n_bad} of its {params.size} parameters are not finite "
+                          f"(the first at index {first}: {params.data[first]!r}): not a model to evaluate")
     batch = int(job.get("batch") or 1)
     info = job.get("job_info")
     if not isinstance(info, dict):

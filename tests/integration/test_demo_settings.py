@@ -63,7 +63,8 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     # (PORT=08091 printed a Python SyntaxError and skipped the port-in-use check; HOST=999.9.9.9
     # deleted the previous run's checkpoint, then the server refused the address)
     ({"PORT": "08091"}, "[demo] PORT='08091': write it without leading zeros"),
-    ({"HOST": "999.9.9.9"}, "[demo] HOST=999.9.9.9: resolves to no address"),
+    ({"HOST": "999.9.9.9"}, "[demo] HOST=999.9.9.9: not an address this machine can listen on"),
+    ({"HOST": "192.0.2.1"}, "[demo] HOST=192.0.2.1: not an address this machine can listen on"),   # (TEST-NET-1)
 ])
 def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
     ckdir = tmp_path / "ckpt"

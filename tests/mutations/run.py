@@ -895,7 +895,10 @@ def main() -> int:
                 survived.append(rule)
                 continue
             path.write_text(text.replace(old, new))
-            args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout=300", "-o", "addopts=", *tests]
+            # (a forked child finds the preloaded plugins already imported: pytest warns that it cannot
+            # rewrite their asserts, which is of no interest here)
+            args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout=300", "-o", "addopts=",
+                    "-W", "ignore::pytest.PytestAssertRewriteWarning", *tests]
             code, out = run_tests(src, args, pathlib.Path(tmp) / f"m{i}.out", fork=not a.no_fork)
             caught = code == 1
             print(f"[{i:2d}] {'caught  ' if caught else 'SURVIVED'} {rule}", flush=True)

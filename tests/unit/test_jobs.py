@@ -446,6 +446,42 @@ def test_a_job_whose_module_never_finishes_importing_fails_the_bounded_load(tmp_
         flag.write_text("")
 
 
+def test_a_bounded_load_keeps_the_jobs_main_thread_state_and_the_callers_signals(tmp_path):
+    """The bounded import runs on the caller's (main) thread: a job that installs a signal handler
+    at import was refused ("signal only works in main thread") and per-thread state it set was
+    lost on a helper thread; an ignored SIGINT stays ignored, and a timer already armed (e.g.
+    pytest-timeout's) is re-armed with what was left of it."""
+    import signal
+    import sys
+    from tabcohort.jobs import run_bounded
+    if sys.platform == "emscripten":     # (no signals or threads to speak of in Pyodide)
+        return
+    (tmp_path / "sets_a_handler.py").write_text(
+        "import signal\nsignal.signal(signal.SIGUSR1, lambda *a: None)\n"
+        "def make_worker(batch, seed):\n    raise RuntimeError('never reached')\n")
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        load_job(str(tmp_path / "sets_a_handler.py"), timeout_s=30)
+        assert signal.getsignal(signal.SIGUSR1) is not before
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    prev_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        seen = []
+        run_bounded(lambda: seen.append(signal.getsignal(signal.SIGINT)), timeout_s=5, doing=["x"], ref="r")
+        run_bounded(lambda: seen.append(signal.getsignal(signal.SIGINT)), timeout_s=5, doing=["x"], ref="r",
+                    on_main_thread=True)
+        assert seen == [signal.SIG_IGN, signal.SIG_IGN]
+        signal.setitimer(signal.ITIMER_REAL, 100.0)
+        run_bounded(lambda: None, timeout_s=5, doing=["x"], ref="r", on_main_thread=True)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 90 < left <= 100, left
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, *old)
+        signal.signal(signal.SIGINT, prev_int)
+
+
 def test_a_copy_of_the_rooms_job_under_another_name_is_told_what_to_rename(tmp_path):
     # a new-user trial: a byte-identical copy saved as another file was refused as "another job,
     # or another version of it" (the code hash covers the module and factory names)

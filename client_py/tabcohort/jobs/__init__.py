@@ -311,9 +311,9 @@ def load_job(ref: str, *, with_data: bool = True, options: dict | None = None,
 
     Args:
         timeout_s: with a number, the import may take that many seconds and ``load_data()``
-            :data:`LOAD_DATA_TIMEOUT_S` (:func:`run_bounded`; before, a module that never
-            finished importing hung ``serve`` and ``simulate`` with nothing said). ``None``:
-            unbounded (Pyodide has no threads).
+            :data:`LOAD_DATA_TIMEOUT_S` (:func:`run_bounded`, on the caller's thread: before, a
+            module that never finished importing hung ``serve`` and ``simulate`` with nothing
+            said). ``None``: unbounded (Pyodide has no threads).
 
     Raises:
         JobError: see :func:`find_source`, :meth:`JobSource.import_module`, :func:`job_options`;
@@ -323,13 +323,16 @@ def load_job(ref: str, *, with_data: bool = True, options: dict | None = None,
     """
     src = find_source(ref)
     mod = run_bounded(src.import_module, timeout_s=timeout_s, doing=["importing the job's module"], ref=src.ref,
-                      hint="its top level must define things, not wait or train: move that work into a function")
+                      hint="its top level must define things, not wait or train: move that work into a function",
+                      on_main_thread=True)
     data = JobData()
     if with_data:
         opts, local = job_options(src, mod, options)
         data = run_bounded(lambda: job_data(src, mod, None if opts is None else {**opts, **local}),
                            timeout_s=None if timeout_s is None else max(timeout_s, LOAD_DATA_TIMEOUT_S),
-                           doing=["load_data()"], ref=src.ref)
+                           doing=["load_data()"], ref=src.ref, on_main_thread=True,
+                           hint="it must return the job's arrays; a dataset it cannot build in that time "
+                                "can be built once and read from a file")
     return LoadedJob(src, mod, data, options)
 
 
@@ -338,23 +341,62 @@ def load_job(ref: str, *, with_data: bool = True, options: dict | None = None,
 LOAD_DATA_TIMEOUT_S = 600.0
 
 
+class _Overrun(BaseException):
+    """Raised by the alarm of :func:`run_bounded`'s main-thread path (a BaseException, so that a
+    job's ``except Exception`` and the import's own error wrapping let it through)."""
+
+
 def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[str], ref: str,
-                hint: str = "a job's calls must return; a slow first call can be warmed up in the factory") -> Any:
-    """``fn()`` on a daemon thread, waited for at most ``timeout_s`` seconds; ``doing[0]`` names
-    the call in progress (``fn`` may update it). The wait is interruptible: on the main thread
-    Ctrl-C raises ``KeyboardInterrupt`` at once (a running event loop's SIGINT handler, e.g.
-    ``asyncio.run``'s, only cancels a task, which cannot run while this thread waits: the first
-    Ctrl-C did nothing). ``timeout_s=None``, or no threads (Pyodide): inline, unbounded.
+                hint: str = "a job's calls must return; a slow first call can be warmed up in the factory",
+                on_main_thread: bool = False) -> Any:
+    """``fn()``, waited for at most ``timeout_s`` seconds; ``doing[0]`` names the call in
+    progress (``fn`` may update it).
+
+    By default ``fn`` runs on a daemon thread (a call stuck in C code is bounded too). With
+    ``on_main_thread`` and the caller on the main thread, it runs right there under a
+    ``SIGALRM`` timer (``setitimer``; a timer already armed, e.g. pytest-timeout's, is re-armed
+    with what was left of it): a job's module and ``load_data()`` may set per-thread state
+    (``numpy.seterr``, a ``decimal`` context) or install signal handlers, which a helper thread
+    lost or refused. Either way the wait is interruptible: Ctrl-C raises ``KeyboardInterrupt`` at
+    once (a running event loop's SIGINT handler, e.g. ``asyncio.run``'s, only cancels a task,
+    which cannot run meanwhile: the first Ctrl-C did nothing), unless SIGINT was ignored.
+    ``timeout_s=None``, or no threads (Pyodide): inline, unbounded.
 
     Raises:
-        JobError: ``fn`` still running at the bound (the thread is left behind: the caller is
-            expected to exit), naming ``doing[0]``; whatever ``fn`` raised.
+        JobError: ``fn`` still running at the bound, naming ``doing[0]`` (a thread is left
+            behind: the caller is expected to exit); whatever ``fn`` raised.
     """
     if timeout_s is None:
         return fn()
     import signal
     import threading
     import time
+
+    def overrun() -> JobError:
+        return JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
+                        f"returned ({hint})", ref)
+    main = threading.current_thread() is threading.main_thread()
+    prev_int = signal.getsignal(signal.SIGINT) if main else None
+    interruptible = main and prev_int not in (signal.SIG_IGN, None)
+    if main and on_main_thread and hasattr(signal, "setitimer"):
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise _Overrun()
+        prev_alarm = signal.signal(signal.SIGALRM, on_alarm)
+        t0 = time.monotonic()
+        left_s, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return fn()
+        except _Overrun:
+            raise overrun() from None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, prev_alarm)
+            if interruptible:
+                signal.signal(signal.SIGINT, prev_int)
+            if left_s > 0:
+                signal.setitimer(signal.ITIMER_REAL, max(1e-3, left_s - (time.monotonic() - t0)))
     out: list[Any] = []
 
     def run() -> None:
@@ -367,20 +409,17 @@ def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[s
         t.start()
     except RuntimeError:                 # no threads here (Pyodide): inline, unbounded
         return fn()
-    prev = None
-    if threading.current_thread() is threading.main_thread():
-        prev = signal.getsignal(signal.SIGINT)
+    if interruptible:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         end = time.monotonic() + timeout_s
         while t.is_alive() and time.monotonic() < end:
             t.join(min(0.25, max(0.0, end - time.monotonic())))
     finally:
-        if prev is not None:
-            signal.signal(signal.SIGINT, prev)
+        if interruptible:
+            signal.signal(signal.SIGINT, prev_int)
     if not out:
-        raise JobError(f"the start-up check did not finish within {timeout_s:g} s: {doing[0]} has not "
-                       f"returned ({hint})", ref)
+        raise overrun()
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
