@@ -318,29 +318,23 @@ class InprocCohort:
             if step != last_step:
                 last_step, last_advance = step, now
             elif now - last_advance > DIVERGED_AFTER_S and self._non_finite() > 0:
-                for d in list(self.drivers.values()):
-                    await d.close()
-                raise TabcohortError(
+                raise await self._closed_with(TabcohortError(
                     f"training diverged at step {step}: gradients or updates are no longer finite and "
                     f"no round has applied for {DIVERGED_AFTER_S:g} s (the parameters stay the last finite "
                     f"ones: a NaN or infinity never reaches them); {self._lr_advice()}, or "
-                    f"look for a NaN in the job's loss or gradients")
+                    f"look for a NaN in the job's loss or gradients"))
             # a loss over the ceiling for DIVERGED_AFTER_S stops the run as it stops a served room
             # (the server's rule, "Divergence" in README): it trained on to --steps, then said so
-            ld = self.leader()
-            ceiling = loss_ceiling(ld.worker) if ld is not None else None
-            loss = ld.machine.loss if ld is not None else None
-            if ceiling is None or loss is None or not math.isfinite(loss) or loss <= ceiling:
+            over = self._runaway(self.leader())
+            if over is None:
                 runaway_since = None
             elif runaway_since is None:
                 runaway_since = now
             elif now - runaway_since >= DIVERGED_AFTER_S:
-                for d in list(self.drivers.values()):
-                    await d.close()
-                raise TabcohortError(
-                    f"training diverged at step {step}: the training loss has stayed above {ceiling:.3g} "
-                    f"({LOSS_BLOWUP:g}x a guess's) for {DIVERGED_AFTER_S:g} s, now {loss:.4g} (gradients "
-                    f"finite, the parameters ran away); {self._lr_advice()}")
+                raise await self._closed_with(TabcohortError(
+                    f"training diverged at step {step}: the training loss has stayed above {over[1]:.3g} "
+                    f"({LOSS_BLOWUP:g}x a guess's) for {DIVERGED_AFTER_S:g} s, now {over[0]:.4g} (gradients "
+                    f"finite, the parameters ran away); {self._lr_advice()}"))
             acc = self._accuracy()
             if now - last_print >= 1.0:
                 last_print = now
@@ -372,17 +366,29 @@ class InprocCohort:
                           f"side that paused may not have caught up; let the run last past the heal (more --steps)")
         samples = self._applied_samples()
         # (at the step limit no rank leads any more; every rank holds the last round's loss)
-        ld = self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None)
-        last_loss = ld.machine.loss if ld is not None else None
-        ceiling = loss_ceiling(ld.worker) if ld is not None else None
-        if ceiling is not None and last_loss is not None and math.isfinite(last_loss) and last_loss > ceiling:
-            for d in list(self.drivers.values()):
-                await d.close()
-            raise TabcohortError(
-                f"training diverged at step {last_step}: the training loss ended at {last_loss:.4g}, "
-                f"{LOSS_BLOWUP:g}x a guess's ({ceiling / LOSS_BLOWUP:.3g}: gradients stayed finite, "
-                f"the parameters ran away); {self._lr_advice()}")
+        over = self._runaway(self.leader() or max(self.drivers.values(), key=lambda d: d.machine.step, default=None))
+        if over is not None:
+            raise await self._closed_with(TabcohortError(
+                f"training diverged at step {last_step}: the training loss ended at {over[0]:.4g}, "
+                f"{LOSS_BLOWUP:g}x a guess's ({over[1] / LOSS_BLOWUP:.3g}: gradients stayed finite, "
+                f"the parameters ran away); {self._lr_advice()}"))
         return await self._finish(seconds, samples, leaders, partitioned=heal_at is not None, cut=cut)
+
+    async def _closed_with(self, exc: TabcohortError) -> TabcohortError:
+        """Close every rank's driver, then hand back ``exc`` to raise."""
+        for d in list(self.drivers.values()):
+            await d.close()
+        return exc
+
+    @staticmethod
+    def _runaway(d: RankDriver | None) -> tuple[float, float] | None:
+        """(loss, ceiling) when ``d``'s last loss is finite and over the job's runaway ceiling
+        (:func:`~tabcohort.jobs.worker.loss_ceiling`), else None."""
+        ceiling = loss_ceiling(d.worker) if d is not None else None
+        loss = d.machine.loss if d is not None else None
+        if ceiling is None or loss is None or not math.isfinite(loss) or loss <= ceiling:
+            return None
+        return loss, ceiling
 
     def _non_finite(self) -> int:
         keys = ("reduce_non_finite", "own_bucket_invalid", "grad_non_finite")
@@ -454,27 +460,23 @@ class InprocCohort:
             await asyncio.sleep(0.05)
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
         off = sorted(k for k in reach if ds[k] != ds[best.machine.id])
-        if off and self._note is None and self.cfg.loss:
-            behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
-            self._note = (f"{behind} missed the leader's final publish of step {best.machine.step}: "
-                          f"--link-loss {self.cfg.loss:g} lost it and each re-send within 10 s (PROTOCOL.md, "
-                          f"\"Publish\": at most 8 per rank, a beat apart); the model the run reports is "
-                          f"the leader's")
-        elif off and self._note is None and self.cfg.bandwidth_bytes_per_s:
-            # (it said "NO" and nothing more: a new-user trial)
-            behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
+        why = None
+        if self.cfg.loss:
+            why = (f"missed the leader's final publish of step {best.machine.step}: --link-loss "
+                   f"{self.cfg.loss:g} lost it and each re-send within 10 s (PROTOCOL.md, \"Publish\": at "
+                   f"most 8 per rank, a beat apart)")
+        elif self.cfg.bandwidth_bytes_per_s:   # (it said "NO" and nothing more: a new-user trial)
             n = 4 * best.worker.bucket_len
-            self._note = (f"{behind} did not receive the leader's final publish of step {best.machine.step} "
-                          f"within 10 s: --link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one "
-                          f"round ({n:,} bytes of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s; the "
-                          f"model the run reports is the leader's")
-        elif off and self._note is None and self.cfg.delay_ms:
-            # (--link-delay-ms 60000 said "NO" and nothing more: a new-user trial)
+            why = (f"did not receive the leader's final publish of step {best.machine.step} within 10 s: "
+                   f"--link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one round ({n:,} bytes "
+                   f"of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s")
+        elif self.cfg.delay_ms:                # (--link-delay-ms 60000: the same)
+            why = (f"did not receive the leader's final publish of step {best.machine.step} within 10 s: "
+                   f"--link-delay-ms {self.cfg.delay_ms:g} delays every message that long (longer than the "
+                   f"takeover window, each rank may also have led alone)")
+        if off and self._note is None and why is not None:
             behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
-            self._note = (f"{behind} did not receive the leader's final publish of step {best.machine.step} "
-                          f"within 10 s: --link-delay-ms {self.cfg.delay_ms:g} delays every message that long "
-                          f"(longer than the takeover window, each rank may also have led alone); the model the "
-                          f"run reports is the leader's")
+            self._note = f"{behind} {why}; the model the run reports is the leader's"
         try:
             acc: float | None = float(best.worker.evaluate())
         except Exception as exc:
