@@ -618,8 +618,11 @@ def test_ctrl_c_stops_a_start_up_check_that_does_not_return(tmp_path, command):
     job = tmp_path / "sleeps_on_import.py"
     job.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).write_text('')\ntime.sleep(600)\n"
                    "def make_worker(batch, seed):\n    raise RuntimeError('never reached')\n")
+    # (SIGINT as a terminal leaves it: a shell that starts CI in the background ignores it, and an
+    # ignored SIGINT stays ignored, tests/unit/test_jobs.py)
     p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", *command, "--job", str(job)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: marker.exists(), 60, "the job's module to start importing")
         os.kill(p.pid, signal.SIGINT)

@@ -17,6 +17,7 @@ import pytest
 from .conftest import wait_for
 
 STEP = re.compile(r"^\[\s*[\d.]+s\] step\s+(\d+)\s", re.M)
+RATE = re.compile(r"^\[\s*[\d.]+s\] step .*\(me\).*?([\d.]+) steps/s", re.M)
 
 
 def _steps(text: str) -> list[int]:
@@ -85,7 +86,11 @@ def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
     assert len(leader) == 1, [r.text()[-2000:] for r in ranks]
     last = {id(r): max(_steps(r.text())) for r in ranks}
     ahead = last[id(leader[0])] - max(v for k, v in last.items() if k != id(leader[0]))
-    assert ahead < 300, (ahead, last)
+    # the bound is time, not steps: what the leader commits in 0.25 s at its own rate before the
+    # loss (before the rule it went on for policy.drop, 1.6 s: 2,759-5,400 steps); at least 300
+    # (CI saw 351 under load; 47 measured on an idle machine)
+    rate = max([float(x) for x in RATE.findall(leader[0].text().rsplit("link lost", 1)[0])] or [0.0])
+    assert ahead < max(300, 0.25 * rate), (ahead, rate, last)
 
 
 class _Gate:
