@@ -530,14 +530,10 @@ def _evaluate(a: argparse.Namespace) -> int:
     if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
                           f"got {params.descr} {params.shape}")
-    from ._compat import np
-    if np is not None:
-        where = np.flatnonzero(~np.isfinite(params.numpy()))
-        n_bad, first = int(where.size), (int(where[0]) if where.size else None)
-    else:   # (no list of every index: a diverged export may be all NaN)
-        first = next((i for i, x in enumerate(params.data) if not math.isfinite(x)), None)
-        n_bad = 0 if first is None else sum(1 for x in params.data if not math.isfinite(x))
-    if first is not None:   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
+    from .vec import all_finite
+    if not all_finite(params.data):   # (it printed "held-out accuracy 7.22 %" and exited 0 on a NaN parameter)
+        first = next(i for i, x in enumerate(params.data) if not math.isfinite(x))
+        n_bad = sum(1 for x in params.data if not math.isfinite(x))   # (no index list: it may be all NaN)
         raise ConfigError("--model", a.model, f"{n_bad} of its {params.size} parameters are not finite "
                           f"(the first at index {first}: {params.data[first]!r}): not a model to evaluate")
     batch = int(job.get("batch") or 1)
