@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from .._compat import np
 from ..errors import ConfigError
-from ..vec import to_vector
+from ..vec import all_finite, to_vector
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
                      source_bundle)
@@ -368,6 +368,7 @@ def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[s
     """
     if timeout_s is None:
         return fn()
+    import contextlib
     import signal
     import threading
     import time
@@ -378,23 +379,30 @@ def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[s
     main = threading.current_thread() is threading.main_thread()
     prev_int = signal.getsignal(signal.SIGINT) if main else None
     interruptible = main and prev_int not in (signal.SIG_IGN, None)
+
+    @contextlib.contextmanager
+    def ctrl_c_raises() -> Any:
+        if interruptible:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            if interruptible:
+                signal.signal(signal.SIGINT, prev_int)
     if main and on_main_thread and hasattr(signal, "setitimer"):
         def on_alarm(signum: int, frame: Any) -> None:
             raise _Overrun()
         prev_alarm = signal.signal(signal.SIGALRM, on_alarm)
         t0 = time.monotonic()
         left_s, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        if interruptible:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            return fn()
+            with ctrl_c_raises():
+                return fn()
         except _Overrun:
             raise overrun() from None
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, prev_alarm)
-            if interruptible:
-                signal.signal(signal.SIGINT, prev_int)
             if left_s > 0:
                 signal.setitimer(signal.ITIMER_REAL, max(1e-3, left_s - (time.monotonic() - t0)))
     out: list[Any] = []
@@ -409,15 +417,10 @@ def run_bounded(fn: Callable[[], Any], *, timeout_s: float | None, doing: list[s
         t.start()
     except RuntimeError:                 # no threads here (Pyodide): inline, unbounded
         return fn()
-    if interruptible:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with ctrl_c_raises():
         end = time.monotonic() + timeout_s
         while t.is_alive() and time.monotonic() < end:
             t.join(min(0.25, max(0.0, end - time.monotonic())))
-    finally:
-        if interruptible:
-            signal.signal(signal.SIGINT, prev_int)
     if not out:
         raise overrun()
     if isinstance(out[0], BaseException):
@@ -465,12 +468,6 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
         raise JobError(f"data hash mismatch: load_data() gave sha256 {data.sha256}, the job declares "
                        f"DATA_SHA256 = {want!r} (the data changed, or update DATA_SHA256)", src.ref)
     return data
-
-
-def _finite(v: Any) -> bool:
-    if np is not None and isinstance(v, np.ndarray):
-        return bool(np.isfinite(v).all())
-    return all(math.isfinite(x) for x in v)
 
 
 #: samples of the bucket :func:`probe` computes (fewer when the batch is smaller): the checks
@@ -554,14 +551,14 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
     p = call("params()", w.params)
     if len(p) != w.bucket_len:
         raise JobError(f"bucket_len {w.bucket_len} disagrees with params(), which has {len(p)} values", ref)
-    if not _finite(p):
+    if not all_finite(p):
         raise JobError("the initial params() are not finite", ref)
     loss, g = call("grads(0)", lambda: w.grads_sync(0, max(1, min(w.batch, PROBE_SAMPLES))))
     if len(g) != w.bucket_len:
         raise JobError(f"grads(0) on a probe batch returned {len(g)} values, bucket_len is {w.bucket_len}", ref)
-    if not math.isfinite(loss) or not _finite(g):
+    if not math.isfinite(loss) or not all_finite(g):
         raise JobError(f"grads(0) on a probe batch is not finite (loss {loss!r}"
-                       f"{'' if _finite(g) else ', gradient has NaN or infinity'})", ref)
+                       f"{'' if all_finite(g) else ', gradient has NaN or infinity'})", ref)
     acc = call("evaluate()", w.evaluate)
     if not 0.0 <= acc <= 1.0:
         raise JobError(f"evaluate() must return held-out accuracy in [0, 1], got {acc!r}", ref)
