@@ -431,12 +431,8 @@ def _simulate(a: argparse.Namespace) -> int:
     print(f"tabcohort simulate: {_n(cfg.ranks, 'rank')}, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
-    try:
-        res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
-    except TabcohortError as exc:
-        if a.json:   # (stdout is still one JSON document: a script reading it learns why)
-            print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
-        raise
+    # (a refused or failed run's one JSON document is printed by main()'s handlers)
+    res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
     # a run --max-seconds ended before its first step trained nothing: not a success (it printed
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
@@ -777,7 +773,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except TabcohortError as exc:
         print(f"tabcohort: error: {exc}", file=sys.stderr)
-        if a.command == "evaluate" and getattr(a, "json", False):
+        if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
+            # (stdout is still one JSON document: a script reading it learns why)
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         return 1
     except KeyboardInterrupt:

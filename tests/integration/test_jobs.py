@@ -502,16 +502,24 @@ def test_a_job_whose_evaluate_starts_raising_ends_each_rank_with_the_job_s_line(
     # (a new-user trial: it trained on at a beat per evaluation and ended in a raw traceback)
     ("evaluate", r"the job's evaluate\(\) failed 3 times in a row: KeyError: 'eval oops' "
                  r"\(at evaluate\.py:\d+ in evaluate\)"),
+    # (refused by the run's start-up check: a configuration error, exit 2)
+    ("bucket_len", r"bucket_len 11 disagrees with params\(\), which has 10 values"),
 ])
 def test_simulate_ends_a_job_that_goes_bad_with_an_error(tmp_path, how, expect):
     # simulate ran the raising job to --max-seconds and exited 0 with "bit-identical: yes"
     job = tmp_path / f"{how}.py"
-    job.write_text(_evaluate_failing_later() if how == "evaluate" else _failing_later(how))
+    job.write_text(_evaluate_failing_later() if how == "evaluate"
+                   else GOOD.replace("BUCKET_LEN, GRAD_LEN, LOSS = N, N,", "BUCKET_LEN, GRAD_LEN, LOSS = N + 1, N + 1,")
+                   if how == "bucket_len" else _failing_later(how))
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "simulate", "--job", str(job), "--ranks", "2",
-                        "--steps", "500", "--max-seconds", "60"],
+                        "--steps", "500", "--max-seconds", "60", "--json"],
                        capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
-    assert r.returncode == 1, (r.stdout[-1500:], r.stderr[-1500:])
+    assert r.returncode == (2 if how == "bucket_len" else 1), (r.stdout[-1500:], r.stderr[-1500:])
     assert re.search(expect, r.stderr), r.stderr[-2000:]
+    # under --json stdout is exactly one document saying why (a new-user trial: a job refused by
+    # the run's start-up check printed two, and json.loads failed with "Extra data")
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and re.search(expect, doc["error"]), doc
 
 
 def test_evaluate_names_the_dataset_it_was_given(cluster, tmp_path):
