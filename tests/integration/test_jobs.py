@@ -126,6 +126,17 @@ def test_good_tiny_job_is_accepted(tmp_path):
         '    backend = "python"', '    backend = "numpy"'),
      r"grads\(\) returned a gradient that is not a sequence of numbers \(could not convert .*\): got list "
      r".*badjob\.py:\d+, where grads is defined"),
+    # (a new-user trial: an integer gradient, all zeros, passed every check and never trained;
+    # a (1, N) one was said to have 1 value)
+    ("grads_integer_numpy", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                                         "        return LOSS, __import__('numpy').zeros(GRAD_LEN, dtype='int32')"),
+     r"grads\(\) returned a gradient of dtype int32: it must be floating point \(float32\) \(.*badjob\.py:\d+"),
+    ("grads_integer_array", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                                         "        return LOSS, array('i', [0] * GRAD_LEN)"),
+     r"grads\(\) returned a gradient of typecode 'i': it must be floating point"),
+    ("grads_2d", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                              "        return LOSS, __import__('numpy').zeros((1, GRAD_LEN), dtype='float32')"),
+     r"grads\(\) returned a gradient of shape \(1, 10\): it must be one flat vector of bucket_len = 10 values"),
     # (it pointed at the line of tabcohort's own that called the factory)
     ("options_without_keyword", GOOD.replace('SPEC = {"name": "tiny"}', 'SPEC = {"name": "tiny"}\nOPTIONS = {"k": 1}')
                                     .replace("def load_data():", "def load_data(options):"),

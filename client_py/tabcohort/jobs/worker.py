@@ -188,6 +188,17 @@ class JobWorker:
         if isinstance(g, (str, bytes)):
             raise JobError(f"grads() returned a gradient that is not a sequence of numbers: got {_describe(g)}"
                            f"{self._grads_defined()}", self.model)
+        shape = getattr(g, "shape", None)
+        if isinstance(shape, tuple) and len(shape) > 1:
+            # (a (1, N) array was reported as "1 gradient values")
+            raise JobError(f"grads() returned a gradient of shape {shape}: it must be one flat vector of "
+                           f"bucket_len = {self.bucket_len} values (reshape(-1)){self._grads_defined()}", self.model)
+        kind = getattr(getattr(g, "dtype", None), "kind", None)
+        if kind in ("b", "i", "u") or isinstance(g, array) and g.typecode not in "fd":
+            # (an integer gradient, e.g. ``.astype(np.int32)`` of values below 1, is all zeros:
+            # it passed every check and the model never trained: a new-user trial)
+            raise JobError(f"grads() returned a gradient of {'dtype ' + str(g.dtype) if kind else 'typecode ' + repr(g.typecode)}"
+                           f": it must be floating point (float32){self._grads_defined()}", self.model)
         try:
             v = _vector(self.backend, g)
             n = len(v)
