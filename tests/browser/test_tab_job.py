@@ -121,3 +121,22 @@ def test_a_tab_that_cannot_import_the_job_says_so(cluster, tabs, tmp_path):
     wait_for(lambda: tab.tc("tc.errors.find(e => e.kind === 'job') || null"), 90, "the job error after a reload")
     dl = tab.tc("tc.download")
     assert dl["what"] == "data" and dl["cached"] is True and dl["got"] == tab.tc("tc.job")["data_bytes"], dl
+
+
+def test_a_tab_without_numpy_says_a_numpy_only_job_cannot_run_here_before_downloading_it(cluster, tabs, tmp_path):
+    """A job listing ``BACKENDS = ("numpy",)``: a tab without numpy says so on its page and in its
+    state report, before fetching the job's data (a new-user trial: the tab called the factory,
+    which raised "No module named 'numpy'" from a temporary path)."""
+    job = tmp_path / "numpy_only.py"
+    job.write_text((ROOT / "examples" / "jobs" / "cnn_digits.py").read_text()
+                   + '\nBACKENDS = ("numpy",)\n')
+    url = cluster.serve("--job", str(job))
+    tab = tabs(url, "?room=digits&numpy=off")
+    err = wait_for(lambda: tab.tc("tc.errors.find(e => e.kind === 'job') || null"), 90, "the page's job error")
+    assert "runs on numpy only (its BACKENDS), and this tab has no numpy" in err["text"], err
+    assert "No module named" not in err["text"] and "--job=" not in err["text"], err
+    assert tab.tc("tc.download") is None          # nothing was fetched for a job it cannot run
+    rep = wait_for(lambda: next((r for r in cluster.reports(connected_only=False)
+                                 if "runs on numpy only" in (r.get("fault") or "")), None),
+                   20, "the tab's state report with the fault")
+    assert rep["kind"] == "tab" and rep["ready"] is False, rep

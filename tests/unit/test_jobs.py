@@ -283,6 +283,25 @@ def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchro
         load_job(_job(tmp_path)).make_worker(batch=4, seed=0, backend="gpu")
 
 
+def test_a_numpy_only_job_without_numpy_says_so_before_its_factory_runs(tmp_path, monkeypatch):
+    # a new-user trial: a tab without numpy called the factory of a job listing BACKENDS =
+    # ("numpy",), which raised "No module named 'numpy'" from the job's own file
+    import tabcohort.jobs as jobs
+    src = JOB.replace('SPEC = {"name": "const"}', 'SPEC = {"name": "const"}\nBACKENDS = ("numpy",)\nCALLED = []')
+    src = src.replace("    return W(batch)", "    CALLED.append(backend)\n    return W(batch)")
+    job = load_job(_job(tmp_path, src, name="numpyonly.py"))
+    monkeypatch.setattr(jobs, "np", None)
+    for asked in ("auto", "numpy"):
+        with pytest.raises(ConfigError, match=r"numpy is not importable here .* the job 'const' runs on numpy "
+                                              r"\(its BACKENDS\)"):
+            job.make_worker(batch=4, seed=0, backend=asked)
+    assert job.module.CALLED == []
+    # a job listing another backend too gets that one when numpy is missing
+    job2 = load_job(_job(tmp_path, src.replace('("numpy",)', '("numpy", "js")'), name="numpyjs.py"))
+    job2.make_worker(batch=4, seed=0, backend="auto")
+    assert job2.module.CALLED == ["js"]
+
+
 def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():
     """The built-in MLP is a module job like any other (tabcohort.jobs.BUILTIN): its options
     build the same MLP as tabcohort.model over the same data, and a rank runs it from its own

@@ -120,20 +120,32 @@ class LoadedJob:
     def _backend(self, backend: str) -> str:
         """The backend name the factory gets: as asked when the job lists it in ``BACKENDS``;
         ``auto`` for a job that does not list it: numpy when importable and listed, else
-        python when listed, else the first listed; without ``BACKENDS``, :func:`resolve_backend`.
+        python when listed, else the first listed that can run here (numpy only with numpy);
+        without ``BACKENDS``, :func:`resolve_backend`.
 
         Raises:
             ConfigError: a backend the job does not run on (naming the ones it does).
         """
         if self.backends is None:
             return resolve_backend(backend)
+        # (numpy listed and not importable: the factory was called anyway and raised "No module
+        # named 'numpy'" from the job's own file: a new-user trial's tab)
+        no_numpy = ConfigError("backend", backend, f"numpy is not importable here (a tab without Pyodide's numpy "
+                               f"package, or a Python without numpy), and the job {self.name!r} runs on "
+                               f"{', '.join(self.backends)} (its BACKENDS); a job that lists \"python\" with a "
+                               "pure-Python path runs anywhere")
         if backend in self.backends:
+            if backend == "numpy" and np is None:
+                raise no_numpy
             return backend
         if backend == "auto":
             for b in (("numpy",) if np is not None else ()) + ("python",):
                 if b in self.backends:
                     return b
-            return self.backends[0]
+            runnable = [b for b in self.backends if b != "numpy" or np is not None]
+            if not runnable:
+                raise no_numpy
+            return runnable[0]
         raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)} "
                           "(its BACKENDS)")
 

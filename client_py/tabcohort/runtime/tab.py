@@ -251,6 +251,7 @@ class TabRun(RankSession):
         Raises:
             TabcohortError: the job failed to download, import or build (the page was told).
         """
+        from .._compat import np
         from ..jobs import load_bundle, resolve_backend, shipped_source
         from .session import make_module_worker
 
@@ -265,6 +266,10 @@ class TabRun(RankSession):
             if not info.get("accepts") and backend not in (info.get("backends") or [backend]):
                 raise TabcohortError(f"the job {info['name']!r} runs on {', '.join(info['backends'])}; "
                                      f"this tab has {backend} only")
+            if want in ("auto", "numpy") and np is None and set(info.get("accepts") or ()) == {"numpy"}:
+                # (said before the download; the job's factory raised "No module named 'numpy'")
+                raise TabcohortError(f"the job {info['name']!r} runs on numpy only (its BACKENDS), and this tab "
+                                     "has no numpy (Pyodide's numpy package did not load)")
             src = shipped_source(info["code_sha256"])   # the built-in job: this tab's own copy
             if src is None:
                 self.progress(f"fetching job {info['name']} ({_size(int(info['code_bytes']))} of code)")
