@@ -208,7 +208,12 @@ class JobConfig:
         d.pop("token")
         d.pop("job")   # a server path: the job's name and hashes are in job_info
         d.pop("job_options")   # in job_info["options"]
-        d["hidden"] = list(self.hidden)
+        if self.job is None:
+            d["hidden"] = list(self.hidden)
+        else:   # the built-in MLP's settings mean nothing for a module job (its export said
+            # "dataset digits, hidden [32]" for a logistic regression: a new-user trial)
+            for k in ("dataset", "hidden", "activation"):
+                d.pop(k, None)
         d["timing"] = asdict(self.timing)
         d["batch"] = self.batch or self.global_batch      # a rank's cap unless it sets its own
         d["link"] = "rtc" if self.topology == "mesh" else "ws"  # star: each rank picks ws or rtc

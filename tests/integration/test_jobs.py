@@ -210,6 +210,8 @@ def test_cnn_job_trains_bit_identical_and_exports(cluster, tmp_path):
         assert z["params"].dtype == np.float32 and z["params"].shape == (2230,)
         meta = json.loads(bytes(z["job.json"]))
     assert meta["job_info"]["name"] == "cnn-digits-3x3x6" and meta["checkpoint"]["step"] == 200
+    # (a new-user trial: a module job's export named the built-in MLP's dataset and layers)
+    assert not {"dataset", "hidden", "activation"} & set(meta), sorted(meta)
     r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--job", CNN, "--model", str(model),
                         "--json"], capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
     assert r.returncode == 0, r.stderr
