@@ -41,3 +41,21 @@ def test_the_stop_line_of_the_rank_that_led_still_says_me():
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": False, "running": False})
     assert "(me)" not in _line({"id": 0xB, "is_leader": False, "running": False})
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": True})
+
+
+def test_refused_rounds_are_said_on_the_lines_after_they_happen_not_forever():
+    # a new-user trial: a job with a few NaN batches long ago put "DIVERGED x4: ..." on every line
+    # of a run that trained on
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"leader": 0xA, "cohort": 2, "loss": 0.5, "steps_per_s": 10.0, "ready": True, "running": True,
+            "is_leader": True, "fault": "diverged: the leader's own bucket of step 5 is not finite"}
+    for step, div in ((5, 0), (9, 4), (20, 4), (30, 4), (40, 6)):
+        run._print(1.0, {**base, "step": step, "diverged": div})
+    lines = out
+    assert "DIVERGED" not in lines[0]
+    assert "DIVERGED x4 since the last line (4 in all): diverged: the leader's own bucket" in lines[1]
+    assert "DIVERGED" not in lines[2] and "DIVERGED" not in lines[3]
+    assert "DIVERGED x2 since the last line (6 in all)" in lines[4]

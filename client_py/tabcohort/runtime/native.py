@@ -419,6 +419,7 @@ class RankRun(RankSession):
         self.progress = progress or (lambda line: None)
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
+        self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
@@ -708,12 +709,17 @@ class RankRun(RankSession):
         if unless_same and key == self._printed:
             return
         self._printed = key
+        # refused rounds since the line before: a few NaN batches long ago put "DIVERGED x4" on
+        # every line of a run that trained on (a new-user trial)
+        n_div = st.get("diverged") or 0
+        new_div, self._diverged_shown = n_div - self._diverged_shown, max(n_div, self._diverged_shown)
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') or (lead is not None and lead == st.get('id')) else '     '}"
                       f"  cohort {st['cohort']}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
-                      + (f"  DIVERGED x{st['diverged']}: {st.get('fault')}" if st.get("diverged") else "")
+                      + (f"  DIVERGED x{new_div} since the last line ({n_div} in all): {st.get('fault')}"
+                         if new_div > 0 else "")
                       + _below_global_batch(st)
                       + ("  (no majority of the room's members in view: no round commits until they are "
                          "back; docs/PROTOCOL.md \"Membership and majority\")"
