@@ -437,7 +437,10 @@ def _simulate(a: argparse.Namespace) -> int:
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
     ok = res.bit_identical and not no_step
-    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while the cohort of "
+    slow = next((e for e in res.events if e.startswith("warning: the job's grads() held")), None)
+    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run; {slow[len('warning: '):]}"
+                   if slow else
+                   f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while the cohort of "
                    f"{_n(cfg.ranks, 'rank')} was still forming (every rank beats to every other, about n^2 deliveries per "
                    f"beat period: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
     if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)

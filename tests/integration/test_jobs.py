@@ -654,3 +654,20 @@ def test_ctrl_c_stops_a_start_up_check_that_does_not_return(tmp_path, command):
             p.communicate()
     assert p.returncode == 130, (p.returncode, out[-2000:], err[-2000:])
     assert "Traceback" not in err and "did not finish within" not in err, err[-2000:]
+
+
+def test_a_job_whose_bucket_holds_the_event_loop_too_long_is_told_why_and_what_to_do(tmp_path):
+    # a new-user trial: a job whose grads() took 2 s a bucket never took a step, and simulate
+    # blamed the cohort "still forming (n^2 deliveries)" for a single rank
+    job = tmp_path / "slow.py"
+    job.write_text(GOOD.replace("    def grads(self, offset, samples):\n",
+                                "    def grads(self, offset, samples):\n"
+                                "        import time; time.sleep(0.065 * samples)\n"))
+    r = subprocess.run([sys.executable, "-m", "tabcohort.cli", "simulate", "--job", str(job), "--ranks", "1",
+                        "--steps", "3", "--max-seconds", "6", "--json"],
+                       capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["ok"] is False and doc["steps"] == 0, (doc, r.stderr[-1500:])
+    assert re.search(r"the job's grads\(\) held the event loop for \d+\.\d s computing 32 samples .* "
+                     r"cap this rank's bucket with --batch \d+", doc["error"]), doc["error"]
+    assert "still forming" not in doc["error"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from array import array
 from typing import Any
 
@@ -17,6 +18,21 @@ def _vector(backend: str, v: Any) -> Any:
     if backend == "numpy" and np is not None:
         return np.asarray(v, dtype=np.float32)
     return v if isinstance(v, array) and v.typecode == "f" else array("f", v)
+
+
+#: seconds a synchronous ``grads`` call may hold a rank's event loop before the rank says so:
+#: the loop also carries the beats and rounds (README "Write your own job": keep one call under
+#: about half a second); a job whose bucket took 2 s never committed a step, with no word why
+SLOW_CALL_S = 0.5
+
+
+def slow_call_note(took_s: float, samples: int) -> str:
+    """What a ``grads`` call of ``samples`` samples that took ``took_s`` seconds means, and the
+    ``--batch`` that would keep one call near a quarter of a second."""
+    cap = max(1, int(samples * 0.25 / took_s))
+    return (f"the job's grads() held the event loop for {took_s:.1f} s computing {samples} samples (beats and "
+            f"rounds wait meanwhile; keep one call under about {SLOW_CALL_S:g} s): cap this rank's bucket with "
+            f"--batch {cap}, or make grads async and await asyncio.sleep(0) between slices (README \"Write your own job\")")
 
 
 def _describe(x: Any) -> str:
@@ -55,6 +71,9 @@ class JobWorker:
         self._own_local_sync = own_local_sync if both else None
         #: training samples (the state report's epoch = samples assigned / this), or None
         self.train_len: int | None = None
+        #: what a synchronous ``grads`` call that held the event loop longer than
+        #: :data:`SLOW_CALL_S` did and what to do about it (the first such call), or None
+        self.slow_call: str | None = None
 
     @property
     def backend(self) -> str:
@@ -165,7 +184,11 @@ class JobWorker:
             r = await self.inner.grads(offset, n)
         else:
             await asyncio.sleep(0)
+            t0 = time.perf_counter()
             r = self.inner.grads(offset, n)
+            took_s = time.perf_counter() - t0
+            if took_s > SLOW_CALL_S and self.slow_call is None:
+                self.slow_call = slow_call_note(took_s, n)
         return self._loss_and_gradient(r, n)
 
     def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:

@@ -199,6 +199,7 @@ class InprocCohort:
                                      log=False)   # (nothing here reads it: it grew for the whole run)
         self.drivers: dict[int, RankDriver] = {}
         self.events: list[str] = []
+        self._slow_call_said = False
         self._note: str | None = None
         #: ranks whose job's compute failed every time, and why (the run ends with an error)
         self._compute_failed: dict[int, str] = {}
@@ -405,6 +406,10 @@ class InprocCohort:
         return max((d.machine.applied_samples for d in self.drivers.values()), default=0)
 
     def _print_progress(self, now: float, step: int, acc: float | None) -> None:
+        slow = next((d.worker.slow_call for d in self.drivers.values() if getattr(d.worker, "slow_call", None)), None)
+        if slow and not self._slow_call_said:
+            self._slow_call_said = True
+            self._event(f"warning: {slow}")
         ld = self.leader()
         st = ld.state() if ld is not None else None
         if st is None:

@@ -420,6 +420,7 @@ class RankRun(RankSession):
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._diverged_shown = 0                      # the diverged count the progress lines have said
+        self._slow_call_said = False                  # the worker's slow_call note was printed
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
@@ -600,6 +601,9 @@ class RankRun(RankSession):
                     if time.monotonic() - self._printed_at >= self.print_every_s:
                         self._printed_at = time.monotonic()
                         self._print(time.monotonic() - t0, st)
+                    if getattr(worker, "slow_call", None) and not self._slow_call_said:
+                        self._slow_call_said = True
+                        self.progress(f"warning: {worker.slow_call}")
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(http, bus, machine, worker, digest, final=False)
