@@ -229,3 +229,29 @@ def test_a_loss_that_stays_run_away_stops_the_run_within_the_bound():
     assert r.returncode == 1, r.stderr[-2000:]
     assert "diverged" in r.stderr and "has stayed above" in r.stderr and "for 5 s" in r.stderr, r.stderr[-2000:]
     assert took < 60, took   # (not the 120 s --max-seconds)
+
+
+def test_a_global_batch_larger_than_the_training_set_is_warned_of_by_simulate_and_serve(tmp_path):
+    # a new-user trial: --global-batch 100000 over 1,600 samples (the page suggested "a larger
+    # --global-batch") had honest ranks clipped and quarantined, with no word why
+    r = simulate("--ranks", "2", "--steps", "5", "--global-batch", "5000")
+    assert r.returncode == 0, r.stderr[-1500:]
+    want = ("warning: the global batch 5000 is larger than the job's training set (1437 samples): every round "
+            "covers it 3.5 times over")
+    assert want in r.stdout and "quarantine honest ranks" in r.stdout, r.stdout[:1500]
+    assert "warning: the global batch" not in simulate("--ranks", "2", "--steps", "5", "--global-batch", "1437").stdout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "client_py"), str(REPO / "server")]))
+    with open(tmp_path / "serve.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--global-batch", "5000",
+                              "--operator-token=operator-token-for-tests-0123"], stdout=log, stderr=subprocess.STDOUT,
+                             env=env, cwd=REPO)
+        try:
+            from .conftest import wait_for
+            def listening() -> str | None:
+                t = (tmp_path / "serve.log").read_text()
+                return t if "\nURL " in t or p.poll() is not None else None
+            out = wait_for(listening, 60, "serve to listen")
+        finally:
+            p.terminate()
+            p.wait(10)
+    assert "  " + want in out, out

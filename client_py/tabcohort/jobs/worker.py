@@ -35,6 +35,24 @@ def slow_call_note(took_s: float, samples: int) -> str:
             f"--batch {cap}, or make grads async and await asyncio.sleep(0) between slices (README \"Write your own job\")")
 
 
+def global_batch_note(global_batch: int, train_len: int | None) -> str | None:
+    """A warning when a round covers more samples than the training set has, or None.
+
+    Every round then covers the set more than once (docs/PROTOCOL.md "Shares": consecutive
+    windows wrap), so the gradient is the full-batch one computed several times over; and the
+    leader's bucket, noise-free, is the reference of the robust aggregation's clip rule
+    (docs/PROTOCOL.md "Untrusted ranks"), against which honest small shares look noisy: they
+    are clipped and may be quarantined (a new-user trial: global batch 100000 over 1,600 samples).
+    """
+    if not train_len or global_batch <= train_len:
+        return None
+    return (f"the global batch {global_batch} is larger than the job's training set ({train_len} samples): every "
+            f"round covers it {global_batch / train_len:.1f} times over (the gradient of a global batch of {train_len}, "
+            f"computed that many times), and small shares' buckets look noisy beside the leader's full-batch one: the "
+            f"robust aggregation may clip or quarantine honest ranks (README \"Untrusted ranks\"); a global batch "
+            f"of at most {train_len} avoids both")
+
+
 def _describe(x: Any) -> str:
     """A short description of a value a job returned, for an error message."""
     r = repr(x)

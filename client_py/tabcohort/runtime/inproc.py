@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..bus.memory import MemoryNetwork
 from ..errors import ConfigError, TabcohortError
-from ..jobs.worker import LOSS_BLOWUP, loss_ceiling
+from ..jobs.worker import LOSS_BLOWUP, global_batch_note, loss_ceiling
 from ..protocol import RankMachine, Timing
 from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
@@ -232,6 +232,9 @@ class InprocCohort:
         w = self.loaded_job.make_worker(batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend)
         if self.job is None:
             self.job = self.loaded_job.job_hash(w, cfg.train.spec())
+            note = global_batch_note(cfg.resolved_global_batch, getattr(w, "train_len", None))
+            if note:
+                self._event(f"warning: {note}")
         for other in self.drivers:
             if cfg.loss or cfg.delay_ms or cfg.bandwidth_bytes_per_s:
                 self.network.set_link(k, other, delay_ms=cfg.delay_ms, loss=cfg.loss,
