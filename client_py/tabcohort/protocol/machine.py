@@ -935,9 +935,12 @@ class RankMachine:
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
+            # (of this rank and its members: the estimates of ranks that left are kept for a
+            # rejoin, and were shown as if they still computed: a new-user trial)
             "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
-                       for k, sp in sorted(self.speeds.speeds.items())},
-            "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())},
+                       for k, sp in sorted(self.speeds.speeds.items()) if k == self.id or k in self.membership},
+            "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())
+                            if k == self.id or k in self.membership},
             "held_ms": {f"{k:08x}": round(v, 1) for k, v in sorted(self.held_ms.items())},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
             "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
