@@ -106,6 +106,9 @@ class RoomAssets:
         self.bucket_len = self.worker.bucket_len
         #: the room's runaway-loss bound (README "Divergence"), or None
         self.loss_ceiling = loss_ceiling(self.worker)
+        from tabcohort.jobs.worker import global_batch_note
+        #: a warning for the operator when a round covers more than the training set, or None
+        self.global_batch_note = global_batch_note(job.global_batch, self.worker.train_len)
         self.state_len = train.state_len(self.bucket_len)   # the leader's optimizer state
         self.job_hash = loaded.job_hash(self.worker, train.spec())
         self.job_code = loaded.source.bundle

@@ -124,11 +124,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         if job.job_options:
             train += "; job options " + ", ".join(f"{k}={v!r}" for k, v in sorted(job.job_options.items()))
         progress(train)
-        if assets is not None:
-            from tabcohort.jobs.worker import global_batch_note
-            note = global_batch_note(job.global_batch, getattr(assets.worker, "train_len", None))
-            if note:
-                progress(f"  warning: {note}")
+        if assets is not None and assets.global_batch_note:
+            progress(f"  warning: {assets.global_batch_note}")
         lead = "" if config.any_rank_may_lead else " --trainer-token ..."
         # a module job's code is run natively only when the user says so (README "Trust model for job code")
         trust = " --trust-job (or --job YOUR_COPY)" if job.job else ""
