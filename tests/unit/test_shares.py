@@ -191,6 +191,11 @@ def test_buckets_turnaround_feeds_the_speeds_and_the_shares_follow():
     sh = r.m.shares
     assert sh[1] > 2 * sh[2] > 0 and sum(sh.values()) == 60
     assert r.m.state(t)["speeds"][f"{1:08x}"] > 2 * r.m.state(t)["speeds"][f"{2:08x}"]
+    # a rank that left is no longer shown as computing (a new-user trial: the operator view
+    # listed the speeds of ranks long gone)
+    r.m.peer_left(2, now_ms=t + 1)
+    st = r.m.state(t + 1)
+    assert f"{2:08x}" not in st["speeds"] and f"{2:08x}" not in st["lateness_ms"] and f"{1:08x}" in st["speeds"]
 
 
 def test_a_follower_computes_exactly_its_share_and_continues_the_cursor():
