@@ -256,6 +256,22 @@ def test_job_options_reach_load_data_and_the_factory_and_the_job_hash(tmp_path):
         load_job(both)
 
 
+def test_a_job_option_of_another_type_than_its_default_is_refused_naming_it(tmp_path):
+    # a new-user trial: hidden=32.5 for a default of 32, or "32" in quotes, reached the job's own
+    # code, whose error named neither the option nor what it takes
+    src = OPTIONS_JOB.replace('OPTIONS = {"scale": 1.0}', 'OPTIONS = {"scale": 1.0, "hidden": 32, "layers": [8, 4], '
+                              '"name": "a", "on": True, "extra": None}')
+    path = _job(tmp_path, src, name="typedjob.py")
+    for k, v, what in (("hidden", 32.5, "is a whole number"), ("hidden", "32", "is a whole number"),
+                       ("hidden", True, "is a whole number"), ("scale", "2", "is a number"),
+                       ("layers", 8, "is a list, e.g. \\[64, 32\\]"), ("layers", [8, 4.5], "is a list of whole numbers"),
+                       ("name", 3, "is a string .in JSON quotes, e.g. .*. in a shell."), ("on", 1, "is true or false")):
+        with pytest.raises(ConfigError, match=f"the job's option {k} {what} .its default: "):
+            load_job(path, options={k: v})
+    ok = load_job(path, options={"hidden": 16, "scale": 2, "layers": [], "name": "b", "on": False, "extra": [1]})
+    assert ok.options["hidden"] == 16 and ok.options["scale"] == 2
+
+
 def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchronously(tmp_path):
     job = load_job(_job(tmp_path, OPTIONS_JOB, name="optjob.py"))
     assert job.make_worker(batch=4, seed=0, backend="auto").backend == "auto"      # the job chooses
