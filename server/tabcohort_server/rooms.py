@@ -996,7 +996,9 @@ class Room:
                 # shares, speeds and curves of this one, never of any rank that says it leads)
                 "trusted_id": None if trusted is None else trusted.id,
                 "loss": None if last is None else _json_num(last.get("loss")),
-                "accuracy": None if last is None else _json_num(last.get("accuracy")),
+                # (a room served again after it finished has no report: its checkpoint's, not None)
+                "accuracy": _json_num((self.checkpoint or {}).get("accuracy")) if last is None
+                else _json_num(last.get("accuracy")),
                 "term": None if last is None else _json_int(last.get("term")),
                 "diverged": None if lead is None else _json_int(lead.get("diverged")),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,

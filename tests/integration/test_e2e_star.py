@@ -138,6 +138,8 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     again = cluster.state()
     assert again["stopped"] and "checkpoint at step" in again["stop_reason"], again["stop_reason"]
     assert "already finished" in cluster.server.text()
+    # (its accuracy is its checkpoint's: it said None, with no rank to report one: a new-user trial)
+    assert again["accuracy"] is not None and again["accuracy"] == again["checkpoint"]["accuracy"], again
     late = cluster.rank()
     t_late = time.monotonic()
     assert late.p.wait(30) == 0, late.text()
