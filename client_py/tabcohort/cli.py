@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CHECKPOINT_DIR/.trainer-token)")
     r.add_argument("--batch", default=None,
                    help="this rank's cap: the most samples it computes per round, e.g. for its memory "
-                        "(TABCOHORT_BATCH; default: the room's, normally its global batch; the leader "
+                        "(TABCOHORT_BATCH; default or 0: the room's, normally its global batch; the leader "
                         "sets the share within it by measured speed)")
     r.add_argument("--link", default=None, help="link kind to the server in a star room: ws or rtc (TABCOHORT_LINK; default: ws)")
     r.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated "

@@ -54,6 +54,16 @@ def test_bad_environment_is_a_config_error_naming_the_variable(env, var, value):
     assert e.value.variable == var and e.value.value == value
 
 
+def test_a_batch_of_0_is_the_rooms_as_with_serve():
+    # (a new-user trial: `rank --batch 0` was refused while `serve --batch 0` meant the default)
+    for given in ("0", 0):
+        c = cfg({}, server="http://127.0.0.1:1", room="d", batch=given)
+        c.validate()
+        assert c.batch is None
+    with pytest.raises(ConfigError, match=r"in \[0, 16777216\] \(0: the room's"):
+        cfg({}, server="http://127.0.0.1:1", room="d", batch="-1").validate()
+
+
 def test_arguments_win_and_are_named():
     c = cfg({"TABCOHORT_BATCH": "8"}, server="http://127.0.0.1:1", room="d", batch="x")
     with pytest.raises(ConfigError) as e:

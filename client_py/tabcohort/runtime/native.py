@@ -185,10 +185,11 @@ class RankConfig:
                 b = int(b) if not isinstance(b, bool) and str(b).strip().lstrip("-").isdigit() else None
             except ValueError:
                 b = None
-            if b is None or b < 1 or b > 2**24:
+            if b is None or b < 0 or b > 2**24:
                 # (a u32 on the wire; `serve` bounds a room's batch the same way)
-                raise ConfigError(self._name("batch"), self.batch, f"must be an integer in [1, {2**24}]")
-            self.batch = b
+                raise ConfigError(self._name("batch"), self.batch, f"must be an integer in [0, {2**24}] "
+                                  "(0: the room's, as with `serve --batch 0`)")
+            self.batch = b or None     # (0 was refused, while serve's --batch 0 meant the default)
         if self.link not in LINKS:
             raise ConfigError(self._name("link"), self.link, f"unknown link kind; expected one of {LINKS}")
         if self.token:            # ("" is no token, as the request headers treat it)
