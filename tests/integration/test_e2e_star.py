@@ -146,6 +146,7 @@ def test_killed_cohort_restarts_from_checkpoint(cluster, tmp_path):
     # (it never became ready: it leaves at once, without waiting for a leader's publication)
     assert time.monotonic() - t_late < 15, late.text()
     assert "stopped (server: steps" in late.text(), late.text()[-2000:]
+    assert "fetching the job's data" not in late.text() and "loaded checkpoint" not in late.text(), late.text()
     assert cluster.state()["checkpoint"]["step"] == fin["checkpoint"]["step"]
 
 

@@ -544,6 +544,14 @@ class RankRun(RankSession):
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
             check_topology(job, "this rank")
+            room = await self._get(http, "")
+            if isinstance(room, dict) and room.get("stopped") is True:
+                # (a new-user trial: a rank joining a finished room fetched the job, its data and
+                # the checkpoint before its welcome said so)
+                why = "".join(c if c.isprintable() else "?" for c in str(room.get("stop_reason") or "")[:300])
+                self.progress(f"stopped (server: {why}) before joining the cohort: the room has finished; nothing "
+                              "was fetched")
+                return 0
             # never the server's code without the user's say (README "Trust model for job code")
             worker, jh = await self._module_worker(http, job)
             got = await self._get(http, "/checkpoint")
