@@ -200,3 +200,12 @@ def test_serve_max_auth_failures_sets_the_failed_check_bound(cluster):
         except urllib.error.HTTPError as e:
             codes.append(e.code)
     assert codes == [403, 403, 429], codes
+
+
+def test_a_rank_carrying_a_room_token_trains_in_an_open_room(cluster):
+    # (an open room takes any room token: README "Limits"; a review found a rank that asked the
+    # room's summary with its token refused as if the token were wrong, exit 2)
+    cluster.serve("--steps", "30")
+    p = cluster.rank("--token", "some-room-token-0123456")
+    assert p.p.wait(120) == 0, p.text()
+    assert "stopped" in p.text() and "rejected" not in p.text(), p.text()[-2000:]

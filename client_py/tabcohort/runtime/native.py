@@ -485,6 +485,18 @@ class RankRun(RankSession):
                 return dict(r.headers), await r.read()
             return await r.json()
 
+    async def _room_summary(self, http: Any) -> dict | None:
+        """The room's public summary (``GET /api/rooms/ROOM``), or None: only a hint, never an
+        error, and asked only of an open room by a rank without a room token (an open room
+        answers any ``Authorization`` but the operator's with a 403 counted against the
+        address, and a token room one without it: either would spend the rank's auth budget)."""
+        try:
+            url, r = await self._open(http, "", {})
+            async with r:
+                return await r.json() if r.status == 200 else None
+        except Exception:
+            return None
+
     async def _room_names(self, http: Any) -> list[str]:
         """The names ``GET /api/rooms`` lists (a typo'd ``--room`` is told them), or [] if that
         fails: only a hint."""
@@ -544,7 +556,7 @@ class RankRun(RankSession):
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
             check_topology(job, "this rank")
-            room = await self._get(http, "")
+            room = await self._room_summary(http) if not self.cfg.token else None
             if isinstance(room, dict) and room.get("stopped") is True:
                 # (a new-user trial: a rank joining a finished room fetched the job, its data and
                 # the checkpoint before its welcome said so)
