@@ -437,9 +437,8 @@ def _simulate(a: argparse.Namespace) -> int:
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
     ok = res.bit_identical and not no_step
-    slow = next((e for e in res.events if e.startswith("warning: the job's grads() held")), None)
-    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run; {slow[len('warning: '):]}"
-                   if slow else
+    why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run; {res.slow_call}"
+                   if res.slow_call else
                    f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while the cohort of "
                    f"{_n(cfg.ranks, 'rank')} was still forming (every rank beats to every other, about n^2 deliveries per "
                    f"beat period: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
@@ -781,6 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         return 1
     except KeyboardInterrupt:
+        if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
+            print(json.dumps({"ok": False, "error": "interrupted (Ctrl-C)"}, indent=2))
         return 130
     parser.error(f"unknown command {a.command}")
     return 2

@@ -270,6 +270,25 @@ def test_a_job_option_of_another_type_than_its_default_is_refused_naming_it(tmp_
             load_job(path, options={k: v})
     ok = load_job(path, options={"hidden": 16, "scale": 2, "layers": [], "name": "b", "on": False, "extra": [1]})
     assert ok.options["hidden"] == 16 and ok.options["scale"] == 2
+    if np is not None:   # (the Python API may be given a numpy number: refused by name, not a TypeError)
+        with pytest.raises(ConfigError, match=r"the job's option hidden is a whole number"):
+            load_job(path, options={"hidden": np.float64(2.5)})
+
+
+def test_a_grads_call_that_holds_the_loop_twice_in_a_row_is_noted_not_a_slow_first_one(tmp_path, monkeypatch):
+    import tabcohort.jobs.worker as jw
+    job = load_job(_job(tmp_path))
+    w = job.make_worker(batch=4, seed=0, backend="python")
+    clock = iter([0.0, 0.9, 1.0, 1.1, 2.0, 2.9, 3.0, 3.8])   # calls of 0.9, 0.1, 0.9, 0.8 s
+    monkeypatch.setattr(jw.time, "perf_counter", lambda: next(clock))
+    for _ in range(3):
+        _run(w.grads(0, 32))
+        assert w.slow_call is None            # a slow first call, then a fast one: no habit
+    _run(w.grads(0, 32))
+    assert w.slow_call == (pytest.approx(0.8), 32)
+    note = jw.slow_call_note(w.slow_call, flag="--global-batch", ranks=2)
+    assert "held the event loop for 0.8 s computing 32 samples" in note and "--global-batch 20" in note
+    assert "one sample takes" in jw.slow_call_note((2.0, 1))
 
 
 def test_a_job_that_lists_its_backends_gets_them_as_asked_and_may_build_asynchronously(tmp_path):

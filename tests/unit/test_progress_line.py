@@ -59,3 +59,8 @@ def test_refused_rounds_are_said_on_the_lines_after_they_happen_not_forever():
     assert "DIVERGED x4 since the last line (4 in all): diverged: the leader's own bucket" in lines[1]
     assert "DIVERGED" not in lines[2] and "DIVERGED" not in lines[3]
     assert "DIVERGED x2 since the last line (6 in all)" in lines[4]
+    # a rejoin's new seat counts from 0 again: its refusals are said, not hidden under the old count
+    for step, div in ((50, 0), (60, 3), (70, 3)):
+        run._print(1.0, {**base, "step": step, "diverged": div})
+    assert "DIVERGED" not in lines[5] and "DIVERGED x3 since the last line (3 in all)" in lines[6]
+    assert "DIVERGED" not in lines[7]

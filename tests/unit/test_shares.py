@@ -194,7 +194,15 @@ def test_buckets_turnaround_feeds_the_speeds_and_the_shares_follow():
     # a rank that left is no longer shown as computing (a new-user trial: the operator view
     # listed the speeds of ranks long gone)
     r.m.peer_left(2, now_ms=t + 1)
-    st = r.m.state(t + 1)
+    assert f"{2:08x}" in r.m.state(t + 1)["speeds"]      # (it holds a share of the last plan)
+    for _ in range(3):                                    # the leader's rounds go on without it
+        acts = r.drain()
+        for own in [a for a in acts if isinstance(a, Compute) and a.own]:
+            r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t + 1)
+        t += 200
+        r.m.on_timer(now_ms=t)
+    st = r.m.state(t)
+    assert 2 not in r.m.shares, r.m.shares
     assert f"{2:08x}" not in st["speeds"] and f"{2:08x}" not in st["lateness_ms"] and f"{1:08x}" in st["speeds"]
 
 

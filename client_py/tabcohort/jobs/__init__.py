@@ -38,6 +38,7 @@ import hashlib
 import inspect
 import json
 import math
+import numbers
 import operator
 import os
 import sys
@@ -132,8 +133,9 @@ class LoadedJob:
         # named 'numpy'" from the job's own file: a new-user trial's tab)
         no_numpy = ConfigError("backend", backend, f"numpy is not importable here (a tab without Pyodide's numpy "
                                f"package, or a Python without numpy), and the job {self.name!r} runs on "
-                               f"{', '.join(self.backends)} (its BACKENDS); a job that lists \"python\" with a "
-                               "pure-Python path runs anywhere")
+                               f"{', '.join(self.backends)} (its BACKENDS); " + (
+                                   "ask for another of them, or auto" if set(self.backends) - {"numpy", "auto"} else
+                                   "a job that lists \"python\" with a pure-Python path runs anywhere"))
         if backend in self.backends:
             if backend == "numpy" and np is None:
                 raise no_numpy
@@ -315,7 +317,11 @@ def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dic
     for k, v in sorted(given.items()):
         why = _option_mismatch(defaults[k], v)
         if why:   # (a new-user trial: hidden=32.5 reached the job's own code, which failed there)
-            raise ConfigError("--job-option", f"{k}={json.dumps(v)}", f"the job's option {k} {why} (its default: "
+            try:
+                shown = json.dumps(v)
+            except (TypeError, ValueError):   # (a caller of the Python API may pass any object)
+                shown = repr(v)
+            raise ConfigError("--job-option", f"{k}={shown}", f"the job's option {k} {why} (its default: "
                               f"{defaults[k]!r}); a job whose option takes other values says so in its default, e.g. 1.0 "
                               "for a number that may be fractional")
     return {**defaults, **given}, local
@@ -327,13 +333,13 @@ def _option_mismatch(default: Any, value: Any) -> str | None:
     string, a list for a list or tuple (of whole numbers when the default's are); anything for
     a default of another type (None, a dict)."""
     def whole(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
     if isinstance(default, bool):
         return None if isinstance(value, bool) else "is true or false"
     if whole(default):
         return None if whole(value) else "is a whole number"
     if isinstance(default, float):
-        return None if whole(value) or isinstance(value, float) else "is a number"
+        return None if whole(value) or isinstance(value, numbers.Real) and not isinstance(value, bool) else "is a number"
     if isinstance(default, str):
         return None if isinstance(value, str) else "is a string (in JSON quotes, e.g. '\"name\"' in a shell)"
     if isinstance(default, (list, tuple)):

@@ -26,13 +26,18 @@ def _vector(backend: str, v: Any) -> Any:
 SLOW_CALL_S = 0.5
 
 
-def slow_call_note(took_s: float, samples: int) -> str:
-    """What a ``grads`` call of ``samples`` samples that took ``took_s`` seconds means, and the
-    ``--batch`` that would keep one call near a quarter of a second."""
-    cap = max(1, int(samples * 0.25 / took_s))
-    return (f"the job's grads() held the event loop for {took_s:.1f} s computing {samples} samples (beats and "
-            f"rounds wait meanwhile; keep one call under about {SLOW_CALL_S:g} s): cap this rank's bucket with "
-            f"--batch {cap}, or make grads async and await asyncio.sleep(0) between slices (README \"Write your own job\")")
+def slow_call_note(slow: tuple[float, int], *, flag: str = "--batch", ranks: int = 1) -> str:
+    """What a ``grads`` call of ``slow = (seconds, samples)`` means, and the setting that would
+    keep one call near a quarter of a second: ``flag`` (a rank's ``--batch``, or ``simulate``'s
+    ``--global-batch`` over ``ranks`` ranks), or none when one sample is already too slow."""
+    took_s, samples = slow
+    per_call = int(samples * 0.25 / took_s)
+    what = (f"make grads async and await asyncio.sleep(0) between slices (one sample takes "
+            f"{took_s / max(1, samples):.2f} s)" if per_call < 1 else
+            f"cap it with {flag} {per_call * ranks}, or make grads async and await asyncio.sleep(0) between slices")
+    return (f"the job's grads() held the event loop for {took_s:.1f} s computing {samples} samples, call after call "
+            f"(beats and rounds wait meanwhile; keep one call under about {SLOW_CALL_S:g} s): {what} "
+            f"(README \"Write your own job\")")
 
 
 def global_batch_note(global_batch: int, train_len: int | None) -> str | None:
@@ -89,9 +94,8 @@ class JobWorker:
         self._own_local_sync = own_local_sync if both else None
         #: training samples (the state report's epoch = samples assigned / this), or None
         self.train_len: int | None = None
-        #: what a synchronous ``grads`` call that held the event loop longer than
-        #: :data:`SLOW_CALL_S` did and what to do about it (the first such call), or None
-        self.slow_call: str | None = None
+        self._slow: tuple[float, int] | None = None     # (seconds, samples) of the slow calls
+        self._slow_in_a_row = 0
 
     @property
     def backend(self) -> str:
@@ -204,10 +208,23 @@ class JobWorker:
             await asyncio.sleep(0)
             t0 = time.perf_counter()
             r = self.inner.grads(offset, n)
-            took_s = time.perf_counter() - t0
-            if took_s > SLOW_CALL_S and self.slow_call is None:
-                self.slow_call = slow_call_note(took_s, n)
+            self._timed(time.perf_counter() - t0, n)
         return self._loss_and_gradient(r, n)
+
+    def _timed(self, took_s: float, samples: int) -> None:
+        # two slow calls in a row, not one: a first call's warm-up (a JIT, a lazy import) is no
+        # habit (a review: one slow first call gave advice to a rank at 1.8M samples/s)
+        self._slow_in_a_row = self._slow_in_a_row + 1 if took_s > SLOW_CALL_S else 0
+        if self._slow_in_a_row >= 2 and self._slow is None:
+            self._slow = (took_s, samples)
+
+    @property
+    def slow_call(self) -> tuple[float, int] | None:
+        """``(seconds, samples)`` of a synchronous ``grads`` call that held the event loop over
+        :data:`SLOW_CALL_S`, once two did in a row (this worker's, or its local steps' scratch
+        worker's), else None; :func:`slow_call_note` says what it means."""
+        scratch = getattr(self._scratch, "slow_call", None)
+        return self._slow or scratch
 
     def grads_sync(self, offset: int, samples: int | None = None) -> tuple[float, Any]:
         n = self.batch if samples is None else int(samples)

@@ -58,6 +58,10 @@ MINOR_SHARE_FRACTION = 1 / 8
 #: samples twice: this round's, and its rank's next bucket starts late)
 MINOR_WAIT_FACTOR = 2.0
 #: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
+#: ranks remembered as having left the room (the state report hides their speeds), the oldest
+#: forgotten first
+_LEFT_KEPT = 4096
+
 #: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine (up to 64 x)
 _CLIP_WINDOW = 8
 _CLIP_QUARANTINE = 4
@@ -320,6 +324,7 @@ class RankMachine:
         self._clip_recent: dict[int, deque[bool]] = {}
         self._bias = BiasMonitor()                          # "Untrusted ranks": steady pushes
         self.quarantined: dict[int, float] = {}            # rank -> quarantined until (ms)
+        self._left: dict[int, None] = {}                   # ranks the witness said left (ordered set)
         self._quarantines: Counter[int] = Counter()
         self._silent: set[int] = set()       # gave no bucket within a whole collect window
         #: members this rank's own link layer cannot reach (:meth:`unreachable`): out of view
@@ -637,6 +642,13 @@ class RankMachine:
             return self.may_lead
         return self.lead_roles.get(rank_id, not self.roles_enforced)
 
+    def _shown_speed(self, k: int) -> bool:
+        """Whether the state report shows rank ``k``'s speed: not once the room's witness said
+        it left (:meth:`peer_left`), unless it is a member again or holds a share of the last
+        plan. A rank that merely went quiet stays shown (a finished run's summary names every
+        rank that computed)."""
+        return k not in self._left or k in self.membership or k in self.shares
+
     def peer_left(self, rank_id: int, *, now_ms: float) -> None:
         """The room's witness (the server, which sees every rank's link) says ``rank_id``'s link
         closed: it has left, not become unreachable. It leaves the membership and the roster at
@@ -648,6 +660,9 @@ class RankMachine:
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or rank_id == self.id:
             return
         self.counters["peer_left"] += 1
+        self._left[rank_id] = None
+        if len(self._left) > _LEFT_KEPT:          # (bounded: the oldest departures are forgotten)
+            del self._left[next(iter(self._left))]
         self._witnessed_leads.discard(rank_id)
         self.membership.pop(rank_id, None)
         self.roster.members.pop(rank_id, None)
@@ -935,12 +950,12 @@ class RankMachine:
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
-            # (of this rank and its members: the estimates of ranks that left are kept for a
-            # rejoin, and were shown as if they still computed: a new-user trial)
+            # (of this rank, its members and the last plan's ranks: the estimates of ranks that
+            # left are kept for a rejoin, and were shown as if they still computed: a new-user trial)
             "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
-                       for k, sp in sorted(self.speeds.speeds.items()) if k == self.id or k in self.membership},
+                       for k, sp in sorted(self.speeds.speeds.items()) if self._shown_speed(k)},
             "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())
-                            if k == self.id or k in self.membership},
+                            if self._shown_speed(k)},
             "held_ms": {f"{k:08x}": round(v, 1) for k, v in sorted(self.held_ms.items())},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
             "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},

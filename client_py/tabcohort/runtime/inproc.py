@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..bus.memory import MemoryNetwork
 from ..errors import ConfigError, TabcohortError
-from ..jobs.worker import LOSS_BLOWUP, global_batch_note, loss_ceiling
+from ..jobs.worker import LOSS_BLOWUP, global_batch_note, loss_ceiling, slow_call_note
 from ..protocol import RankMachine, Timing
 from ..protocol.optim import TrainConfig
 from ..sched import AsyncioScheduler
@@ -174,6 +174,8 @@ class InprocResult:
     note: str | None = None
     #: what ended the run: ``steps``, ``target_accuracy`` or ``max_seconds``
     stopped_by: str = "steps"
+    #: a rank's ``grads`` calls held the event loop too long, and what to do (or None)
+    slow_call: str | None = None
 
 
 class InprocCohort:
@@ -408,8 +410,14 @@ class InprocCohort:
         # has (about) the cohort's total, including rounds of a leader that was killed
         return max((d.machine.applied_samples for d in self.drivers.values()), default=0)
 
-    def _print_progress(self, now: float, step: int, acc: float | None) -> None:
+    def _slow_call(self) -> str | None:
+        """:func:`~tabcohort.jobs.worker.slow_call_note` of a rank whose ``grads`` calls hold the
+        loop too long, its advice in this run's terms (``--global-batch``), or None."""
         slow = next((d.worker.slow_call for d in self.drivers.values() if getattr(d.worker, "slow_call", None)), None)
+        return None if slow is None else slow_call_note(slow, flag="--global-batch", ranks=max(1, len(self.drivers)))
+
+    def _print_progress(self, now: float, step: int, acc: float | None) -> None:
+        slow = self._slow_call()
         if slow and not self._slow_call_said:
             self._slow_call_said = True
             self._event(f"warning: {slow}")
@@ -505,7 +513,7 @@ class InprocCohort:
                             events=self.events, shares=dict(st.get("shares") or {}),
                             speeds=dict(st.get("speeds") or {}),
                             note=None if len(set(ds.values())) == 1 else self._note,
-                            stopped_by=self._stopped_by)
+                            stopped_by=self._stopped_by, slow_call=self._slow_call())
 
 
 async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:

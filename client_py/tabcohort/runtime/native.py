@@ -623,8 +623,9 @@ class RankRun(RankSession):
                         self._printed_at = time.monotonic()
                         self._print(time.monotonic() - t0, st)
                     if getattr(worker, "slow_call", None) and not self._slow_call_said:
+                        from ..jobs.worker import slow_call_note
                         self._slow_call_said = True
-                        self.progress(f"warning: {worker.slow_call}")
+                        self.progress(f"warning: {slow_call_note(worker.slow_call)}")
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(http, bus, machine, worker, digest, final=False)
@@ -737,7 +738,9 @@ class RankRun(RankSession):
         # refused rounds since the line before: a few NaN batches long ago put "DIVERGED x4" on
         # every line of a run that trained on (a new-user trial)
         n_div = st.get("diverged") or 0
-        new_div, self._diverged_shown = n_div - self._diverged_shown, max(n_div, self._diverged_shown)
+        # (a count below the last one is a new seat's machine, counting from 0 again)
+        new_div = n_div - self._diverged_shown if n_div >= self._diverged_shown else n_div
+        self._diverged_shown = n_div
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') or (lead is not None and lead == st.get('id')) else '     '}"
                       f"  cohort {st['cohort']}  "
