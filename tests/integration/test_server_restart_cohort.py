@@ -7,6 +7,7 @@ trained on together, and at the merge one lineage lost thousands of steps (4 of 
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import threading
@@ -35,7 +36,9 @@ def _worst_rewind(steps: list[int]) -> int:
 @pytest.mark.timeout(300)
 def test_ranks_keep_one_lineage_across_server_restarts(cluster, tmp_path):
     ckdir = str(tmp_path / "ck")
-    url = cluster.serve("--checkpoint-dir", ckdir)
+    # (reports every 0.5 s: a rank prints a progress line per report at most, so the 0.5 s lines
+    # counted below were 1 s apart at the default --report-interval)
+    url = cluster.serve("--checkpoint-dir", ckdir, "--report-interval", "0.5")
     port = str(urllib.parse.urlsplit(url).port)
     ranks = [cluster.rank("--print-every", "0.5") for _ in range(3)]
     wait_for(lambda: len(cluster.reports()) == 3 and all(r.get("cohort") == 3 for r in cluster.reports()),
@@ -48,7 +51,7 @@ def test_ranks_keep_one_lineage_across_server_restarts(cluster, tmp_path):
                          [len(_steps(r.text())) for r in ranks], 30, "every rank to lose its link")
         wait_for(lambda: all(len(_steps(r.text())) >= m + 2 for r, m in zip(ranks, marks)), 30,
                  "progress lines while the server is away")
-        cluster.serve("--checkpoint-dir", ckdir, "--port", port)
+        cluster.serve("--checkpoint-dir", ckdir, "--port", port, "--report-interval", "0.5")
         wait_for(lambda: sum(r["connected"] for r in cluster.state()["ranks"]) == 3, 60,
                  f"the 3 ranks back after restart {restart + 1}")
         marks = [len(_steps(r.text())) for r in ranks]
@@ -65,13 +68,19 @@ def test_ranks_keep_one_lineage_across_server_restarts(cluster, tmp_path):
     assert all(f for f in finals) and len({f[-1] for f in finals}) == 1, finals
 
 
+#: the ranks' report period (serve --report-interval, its default): a progress line per report
+REPORT_S = 1.0
+#: progress lines after the loss was seen that span at least 2 s (past policy.drop, 1.6 s)
+LINES_PAST_DROP = math.ceil(2.0 / REPORT_S) + 1
+
+
 @pytest.mark.timeout(180)
 def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
     # docs/PROTOCOL.md "Membership and majority", a rank's own lost link: three ranks on the relay
     # alone (--no-direct), the server killed. Before, the leader went on committing rounds that
     # no other rank received until their beats were policy.drop (1.6 s) old: thousands of steps
     # ahead of its followers (about 5,400 measured); now it stops within the round in flight
-    cluster.serve()
+    cluster.serve("--report-interval", str(REPORT_S))
     ranks = [cluster.rank("--no-direct", "--print-every", "0.2") for _ in range(3)]
     wait_for(lambda: len(cluster.reports()) == 3 and all(r.get("cohort") == 3 for r in cluster.reports()),
              60, "a cohort of 3")
@@ -80,7 +89,9 @@ def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
     marks = wait_for(lambda: all("link lost" in r.text() for r in ranks) and [len(_steps(r.text())) for r in ranks],
                      30, "every rank to lose its link")
     # 2 s of progress lines after the loss: past policy.drop, when the old leader stopped at last
-    wait_for(lambda: all(len(_steps(r.text())) >= m + 10 for r, m in zip(ranks, marks)), 30,
+    # (a rank prints at most one line per report, whatever its --print-every: the wait was for 10
+    # lines, 10 s at one report a second; the line after 2 s is the first past 2 s)
+    wait_for(lambda: all(len(_steps(r.text())) >= m + LINES_PAST_DROP for r, m in zip(ranks, marks)), 30,
              "progress lines while the server is away")
     leader = [r for r in ranks if "(me)" in r.text().rsplit("link lost", 1)[0]]
     assert len(leader) == 1, [r.text()[-2000:] for r in ranks]
@@ -169,7 +180,9 @@ def test_a_rank_joining_a_restarted_server_before_its_ranks_are_back_follows_the
     # whatever their reconnect backoff draws (docs/PROTOCOL.md "Joining": no bootstrap while the
     # roll call is partial)
     ckdir = str(tmp_path / "ck")
-    url = cluster.serve("--checkpoint-dir", ckdir)
+    # (a checkpoint a second: the one waited for below came after the default 5 s)
+    ckpt_every = ("--checkpoint-interval", "1")
+    url = cluster.serve("--checkpoint-dir", ckdir, *ckpt_every)
     port = urllib.parse.urlsplit(url).port
     gate = _Gate(port)
     try:
@@ -186,7 +199,7 @@ def test_a_rank_joining_a_restarted_server_before_its_ranks_are_back_follows_the
         wait_for(lambda: all(r.text().count("link lost") > n for r, n in zip(ranks, n_lost)), 30,
                  "every rank to lose its link")
         gate.shut()
-        cluster.serve("--checkpoint-dir", ckdir, "--port", str(port))
+        cluster.serve("--checkpoint-dir", ckdir, "--port", str(port), *ckpt_every)
         new = cluster.rank("--no-direct", "--print-every", "0.5")
         # alone in the room for 4 progress lines (one a report, every 1 s) after it joined, where a
         # bootstrap takes two 400 ms beats; then the gate opens, well within the ranks' 30 s
