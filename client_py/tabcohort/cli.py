@@ -368,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "comma-separated (e.g. 127.0.0.1 on a loopback-only host; default: aioice's list)")
     v.add_argument("--ice-servers", default=None, help="WebRTC STUN/TURN URLs, comma-separated (default: none)")
     v.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected rank's id stays reserved")
+    v.add_argument("--roll-call", type=float, default=30.0, metavar="S",
+                   help="seconds a restarted server's (or a cluster node's newly acquired room's) roll call stays "
+                        "partial, the longer of this and --grace: its ranks come back within it (default 30, "
+                        "the ranks' reconnect bound; at least 10, their largest delay between two attempts). "
+                        "Lower it only where every rank comes back sooner.")
     c = v.add_argument_group("cluster (several serve nodes coordinated through Redis; README \"Cluster\")")
     c.add_argument("--redis", default=None, metavar="URL",
                    help="join a cluster: redis://HOST:PORT/DB (TABCOHORT_REDIS); give every node the same "
@@ -686,7 +691,7 @@ def _serve_checked(a: argparse.Namespace) -> int:
                        operator_token=op_token, allowed_origins=origins,
                        trainer_token=trainer, any_rank_may_lead=a.any_rank_may_lead,
                        checkpoint_keep=a.checkpoint_keep,
-                       limits=ServerLimits(resume_grace_s=a.grace, max_ranks_per_address=a.max_ranks_per_address,
+                       limits=ServerLimits(resume_grace_s=a.grace, roll_call_s=a.roll_call, max_ranks_per_address=a.max_ranks_per_address,
                                            max_connections_per_address=a.max_connections_per_address,
                                            max_auth_failures=a.max_auth_failures),
                        rtc_ice_servers=tuple(parse_ice_servers(a.ice_servers, "--ice-servers")),

@@ -236,6 +236,13 @@ class ServerLimits:
             of it loses its newest items there (``fair_share``), never the receiver.
         queue_max_items: per-peer relay queue bound in messages.
         resume_grace_s: a disconnected rank's id stays reserved this long.
+        roll_call_s: how long a server that took a room up from a previous life (a restart on
+            its checkpoint directory, a cluster node acquiring the room) assumes its ranks take
+            to come back: its roll call is partial for the longer of this and
+            ``resume_grace_s`` (PROTOCOL.md, "Membership and majority"). The ranks' reconnect
+            bound (30 s) by default; at least 10 s, their largest delay between two reconnect
+            attempts. Lower it only where every rank comes back sooner (a rank back after the
+            window can be taken for gone, and the first one back lead alone).
         register_timeout_s: a socket must register within this.
         heartbeat_s: WebSocket ping period (aiohttp ``heartbeat``).
         close_timeout_s: bound on a close handshake before the transport is aborted.
@@ -290,6 +297,7 @@ class ServerLimits:
     queue_max_bytes: int = 16 << 20
     queue_max_items: int = 8192
     resume_grace_s: float = 30.0
+    roll_call_s: float = 30.0   # (rooms.RANK_RECONNECT_MAX_S)
     register_timeout_s: float = 10.0
     heartbeat_s: float = 10.0
     close_timeout_s: float = 2.0
@@ -318,6 +326,9 @@ class ServerLimits:
                 raise ConfigError(name, v, "must be a positive number")
         if self.max_ranks_per_room < 200:
             raise ConfigError("max_ranks_per_room", self.max_ranks_per_room, "must be >= 200")
+        if self.roll_call_s < 10.0:   # (tabcohort.bus.backoff.RECONNECT_CAP_S)
+            raise ConfigError("roll_call_s", self.roll_call_s, "must be >= 10 (the ranks' largest delay between two "
+                              "reconnect attempts: a rank back after the roll call is taken for gone)")
         if self.queue_max_bytes < self.queue_high_water_bytes:
             raise ConfigError("queue_max_bytes", self.queue_max_bytes, "must be >= queue_high_water_bytes")
 

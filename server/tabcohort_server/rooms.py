@@ -373,10 +373,11 @@ class Room:
         whose resume key re-seats the ids it issued; a cluster node acquiring the room): its
         ranks reconnect one by one, each within its reconnect bound (``RANK_RECONNECT_MAX_S``)
         and, past its id's reservation (``resume_grace_s``), as a new rank; until the longer of
-        the two has passed the roll call of a ``welcome`` is partial (:meth:`roll_call_partial`).
+        the two has passed (the first: ``limits.roll_call_s``, ``RANK_RECONNECT_MAX_S`` unless
+        told) the roll call of a ``welcome`` is partial (:meth:`roll_call_partial`).
         Why not ``resume_grace_s`` alone: with ``serve --grace 1`` a rank back 2 s after the
         restart was told the others had left, and two lineages trained."""
-        self._partial_until = now + max(self.limits.resume_grace_s, RANK_RECONNECT_MAX_S)
+        self._partial_until = now + max(self.limits.resume_grace_s, self.limits.roll_call_s)
         self._partial_welcomes, self._roll_call_told = 0, False
 
     def roll_call_partial(self, now: float) -> bool:

@@ -123,3 +123,22 @@ def test_the_partial_window_is_at_least_the_ranks_reconnect_bound_whatever_the_g
     r.expect_returning_ranks(0.0)
     assert r.roll_call_partial(2.0) and r.roll_call_partial(RECONNECT_MAX_S - 0.1)
     assert not r.roll_call_partial(RECONNECT_MAX_S)
+
+
+def test_serve_roll_call_sets_the_windows_reconnect_part_never_below_the_ranks_largest_delay():
+    # (serve --roll-call: the window the roll call stays partial, the longer of it and --grace;
+    # below the ranks' largest delay between two reconnect attempts a rank whose server is back
+    # could come after it and be taken for gone)
+    from tabcohort.bus.backoff import RECONNECT_CAP_S
+    from tabcohort.errors import ConfigError
+    from tabcohort_server.rooms import RANK_RECONNECT_MAX_S
+    assert ServerLimits().roll_call_s == RANK_RECONNECT_MAX_S
+    for grace, until in ((1.0, 12.0), (20.0, 20.0)):
+        r = Room("r", JobConfig(dataset="synthetic", steps=10),
+                 ServerLimits(resume_grace_s=grace, roll_call_s=12.0), clock=lambda: 0.0)
+        r.expect_returning_ranks(0.0)
+        assert r.roll_call_partial(until - 0.1) and not r.roll_call_partial(until), (grace, until)
+    ServerLimits(roll_call_s=RECONNECT_CAP_S)
+    with pytest.raises(ConfigError) as e:
+        ServerLimits(roll_call_s=RECONNECT_CAP_S - 1)
+    assert e.value.variable == "roll_call_s"
