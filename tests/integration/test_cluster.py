@@ -31,6 +31,15 @@ LEASE_MS, TICK_MS, TAKEOVER_MS, STAGGER_MS = 2000, 400, 2000, 1000
 FAILOVER_BOUND_S = (LEASE_MS + TICK_MS + TAKEOVER_MS + STAGGER_MS) / 1000 + 3.0
 #: the digits job's loss at a fresh init: cross-entropy of 10 classes at chance
 FRESH_LOSS = math.log(10)
+#: the nodes' roll call after they take the room up (serve --roll-call and --grace; 30 s by
+#: default, the ranks' reconnect bound): the ranks here come back to a node that took the room
+#: over within a few seconds (their reconnect attempts are at most 10 s apart), and a node's
+#: first claim made fresh ranks wait the whole window before one could bootstrap (~30 s a test)
+ROLL_CALL_S = 15
+#: a Redis outage past every cluster timer (the lease, then the takeover and its stagger) and
+#: 2 s more: the owner's lease lapses in it, and the owner keeps relaying (was 10 s; Redis down
+#: >= 5 s of it on the node's own clock is asserted)
+OUTAGE_S = (LEASE_MS + TAKEOVER_MS + STAGGER_MS) / 1000 + 2.0
 
 
 def _free_port() -> int:
@@ -93,7 +102,9 @@ class Node:
                           "--checkpoint-dir", str(ckdir), "--checkpoint-interval", "1",
                           "--redis", redis_url, "--node-id", name,
                           "--cluster-lease-ms", str(LEASE_MS), "--cluster-tick-ms", str(TICK_MS),
-                          "--cluster-takeover-ms", str(TAKEOVER_MS), *extra], tmp / f"node-{name}.log")
+                          "--cluster-takeover-ms", str(TAKEOVER_MS),
+                          "--roll-call", str(ROLL_CALL_S), "--grace", str(ROLL_CALL_S), *extra],
+                         tmp / f"node-{name}.log")
 
         def url() -> str | None:
             for line in self.proc.text().splitlines():
@@ -284,13 +295,13 @@ def test_a_redis_outage_keeps_rooms_relaying_and_the_owner_reasserts_its_room(re
         steps = [a.state()["step"]]
         m = wait_for(lambda: (m := a.metrics()).get("tabcohort_cluster_redis_up") == 0.0 and m, 5,
                      "A's /metrics to show Redis down")
-        while time.monotonic() - t0 < 10.0:      # a 10 s outage; the room relays throughout
+        while time.monotonic() - t0 < OUTAGE_S:   # the room relays throughout
             s = a.state()
             assert s["n_connected"] == 1 and s["step"] >= steps[-1]
             steps.append(s["step"])
             time.sleep(0.5)
         m = a.metrics()
-        print(f"\noutage 10 s: room step {steps[0]} -> {steps[-1]}; A metrics {m}")
+        print(f"\noutage {OUTAGE_S:.0f} s: room step {steps[0]} -> {steps[-1]}; A metrics {m}")
         assert steps[-1] > steps[0] + 100
         assert m["tabcohort_cluster_redis_up"] == 0.0 and m["tabcohort_cluster_redis_down_seconds"] >= 5
         assert m[f'tabcohort_cluster_room_owned{{room="{ROOM}"}}'] == 1.0
