@@ -16,6 +16,8 @@
 #           0: resume from it (the page and the operator view say "resumed from step N")
 #   INSTALL 1 (default): run scripts/install.sh first; 0: skip it
 #   PYTHON  the interpreter, Python 3.11+ (default python3)
+#   SERVER_WAIT  seconds to wait for the server to answer before the demo gives up (default 20;
+#           at least 1: more on a slow machine, less in tests)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
@@ -26,7 +28,8 @@ STEPS="${STEPS:-0}"
 CKPT="${CKPT:-.cache/checkpoints}"
 FRESH="${FRESH:-1}"
 INSTALL="${INSTALL:-1}"
-for v in PORT RANKS STEPS; do
+SERVER_WAIT="${SERVER_WAIT:-20}"
+for v in PORT RANKS STEPS SERVER_WAIT; do
   if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then echo "[demo] $v='${!v}': expected a whole number" >&2; exit 2; fi
   # (PORT=08091 ended in a Python SyntaxError and skipped the port-in-use check; PORT=0080 ran on 80)
   if [[ "${!v}" =~ ^0[0-9] ]]; then echo "[demo] $v='${!v}': write it without leading zeros" >&2; exit 2; fi
@@ -39,6 +42,7 @@ fi
 if [ ${#PORT} -gt 5 ] || [ "$PORT" -gt 65535 ]; then
   echo "[demo] PORT=$PORT: expected a port in 1..65535" >&2; exit 2
 fi
+if [ "$SERVER_WAIT" -lt 1 ]; then echo "[demo] SERVER_WAIT=$SERVER_WAIT: expected at least 1 (seconds)" >&2; exit 2; fi
 for v in FRESH INSTALL; do
   if [ "${!v}" != 0 ] && [ "${!v}" != 1 ]; then echo "[demo] $v='${!v}': expected 1 or 0" >&2; exit 2; fi
 done
@@ -161,14 +165,14 @@ op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"
-up=0 deadline=$(( $(date +%s) + 20 ))
-while [ "$(date +%s)" -lt "$deadline" ]; do   # wait (bounded: 20 s) until the server answers
+up=0 deadline=$(( $(date +%s) + SERVER_WAIT ))
+while [ "$(date +%s)" -lt "$deadline" ]; do   # wait (bounded: SERVER_WAIT, 20 s) until the server answers
   if "$PY" -c "import urllib.request; urllib.request.urlopen('$url/healthz', timeout=1)" 2>/dev/null; then up=1; break; fi
   alive "$server_pid" || { echo "[demo] the server did not start (see above)" >&2; exit 1; }
   sleep 0.2
 done
 if [ "$up" = 0 ]; then   # (the ranks were started anyway, against a server that never answered)
-  echo "[demo] the server did not answer $url/healthz within 20 s; stopping it (its output is above)" >&2
+  echo "[demo] the server did not answer $url/healthz within $SERVER_WAIT s; stopping it (its output is above)" >&2
   exit 1
 fi
 if [ -z "${TABCOHORT_TRAINER_TOKEN:-}" ] && [ -f "$CKPT/.trainer-token" ]; then

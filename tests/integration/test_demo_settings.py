@@ -65,6 +65,8 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     ({"PORT": "08091"}, "[demo] PORT='08091': write it without leading zeros"),
     ({"HOST": "999.9.9.9"}, "[demo] HOST=999.9.9.9: not an address this machine can listen on"),
     ({"HOST": "192.0.2.1"}, "[demo] HOST=192.0.2.1: not an address this machine can listen on"),   # (TEST-NET-1)
+    ({"SERVER_WAIT": "0"}, "[demo] SERVER_WAIT=0: expected at least 1 (seconds)"),
+    ({"SERVER_WAIT": "2.5"}, "[demo] SERVER_WAIT='2.5': expected a whole number"),
 ])
 def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
     ckdir = tmp_path / "ckpt"
@@ -87,9 +89,12 @@ def test_a_server_that_never_answers_stops_the_demo_with_a_clear_error(tmp_path)
         f'exec {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     t0 = time.monotonic()
-    r = _demo({"CKPT": str(tmp_path / "ckpt"), "PORT": str(_free_port()), "PYTHON": str(wrapper)}, timeout=120)
+    # (SERVER_WAIT: the bound the demo waits for the server, 20 s by default, which the test
+    # waited out whole)
+    r = _demo({"CKPT": str(tmp_path / "ckpt"), "PORT": str(_free_port()), "PYTHON": str(wrapper),
+               "SERVER_WAIT": "3"}, timeout=120)
     assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "[demo] the server did not answer" in r.stderr and "within 20 s" in r.stderr, r.stderr
+    assert "[demo] the server did not answer" in r.stderr and "within 3 s" in r.stderr, r.stderr
     assert "[rank" not in r.stdout and "Open http://" not in r.stdout, r.stdout
     assert time.monotonic() - t0 < 60
 
