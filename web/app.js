@@ -48,6 +48,11 @@ function pageOptionError() {
   }
   const b = params.get("batch");
   if (b !== null && !/^[1-9][0-9]{0,5}$/.test(b)) return `?batch=${b}: expected a positive whole number of samples.`;
+  // how long the tab tries to reconnect to its server before it gives up (the ranks' 30 s unless told)
+  const rc = params.get("reconnect");
+  if (rc !== null && !(/^[1-9][0-9]?$/.test(rc) && parseInt(rc, 10) <= 30)) {
+    return `?reconnect=${rc}: expected whole seconds, 1..30.`;
+  }
   return null;
 }
 
@@ -221,6 +226,7 @@ async function main() {
     autostart: params.get("autostart") !== "0", numpy: params.get("numpy") !== "off",
     batch: params.get("batch") ? parseInt(params.get("batch"), 10) : null, link: params.get("link") || null,
     backend: params.get("backend") || "auto", gpuTest: params.get("gpu-test") || null,
+    reconnect: params.get("reconnect") ? parseInt(params.get("reconnect"), 10) : null,
     mode: params.get("mode") || null } });  // mode=conformance: tests only (tests/browser/page_harness.py)
 }
 

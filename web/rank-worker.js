@@ -166,6 +166,7 @@ async function boot(cfg) {
   const pycfg = {
     base: cfg.base, room: cfg.room, token: cfg.token || null, autostart: cfg.autostart !== false,
     backend: cfg.backend || "auto", batch: cfg.batch || null, link: cfg.link || null,
+    reconnect: cfg.reconnect || null,
     wgsl_suffix: cfg.gpuTest === "bad-wgsl" ? "\nfn broken( {" : "",
   };
   if (cfg.mode === "conformance") {

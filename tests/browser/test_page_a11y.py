@@ -96,6 +96,7 @@ def test_a_bad_page_option_is_named_before_anything_loads(cluster, tabs):
     for query, named in [("room=digits&link=bogus", "?link=bogus"), ("room=digits&batch=abc", "?batch=abc"),
                          ("room=digits&autostart=maybe", "?autostart=maybe"),
                          ("room=digits&backend=foo", "?backend=foo"), ("room=digits&batch=-3", "?batch=-3"),
+                         ("room=digits&reconnect=31", "?reconnect=31"), ("room=digits&reconnect=0", "?reconnect=0"),
                          ("link=xyz", "?link=xyz")]:      # (no ?room=: the server's room is named)
         t = tabs(url, f"?{query}")
         wait_for(lambda t=t: t.tc("tc.phase") == "error", 10, f"the page's config error for {query}")

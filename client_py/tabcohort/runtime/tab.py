@@ -103,11 +103,15 @@ class TabRun(RankSession):
 
     async def _run(self) -> int:
         from ..bus.page import PortHub, page_mesh_bus, page_star_bus
+        from ..bus.room import RECONNECT_MAX_S
         from ..vec import digest
 
         cfg = self.cfg
         if cfg.get("link") not in (None, "ws", "rtc"):
             raise ConfigError("link", cfg.get("link"), "expected ws or rtc (the page's ?link=)")
+        reconnect = cfg.get("reconnect")
+        if reconnect is not None and not (isinstance(reconnect, int) and 1 <= reconnect <= RECONNECT_MAX_S):
+            raise ConfigError("reconnect", reconnect, "expected whole seconds, 1..30 (the page's ?reconnect=)")
         self.progress("fetching the job")
         job = await self._fetch("/job")
         check_topology(job, "this tab")
@@ -127,7 +131,8 @@ class TabRun(RankSession):
         url = f"{ws}/api/rooms/{cfg['room']}/ws"
         running = False   # a rejoin keeps the start/stop state the user chose
         while True:  # one pass per seat: a refused resume joins again as a new rank (no reload)
-            common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self.on_control)
+            common = dict(token=cfg.get("token"), precision=job["precision"], on_control=self.on_control,
+                          reconnect_max_s=float(reconnect or RECONNECT_MAX_S))
             rtc_timeout_s = float(cfg.get("rtc_timeout_s") or 10.0)
             if job.get("topology") == "mesh":
                 # a data channel per pair, in the page; idle bound as a native mesh rank's (native.py)
