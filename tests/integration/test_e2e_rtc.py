@@ -143,7 +143,8 @@ def test_a_mesh_joiner_whose_channel_is_slow_follows_the_leader_instead_of_boots
     word) that long, not only a takeover window: it bootstrapped from the room's checkpoint in a
     term above the leader's, the leader stood down and adopted it, and the cohort lost every step
     since that checkpoint (a fault campaign with tabs: 1,117 steps; docs/PROTOCOL.md "Joining")."""
-    cluster.serve("--topology", "mesh", "--checkpoint-dir", str(tmp_path / "ck"))
+    # (a checkpoint a second: the first one waited for below came after the default 5 s)
+    cluster.serve("--topology", "mesh", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "1")
     a = cluster.rank(*LOOPBACK, "--print-every", "0.5")
     wait_for(lambda: (rs := cluster.reports()) and rs[0]["step"] >= 2000 and cluster.state()["checkpoint"], 60,
              "the first rank training alone, past its first checkpoint")
