@@ -158,3 +158,20 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory):
+    """The hostile-rank tests' clean run (``hostile_common.train`` without an attacker), trained
+    once for both files that compare against it (test_hostile_protocol, test_hostile_server)."""
+    from .hostile_common import STEPS, train
+    c = Cluster(tmp_path_factory.mktemp("baseline"))
+    try:
+        run = train(c, c.tmp / "ck")
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.close()
+    assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
+    return run

@@ -11,24 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import Cluster
 from .hostile_common import MIN_RATE_RATIO, SERVE_ARGS, STEPS, check_unharmed, metric, train
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("baseline"))
-    try:
-        run = train(c, c.tmp / "ck")
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
-    assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
-    return run
 
 
 def _shown(baseline: dict):

@@ -12,24 +12,9 @@ import urllib.request
 
 import pytest
 
-from .conftest import Cluster
 from .hostile_common import MIN_RATE_RATIO, STEPS, check_unharmed, metric, train
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("baseline"))
-    try:
-        run = train(c, c.tmp / "ck")
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
-    assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
-    return run
 
 
 def test_forged_backlog_and_report_step_neither_throttle_nor_stop_the_room(cluster, baseline):
