@@ -107,7 +107,9 @@ def test_pressure_rises_when_a_receiver_stalls_and_falls_when_it_drains(harness)
     # (buckets, not rounds: a page's worker drops superseded rounds unread, PROTOCOL.md "Follower:
     # receiving messages", so a stalled tab's backlog of rounds stays one round deep, and whether
     # the sender's pressure passed 1.0 depended on the channel's buffer at that moment)
-    msg = grad(params_vector(20_000), to=b.id)
+    # (about 80 KB on the wire at every precision: at int8 a 20,000-value bucket is a quarter of
+    # that, and filling the buffer took four times the posts, the battery's slowest cases)
+    msg = grad(params_vector(20_000 * {"f16": 2, "bf16": 2, "int8": 4}.get(harness.precision, 1)), to=b.id)
     posts = 0
     # The value a sender acts on is the one it read when it stopped posting: a second read may be
     # lower by up to one backlog step (a stalled tab reports what it holds in steps of 1/8 of the
