@@ -79,14 +79,14 @@ def test_a_refused_configuration_under_json_is_one_json_document_too():
 
 
 def test_diverging_run_stops_with_a_clear_error():
-    r = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60")
-    assert r.returncode == 1
-    assert "diverged" in r.stderr and "--lr" in r.stderr
-    # under --json stdout is still one JSON document (it was empty): a script learns why
+    # (one run: under --json the error line is on stderr as without it)
     j = simulate("--ranks", "2", "--dataset", "synthetic", "--lr", "1000", "--steps", "500", "--max-seconds", "60",
                  "--json")
+    assert j.returncode == 1
+    assert "tabcohort: error: " in j.stderr and "diverged" in j.stderr and "--lr" in j.stderr, j.stderr[-1500:]
+    # under --json stdout is still one JSON document (it was empty): a script learns why
     doc = json.loads(j.stdout)
-    assert j.returncode == 1 and doc["ok"] is False and "diverged" in doc["error"], (j.stdout, j.stderr[-500:])
+    assert doc["ok"] is False and "diverged" in doc["error"] and "--lr" in doc["error"], (j.stdout, j.stderr[-500:])
 
 
 def test_a_run_whose_loss_runs_away_with_finite_gradients_is_diverged_too():
