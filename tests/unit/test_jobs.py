@@ -335,6 +335,11 @@ def test_a_numpy_only_job_without_numpy_says_so_before_its_factory_runs(tmp_path
     job2 = load_job(_job(tmp_path, src.replace('("numpy",)', '("numpy", "js")'), name="numpyjs.py"))
     job2.make_worker(batch=4, seed=0, backend="auto")
     assert job2.module.CALLED == ["js"]
+    # a job that lists "auto" chooses for itself, numpy asked for or not (the built-in job falls
+    # back as auto would: tests/browser/test_tab_backends.py)
+    job3 = load_job(_job(tmp_path, src.replace('("numpy",)', '("auto", "numpy", "python")'), name="numpyauto.py"))
+    job3.make_worker(batch=4, seed=0, backend="numpy")
+    assert job3.module.CALLED == ["numpy"]
 
 
 def test_the_builtin_mlp_is_a_job_that_ships_and_needs_no_trust():

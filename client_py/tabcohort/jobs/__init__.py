@@ -137,7 +137,8 @@ class LoadedJob:
                                    "ask for another of them, or auto" if set(self.backends) - {"numpy", "auto"} else
                                    "a job that lists \"python\" with a pure-Python path runs anywhere"))
         if backend in self.backends:
-            if backend == "numpy" and np is None:
+            # (a job listing "auto" chooses itself: the built-in job falls back as auto would)
+            if backend == "numpy" and np is None and "auto" not in self.backends:
                 raise no_numpy
             return backend
         if backend == "auto":
