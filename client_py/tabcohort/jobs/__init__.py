@@ -131,7 +131,8 @@ class LoadedJob:
             return resolve_backend(backend)
         # (numpy listed and not importable: the factory was called anyway and raised "No module
         # named 'numpy'" from the job's own file: a new-user trial's tab)
-        no_numpy = ConfigError("backend", backend, f"numpy is not importable here (a tab without Pyodide's numpy "
+        def no_numpy() -> ConfigError:
+            return ConfigError("backend", backend, f"numpy is not importable here (a tab without Pyodide's numpy "
                                f"package, or a Python without numpy), and the job {self.name!r} runs on "
                                f"{', '.join(self.backends)} (its BACKENDS); " + (
                                    "ask for another of them, or auto" if set(self.backends) - {"numpy", "auto"} else
@@ -139,7 +140,7 @@ class LoadedJob:
         if backend in self.backends:
             # (a job listing "auto" chooses itself: the built-in job falls back as auto would)
             if backend == "numpy" and np is None and "auto" not in self.backends:
-                raise no_numpy
+                raise no_numpy()
             return backend
         if backend == "auto":
             for b in (("numpy",) if np is not None else ()) + ("python",):
@@ -147,7 +148,7 @@ class LoadedJob:
                     return b
             runnable = [b for b in self.backends if b != "numpy" or np is not None]
             if not runnable:
-                raise no_numpy
+                raise no_numpy()
             return runnable[0]
         raise ConfigError("backend", backend, f"the job {self.name!r} runs on {', '.join(self.backends)} "
                           "(its BACKENDS)")

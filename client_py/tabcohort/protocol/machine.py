@@ -57,11 +57,10 @@ MINOR_SHARE_FRACTION = 1 / 8
 #: ... for at most this many times their part of the round's time (a dropped bucket costs its
 #: samples twice: this round's, and its rank's next bucket starts late)
 MINOR_WAIT_FACTOR = 2.0
-#: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
 #: ranks remembered as having left the room (the state report hides their speeds), the oldest
 #: forgotten first
 _LEFT_KEPT = 4096
-
+#: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
 #: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine (up to 64 x)
 _CLIP_WINDOW = 8
 _CLIP_QUARANTINE = 4

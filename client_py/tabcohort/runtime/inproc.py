@@ -417,8 +417,7 @@ class InprocCohort:
         return None if slow is None else slow_call_note(slow, flag="--global-batch", ranks=max(1, len(self.drivers)))
 
     def _print_progress(self, now: float, step: int, acc: float | None) -> None:
-        slow = self._slow_call()
-        if slow and not self._slow_call_said:
+        if not self._slow_call_said and (slow := self._slow_call()):
             self._slow_call_said = True
             self._event(f"warning: {slow}")
         ld = self.leader()

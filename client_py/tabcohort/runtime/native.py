@@ -491,7 +491,7 @@ class RankRun(RankSession):
         answers any ``Authorization`` but the operator's with a 403 counted against the
         address, and a token room one without it: either would spend the rank's auth budget)."""
         try:
-            url, r = await self._open(http, "", {})
+            _, r = await self._open(http, "", {})
             async with r:
                 return await r.json() if r.status == 200 else None
         except Exception:
