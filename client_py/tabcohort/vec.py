@@ -105,11 +105,13 @@ def _weighted_mean_np(vectors: Sequence[Any], weights: Sequence[float]) -> Any:
         b = min(n, a + BLOCK)
         k = b - a
         acc_k, tmp_k = acc[:k], tmp[:k]
-        acc_k.fill(0.0)
-        for w, v in zip(ws, vs):
+        for i, (w, v) in enumerate(zip(ws, vs)):
             tmp_k[...] = v[a:b]   # exact (float32 -> float64)
             tmp_k *= w
-            acc_k += tmp_k
+            if i:
+                acc_k += tmp_k
+            else:                 # ``0.0 + w * x`` (a -0.0 gives +0.0), with no pass to zero acc
+                np.add(tmp_k, 0.0, out=acc_k)
         out[a:b] = acc_k
     return out
 
@@ -203,9 +205,10 @@ class RunningMean:
             tmp[...] = v[a:b]          # exact (float32 -> float64)
             tmp *= w
             blk = acc[a:b]
-            if first:
-                blk[...] = 0.0
-            blk += tmp
+            if first:             # ``0.0 + w * x`` (a -0.0 gives +0.0), with no pass to zero acc
+                np.add(tmp, 0.0, out=blk)
+            else:
+                blk += tmp
             if res is not None:
                 res[a:b] = blk
         return res
