@@ -1032,10 +1032,28 @@ def test_grace_window_ends_the_round_without_the_straggler():
 
 def test_grace_window_is_bounded_by_elapsed_fraction_and_collect_window():
     r, own = grace_rig()
+    r.m.grace_fraction = 0.9                      # the room's least bound, above the missing samples'
     r.m.handle(grad(2, 1, 0), now_ms=1)           # a very early bucket: spread would be large
     r.m.handle(grad(3, 1, 0), now_ms=2)
     r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
-    assert r.m._collection.grace_until_ms == 110   # 0.1 * elapsed, not the 99 ms spread
+    assert r.m._collection.grace_until_ms == 190   # 0.9 * elapsed, not the 99 ms spread
+
+
+def test_grace_window_bound_grows_with_the_samples_still_missing():
+    """PROTOCOL-NOTES 7: the bound is MINOR_WAIT_FACTOR * M / S of the elapsed time when that is
+    above grace_fraction (two of five equal shares missing: 2 * 2/5), and a rank skipped for its
+    misses does not count in M."""
+    r, own = grace_rig()
+    r.m.handle(grad(2, 1, 0), now_ms=1)
+    r.m.handle(grad(3, 1, 0), now_ms=2)
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
+    assert r.m._collection.grace_until_ms == 180   # 0.8 * elapsed, not 0.1 * elapsed nor the 99 ms spread
+    r, own = grace_rig()
+    r.m.missed_rounds = {5: 2}                     # skipped for its misses: not in M
+    r.m.handle(grad(2, 1, 0), now_ms=1)
+    r.m.handle(grad(3, 1, 0), now_ms=2)
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
+    assert r.m._collection.grace_until_ms == 140   # only rank 4's share counts: 2 * 1/5
 
 
 def own_ready(r, own, now):
@@ -1068,8 +1086,8 @@ def test_grace_window_covers_the_typical_spread_of_previous_rounds_late_buckets_
     r.m.handle(grad(2, 1, 1), now_ms=102.5)
     r.m.handle(grad(3, 1, 1), now_ms=103)         # ... but it counts: step 0 spread 56 - 50 = 6
     assert r.m.spread_ewma_ms == 6
-    # grace = min(max(spread 1, 2 * 6), 0.1 * (103 - 52)) = 5.1
-    assert r.m._collection.grace_until_ms == pytest.approx(108.1)
+    # grace = min(max(spread 1, 2 * 6), 2 * 2/5 * (103 - 52)) = 12
+    assert r.m._collection.grace_until_ms == pytest.approx(115)
     r.m.handle(grad(4, 1, 1), now_ms=103.5)
     r.m.handle(grad(5, 1, 1), now_ms=107)         # inside the window: kept, and all arrived
     assert r.m.step == 2 and r.m.counters["buckets_reduced"] == 9

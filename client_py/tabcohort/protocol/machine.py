@@ -216,11 +216,13 @@ class RankMachine:
         collect_rule: ``"quorum"`` (PROTOCOL.md: finish as soon as the quorum is reached) or
             ``"grace"`` (docs/PROTOCOL-NOTES.md, note 7): once the quorum is reached, wait a
             short grace window for the remaining buckets, of length
-            ``min(max(spread, grace_margin * typical_spread), grace_fraction * elapsed)``
+            ``min(max(spread, grace_margin * typical_spread), bound * elapsed)``
             (spread: time since this round's first bucket arrived; typical_spread: an EWMA of
             the first-to-last arrival spread of previous rounds, late buckets included;
-            elapsed: time since the round was sent), never past the collect window.
-        grace_fraction: bound of the grace window relative to the round's elapsed time.
+            elapsed: time since the round was sent; bound: ``grace_fraction``, or
+            ``MINOR_WAIT_FACTOR`` times the missing buckets' fraction of the awaited samples
+            when larger), never past the collect window.
+        grace_fraction: least bound of the grace window relative to the round's elapsed time.
         grace_margin: the grace window covers at least this many typical spreads.
         term: the lineage term this rank's parameters come from (PROTOCOL.md, "Lineage and
             terms"); 0 for a rank that has never adopted or driven a round.
@@ -1909,13 +1911,27 @@ class RankMachine:
             spread = now_ms - (col.first_ms if col.first_ms is not None else now_ms)
             typical = self.spread_ewma_ms if self.spread_ewma_ms is not None else 0.0
             grace = min(max(spread, self.grace_margin * typical),
-                        self.grace_fraction * (now_ms - col.opened_ms))
+                        self._grace_bound(col, missed) * (now_ms - col.opened_ms))
             # A zero window still ends at a deadline (due now), not at once: buckets that
             # arrived at the same instant and are queued behind this one are still taken.
             col.grace_until_ms = now_ms + max(0.0, grace)
             self.counters["grace_windows"] += 1
             if self._phase_deadline_ms is None or col.grace_until_ms < self._phase_deadline_ms:
                 self._phase_deadline_ms = col.grace_until_ms
+
+    def _grace_bound(self, col: _Collection, missed: dict[int, int]) -> float:
+        """The grace window's bound as a fraction of the round's elapsed time (docs/PROTOCOL-NOTES.md
+        note 7): ``grace_fraction``, or ``MINOR_WAIT_FACTOR * M / S`` when larger, ``M`` the
+        samples of the awaited buckets still missing (a rank skipped for its misses not counted)
+        and ``S`` those of every awaited bucket: the minor stragglers' cost model ("Shares"),
+        waiting delays the round by its fraction of the round's time to gain ``M / S`` of its
+        samples. Why: at a flat 10 %, four equally fast ranks on a 2-core host lost the fourth
+        bucket in about half the rounds (a quarter of the global batch, computed and sent for
+        nothing), late only by the time the leader took to take in the third."""
+        awaited = sum(col.shares.get(k, 0) for k in col.awaited)
+        missing = sum(col.shares.get(k, 0) for k in col.awaited
+                      if k not in col.received and missed.get(k, 0) < _GRACE_SKIP_MISSES)
+        return max(self.grace_fraction, MINOR_WAIT_FACTOR * missing / awaited if awaited > 0 else 0.0)
 
     def _late_bucket(self, msg: dict, now_ms: float) -> None:
         """A bucket of the previous round that arrived after it finished still tells how far
