@@ -598,3 +598,79 @@ def test_a_factory_name_that_is_not_a_function_says_what_it_is(tmp_path):
         load_job(path + ":SPEC")
     with pytest.raises(JobError, match=r"has no function nothere\(\)"):
         load_job(path + ":nothere")
+
+
+class _Returns:
+    """A worker whose ``grads`` returns the gradient it was given (three values)."""
+    bucket_len, batch, backend = 3, 4, "python"
+
+    def __init__(self, grad):
+        self.grad = grad
+
+    def grads(self, offset, samples):
+        return 0.5, self.grad
+
+
+def _gradient_of(grad, backend="python"):
+    from tabcohort.jobs.worker import JobWorker
+    return JobWorker(_Returns(grad), backend=backend, spec={}, model="m", batch=4).grads_sync(0)[1]
+
+
+def _js_typed_array(name):
+    import js
+    return getattr(js, name).new(3)
+
+
+_INTEGER_GRADIENTS = [
+    (lambda: array("i", [1, 2, 3]), "typecode 'i'"),
+    (lambda: array("B", [1, 2, 3]), "typecode 'B'"),
+    (lambda: np.zeros(3, dtype=np.int32), "dtype int32"),
+    (lambda: np.zeros(3, dtype=bool), "dtype bool"),
+    (lambda: memoryview(array("i", [1, 2, 3])), "memoryview format 'i'"),
+    (lambda: memoryview(b"\x00\x01\x02"), "memoryview format 'B'"),
+    (lambda: memoryview(b"\x00" * 6).cast("h"), "memoryview format 'h'"),
+    (lambda: bytearray(b"\x00\x01\x02"), "bytearray format 'B'"),
+    (lambda: _js_typed_array("Int32Array"), "JS Int32Array"),
+    (lambda: _js_typed_array("Uint8Array"), "JS Uint8Array"),
+]
+
+
+@pytest.mark.parametrize("make,what", _INTEGER_GRADIENTS, ids=[what for _, what in _INTEGER_GRADIENTS])
+def test_a_gradient_of_integers_is_refused_naming_what_it_is(make, what):
+    """docs/PROTOCOL.md "Worker contract": a gradient whose elements say they are integers is
+    refused, whatever carries it (it would train on zeros or garbage)."""
+    if "dtype" in what and np is None:
+        pytest.skip("numpy is not importable")
+    if what.startswith("JS ") and sys.platform != "emscripten":
+        pytest.skip("JS typed arrays exist in Pyodide only")
+    for backend in ("python", "numpy") if np is not None else ("python",):
+        with pytest.raises(JobError, match=rf"grads\(\) returned a gradient of {what}: it must be floating point "
+                                           rf"\(float32\) \(.*test_jobs\.py:\d+, where grads is defined\)"):
+            _gradient_of(make(), backend)
+
+
+def test_a_gradient_of_floats_is_taken_whatever_carries_it():
+    """docs/PROTOCOL.md "Worker contract": float formats pass in any byte order (a ctypes array
+    exports '<f'), as float32 values."""
+    cases = [array("f", [1, 2, 3]), array("d", [1, 2, 3]), memoryview(array("f", [1, 2, 3])),
+             memoryview(array("d", [1, 2, 3])), [1, 2, 3]]
+    try:
+        import ctypes
+    except ImportError:
+        pass
+    else:
+        for t in (ctypes.c_float, ctypes.c_double):
+            c = (t * 3)(1, 2, 3)
+            assert memoryview(c).format in ("<f", "<d", ">f", ">d")   # (not native '@': '<f' on x86)
+            cases.append(c)
+            cases.append(memoryview(c))
+    if np is not None:
+        cases += [np.array([1, 2, 3], dtype=np.float32), np.array([1, 2, 3], dtype=np.float16)]
+    if sys.platform == "emscripten":
+        for name in ("Float32Array", "Float64Array"):
+            t = _js_typed_array(name)
+            t[0], t[1], t[2] = 1, 2, 3
+            cases.append(t)
+    for backend in ("python", "numpy") if np is not None else ("python",):
+        for g in cases:
+            assert list(_gradient_of(g, backend)) == [1.0, 2.0, 3.0], (backend, g)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import struct
 import time
 from array import array
 from typing import Any
@@ -17,7 +18,39 @@ from .source import JobError
 def _vector(backend: str, v: Any) -> Any:
     if backend == "numpy" and np is not None:
         return np.asarray(v, dtype=np.float32)
+    if isinstance(v, memoryview) and v.format.lstrip("@") not in ("f", "d"):
+        # (a memoryview iterates only native formats: '<f' of a ctypes array raised
+        # NotImplementedError)
+        return array("f", [x for (x,) in struct.iter_unpack(v.format, v.tobytes())])
     return v if isinstance(v, array) and v.typecode == "f" else array("f", v)
+
+
+def _not_floating(g: Any) -> str | None:
+    """What a gradient's elements are when they say so and are not floating point (``dtype
+    int32``, ``typecode 'i'``, ``memoryview format 'B'``, ``JS Int32Array``), else None (floats,
+    or a gradient that does not say, such as a list: its values are converted one by one).
+
+    Floating point is a numpy dtype of kind ``f``, an ``array`` of typecode ``f`` or ``d``, a
+    buffer of struct format ``e``, ``f`` or ``d`` in any byte order (``'<f'``, ``'=d'``), or a
+    JS ``Float16Array``, ``Float32Array`` or ``Float64Array`` (docs/PROTOCOL.md, "Worker
+    contract")."""
+    kind = getattr(getattr(g, "dtype", None), "kind", None)
+    if kind is not None:
+        return f"dtype {g.dtype}" if kind in ("b", "i", "u") else None
+    if isinstance(g, array):
+        return None if g.typecode in ("f", "d") else f"typecode {g.typecode!r}"
+    if type(g).__module__ == "pyodide.ffi":      # a JS value, in a tab
+        from pyodide.ffi import JsTypedArray
+        if not isinstance(g, JsTypedArray):
+            return None
+        name = str(g.constructor.name)
+        return None if name.startswith("Float") else f"JS {name}"
+    try:
+        with memoryview(g) as m:
+            fmt = m.format
+    except TypeError:                            # (no buffer: a list, a tuple)
+        return None
+    return None if fmt.lstrip("@=<>!") in ("e", "f", "d") else f"{type(g).__name__} format {fmt!r}"
 
 
 #: seconds a synchronous ``grads`` call may hold a rank's event loop before the rank says so:
@@ -251,12 +284,13 @@ class JobWorker:
             # (a (1, N) array was reported as "1 gradient values")
             raise JobError(f"grads() returned a gradient of shape {shape}: it must be one flat vector of "
                            f"bucket_len = {self.bucket_len} values (reshape(-1)){self._grads_defined()}", self.model)
-        kind = getattr(getattr(g, "dtype", None), "kind", None)
-        if kind in ("b", "i", "u") or isinstance(g, array) and g.typecode not in "fd":
+        what = _not_floating(g)
+        if what is not None:
             # (an integer gradient, e.g. ``.astype(np.int32)`` of values below 1, is all zeros:
-            # it passed every check and the model never trained: a new-user trial)
-            raise JobError(f"grads() returned a gradient of {'dtype ' + str(g.dtype) if kind else 'typecode ' + repr(g.typecode)}"
-                           f": it must be floating point (float32){self._grads_defined()}", self.model)
+            # it passed every check and the model never trained: a new-user trial; a memoryview
+            # of one, or a tab's JS Int32Array, passed this check too)
+            raise JobError(f"grads() returned a gradient of {what}: it must be floating point (float32)"
+                           f"{self._grads_defined()}", self.model)
         try:
             v = _vector(self.backend, g)
             n = len(v)
