@@ -88,6 +88,15 @@ def test_poisoned_checkpoints_are_refused_and_the_history_keeps_the_good_ones(cl
         data = r.read()
         assert r.headers["X-Tabcohort-Step"] == str(oldest["step"])
     assert hashlib.sha256(data).hexdigest() == oldest["digest"]
+    # each kept checkpoint's accuracy is of its own parameters (README "Checkpoints and
+    # stopping"): periodic uploads carried the last evaluation, up to 9 steps older, and the
+    # history's "best" was ranked by other models' accuracies
+    from tabcohort.jobs import BUILTIN, load_job
+    w = load_job(BUILTIN).make_worker(batch=64, seed=0, backend="numpy")
+    for c in listed["checkpoints"]:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/{c['id']}", headers=auth), timeout=5) as r:
+            w.set_params(memoryview(r.read()).cast("f"))
+        assert c["accuracy"] is not None and abs(w.evaluate() - c["accuracy"]) < 1e-9, (c, w.evaluate())
     for bad in ("../../etc", "1-zzzz", f"{STEPS}-000000000000"):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(f"{url}/{bad}", headers=auth), timeout=5)

@@ -30,7 +30,7 @@ def test_a_welcome_without_a_job_hash_changes_nothing():
 
 
 def test_an_upload_names_the_job_its_model_was_trained_on():
-    m = SimpleNamespace(job="c" * 32, step=7, checkpoint_cursor=0, loss=0.5, accuracy=None)
+    m = SimpleNamespace(job="c" * 32, step=7, checkpoint_cursor=0, loss=0.5, accuracy_now=None)
     h = upload_headers(m, SimpleNamespace(id=3, secret="s"), "d" * 64, final=False)
     assert h["X-Tabcohort-Job"] == "c" * 32
 

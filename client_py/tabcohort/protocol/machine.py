@@ -357,7 +357,8 @@ class RankMachine:
         self.timing = timing
         self.lr = float(lr)
         self.eval_every = int(eval_every)
-        #: the (term, step) whose parameters were last evaluated (:meth:`evaluate_now`)
+        #: the (term, step) whose parameters were last evaluated (:meth:`evaluate_now`,
+        #: :attr:`accuracy_now`); None once other parameters were adopted
         self._evaluated_step: tuple[int, int] | None = None
         self.precision = precision
 
@@ -978,6 +979,15 @@ class RankMachine:
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     @property
+    def accuracy_now(self) -> float | None:
+        """:attr:`accuracy` when it was evaluated on the parameters held now (this term's
+        :attr:`step`), else None: the held-out accuracy a checkpoint of these parameters may
+        carry. :attr:`accuracy` itself is the last evaluation's, up to ``eval_every - 1`` steps
+        old, and a checkpoint labelled with it was ranked "best" by another model's accuracy
+        (README "Checkpoints and stopping")."""
+        return self.accuracy if self._evaluated_step == (self.term, self.step) else None
+
+    @property
     def checkpoint_cursor(self) -> int:
         """The samples assigned before the round at :attr:`step` (a checkpoint's cursor, with
         that step and the parameters before that round): while the round at ``step`` is in
@@ -1328,6 +1338,7 @@ class RankMachine:
             self.fault = f"set_params: {exc!r}"
             self.drops["round_rejected_by_worker"] += 1
             return
+        self._evaluated_step = None   # (another lineage's parameters may share this term and step)
         if _opt_len(msg):
             # the leader's optimizer state travels with its round: a takeover resumes from it
             self.opt_state = to_vector(msg["opt"])
@@ -2206,24 +2217,26 @@ class RankMachine:
 
     def evaluate_now(self) -> None:
         """Evaluate the parameters held now, unless this step was evaluated already (and when
-        the room evaluates at all, ``eval_every > 0``): a leader's final checkpoint then carries
-        the accuracy of its own parameters, not one measured up to ``eval_every - 1`` steps
-        earlier or none (a run that stopped between two evaluations stored its final model
-        with no accuracy). A failure here is only counted (``evaluate_failed``,
-        ``evaluate_out_of_range``; PROTOCOL.md "Worker contract"): the run ends anyway."""
+        the room evaluates at all, ``eval_every > 0``): a leader's checkpoint upload, periodic
+        or final, then carries the accuracy of its own parameters (:attr:`accuracy_now`), not
+        one measured up to ``eval_every - 1`` steps earlier or none (a run that stopped between
+        two evaluations stored its final model with no accuracy). A failure here is only
+        counted (``evaluate_failed``, ``evaluate_out_of_range``; PROTOCOL.md "Worker
+        contract"): the evaluations every ``eval_every`` steps are the ones that judge the job."""
         if self.eval_every > 0 and self._evaluated_step != (self.term, self.step):
-            self._evaluate(at_stop=True)
+            self._evaluate(on_demand=True)
 
-    def _evaluate(self, *, at_stop: bool = False) -> None:
+    def _evaluate(self, *, on_demand: bool = False) -> None:
         """The job's held-out accuracy of the parameters held, into :attr:`accuracy` (None when
-        evaluate() raised or answered outside [0, 1]). ``at_stop``: a failure is counted
-        (``evaluate_failed``) but is no fault and no step towards stopping a failing job (the
-        run ends anyway, and its real fault stays the one reported)."""
+        evaluate() raised or answered outside [0, 1]). ``on_demand`` (:meth:`evaluate_now`): a
+        failure is counted (``evaluate_failed``) but is no fault and no step towards stopping a
+        failing job (the scheduled evaluations judge it, and at stop its real fault stays the
+        one reported)."""
         self._evaluated_step = (self.term, self.step)
         try:
             acc = float(self.worker.evaluate())
         except Exception as exc:
-            if at_stop:
+            if on_demand:
                 self.accuracy = None
                 self.counters["evaluate_failed"] += 1
                 return
