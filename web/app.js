@@ -5,7 +5,7 @@ import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
-  stopped: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
+  stopped: null, finished: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
 tc.leaderView = { speeds: {}, quarantined: {} };  // the room leader's measured samples/s by rank (its report)
 const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
 setPhase("starting");
@@ -384,6 +384,15 @@ function onPy(m) {
     }
     case "state": render(m.state); break;
     case "error": fail(m.kind || "error", m.text); break;
+    case "finished": {
+      // the room had finished before the rank fetched its job: the rank ended (text only, never markup)
+      tc.finished = m;
+      setPhase("stopped");
+      const text = String(m.text || "the room has finished");
+      status(`${text.charAt(0).toUpperCase()}${text.slice(1)}.`);
+      $("start").disabled = $("stop").disabled = true;
+      break;
+    }
     case "stopped":
       tc.stopped = m;
       setPhase("stopped");

@@ -3,9 +3,12 @@ room's checkpoint (``GET .../checkpoint``) before it joins, so its first round i
 checkpoint's step with the checkpoint's parameters, not a fresh init (docs/PROTOCOL.md
 "Joining": a rank that starts without parameters must not train from its own init while a
 cohort exists; README "Resuming"). Without it a tabs-only room (`RANKS=0 FRESH=0` of the demo)
-would silently train again from scratch while every page said it resumed."""
+would silently train again from scratch while every page said it resumed. Loaded again once the
+room has finished, the page says so without fetching the job, its data or the checkpoint."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -39,5 +42,20 @@ def test_a_tab_alone_resumes_the_room_at_its_checkpoint_step_and_accuracy(tmp_pa
                          "the tab's final checkpoint")
         assert final["accuracy"] >= stored_acc - 0.1, (final, stored_acc)
         assert not tab.console_errors, tab.console_errors
+        # the room has finished (--steps): the page loaded again leaves it before fetching the
+        # job, its data or the checkpoint, and says so, as text (README "Resuming")
+        wait_for(lambda: second.state()["stopped"], 15, "the room to stop at its step limit")
+        t_reload = time.monotonic()
+        tab.page.reload()
+        done = wait_for(lambda: tab.tc("tc.finished"), 60, "the tab's finished message")
+        t_finished = time.monotonic() - t_reload
+        assert "the room has finished" in done["text"] and f"steps {STEPS + 5} reached" in done["text"], done
+        assert tab.tc("tc.job") is None and tab.tc("tc.download") is None and tab.tc("tc.joinedAt") is None
+        assert not [e for e in tab.tc("tc.events") if e.get("k") in ("job", "download", "joined")]
+        status = tab.page.locator("#status")
+        assert "the room has finished; nothing was fetched" in status.text_content()
+        assert status.evaluate("e => e.childElementCount") == 0
+        assert tab.tc("tc.phase") == "stopped" and not tab.tc("tc.errors.filter(e => e.kind !== 'stderr')")
+        print(f"\nreloaded on the finished room: said so {t_finished:.1f} s after the reload")
     finally:
         second.close()

@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping
 
 from .._urls import redact_url
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_upload,
-                      make_module_worker, path_report, trusted_job_source)
+from .session import (RankSession, check_topology, checkpoint_upload, finished_room_message,
+                      make_module_worker, parse_room_summary, path_report, trusted_job_source)
 
 LINKS = ("ws", "rtc")
 ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHORT_TOKEN",
@@ -489,11 +489,12 @@ class RankRun(RankSession):
         """The room's public summary (``GET /api/rooms/ROOM``), or None: only a hint, never an
         error, and asked only of an open room by a rank without a room token (an open room
         answers any ``Authorization`` but the operator's with a 403 counted against the
-        address, and a token room one without it: either would spend the rank's auth budget)."""
+        address, and a token room one without it: either would spend the rank's auth budget).
+        A body that is not a JSON object is None (:func:`~.session.parse_room_summary`)."""
         try:
             _, r = await self._open(http, "", {})
             async with r:
-                return await r.json() if r.status == 200 else None
+                return parse_room_summary(await r.read()) if r.status == 200 else None
         except Exception:
             return None
 
@@ -556,13 +557,11 @@ class RankRun(RankSession):
         async with aiohttp.ClientSession() as http:
             job = await self._first_get(http, "/job")
             check_topology(job, "this rank")
-            room = await self._room_summary(http) if not self.cfg.token else None
-            if isinstance(room, dict) and room.get("stopped") is True:
-                # (a new-user trial: a rank joining a finished room fetched the job, its data and
-                # the checkpoint before its welcome said so)
-                why = "".join(c if c.isprintable() else "?" for c in str(room.get("stop_reason") or "")[:300])
-                self.progress(f"stopped (server: {why}) before joining the cohort: the room has finished; nothing "
-                              "was fetched")
+            # (a new-user trial: a rank joining a finished room fetched the job, its data and the
+            # checkpoint before its welcome said so)
+            finished = finished_room_message(await self._room_summary(http)) if not self.cfg.token else None
+            if finished is not None:
+                self.progress(finished)
                 return 0
             # never the server's code without the user's say (README "Trust model for job code")
             worker, jh = await self._module_worker(http, job)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import time
 from array import array
@@ -29,6 +30,27 @@ def check_topology(job: dict, who: str) -> None:
     """Raises ConfigError unless the room's topology is star or mesh."""
     if job.get("topology") not in ("star", "mesh"):
         raise ConfigError("topology", job.get("topology"), f"{who} supports the star and mesh topologies")
+
+
+def parse_room_summary(body: bytes | str) -> dict | None:
+    """The room's public summary (the body of ``GET /api/rooms/ROOM``, JSON) as a dict, or None
+    when the body is not a JSON object: the summary is only a hint."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def finished_room_message(summary: Any) -> str | None:
+    """What a rank says before it leaves a room that has finished (README "Resuming": a room
+    whose checkpoint already reached ``--steps`` is finished, and ranks that join are told to
+    stop), from the room's public summary (:func:`parse_room_summary`); None when the summary
+    does not say ``"stopped": true`` (the rank goes on)."""
+    if not isinstance(summary, dict) or summary.get("stopped") is not True:
+        return None
+    why = "".join(c if c.isprintable() else "?" for c in str(summary.get("stop_reason") or "")[:300])
+    return f"stopped (server: {why}) before joining the cohort: the room has finished; nothing was fetched"
 
 
 def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var: str = "--trust-job",

@@ -2,7 +2,8 @@
 
 ``web/rank-worker.js`` boots Pyodide, installs this package from the server's wheel, and runs
 ``await run_tab(config)``. The life of a tab rank mirrors the native one
-(:mod:`tabcohort.runtime.native`): fetch the job, its code (the tab's own copy for the built-in job) and its
+(:mod:`tabcohort.runtime.native`): leave a room that has finished (its public summary says so),
+fetch the job, its code (the tab's own copy for the built-in job) and its
 data (``.npz``, cached by sha256) and verify the hashes, load the room's checkpoint if any,
 join over the star relay (:func:`~tabcohort.bus.page.page_star_bus`, the page owns the
 socket) or, in a mesh room, over the page's data channels
@@ -10,9 +11,11 @@ socket) or, in a mesh room, over the page's data channels
 checkpoints while leading, and on the server's ``stop`` leave the cohort with the final model.
 
 Page messages (JSON, ``{k: ...}``): ``progress`` (text), ``state`` (the state report plus
-``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``; also ``job`` (``status`` loading / ready / failed, ``name``, ``code_bytes``,
-``code_sha256``, ``data_bytes``, ``data_sha256``, ``backend`` when ready, ``error`` when failed)
-and ``download`` (``what`` code / data, ``got``, ``total`` bytes, ``cached``). UI controls arrive
+``links``, ``transport``, ``digest``), ``error`` (text, ``kind``), ``stopped``, ``finished`` (text:
+the room had finished before this tab fetched its job, and the rank ended); also ``job``
+(``status`` loading / ready / failed, ``name``, ``code_bytes``, ``code_sha256``, ``data_bytes``,
+``data_sha256``, ``backend`` when ready, ``error`` when failed) and ``download`` (``what`` code
+/ data, ``got``, ``total`` bytes, ``cached``). UI controls arrive
 as ``{k: "control", action: "start"|"stop"|"lr"|"precision", value}``; ``lr`` and ``precision``
 are honoured only while this rank leads and the server lets it lead (docs/PROTOCOL.md, "Roles":
 in a room that requires the trainer credential a tab only contributes, so nobody at a
@@ -29,7 +32,8 @@ import time
 from typing import Any
 
 from ..errors import ConfigError, LocalProtocolError, TabcohortError
-from .session import RankSession, check_topology, checkpoint_upload, path_report
+from .session import (RankSession, check_topology, checkpoint_upload, finished_room_message, parse_room_summary,
+                      path_report)
 
 
 class JobLoadError(TabcohortError):
@@ -91,6 +95,20 @@ class TabRun(RankSession):
         return {k: r.headers.get(k) for k in ("X-Tabcohort-Step", "X-Tabcohort-Digest", "X-Tabcohort-Term",
                                               "X-Tabcohort-Cursor")}, data
 
+    async def _room_summary(self) -> dict | None:
+        """The room's public summary (``GET /api/rooms/ROOM``, without ``Authorization``), or
+        None: only a hint, never an error (a body that is not a JSON object is None:
+        :func:`~.session.parse_room_summary`)."""
+        import js
+        from pyodide.ffi import to_js
+
+        url = f"{self.cfg['base']}/api/rooms/{self.cfg['room']}"
+        try:
+            r = await js.fetch(url, to_js({"cache": "no-store"}, dict_converter=js.Object.fromEntries))
+            return parse_room_summary(await r.text()) if r.status == 200 else None
+        except Exception:
+            return None
+
     # ------------------------------------------------------------------ life
     async def run(self) -> int:
         try:
@@ -112,6 +130,12 @@ class TabRun(RankSession):
         reconnect = cfg.get("reconnect")
         if reconnect is not None and not (isinstance(reconnect, int) and 1 <= reconnect <= RECONNECT_MAX_S):
             raise ConfigError("reconnect", reconnect, "expected whole seconds, 1..30 (the page's ?reconnect=)")
+        # a finished room is left before the job, its data and the checkpoint are fetched, as a
+        # native rank leaves it (README "Resuming"); asked only without a room token, as there
+        finished = finished_room_message(await self._room_summary()) if not cfg.get("token") else None
+        if finished is not None:
+            self.ui("finished", text=finished)
+            return 0
         self.progress("fetching the job")
         job = await self._fetch("/job")
         check_topology(job, "this tab")
