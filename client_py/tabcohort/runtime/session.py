@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import math
+import re
 import time
 from array import array
 from typing import Any, Awaitable, Callable
@@ -32,25 +33,76 @@ def check_topology(job: dict, who: str) -> None:
         raise ConfigError("topology", job.get("topology"), f"{who} supports the star and mesh topologies")
 
 
+#: the most of a finished room's ``stop_reason`` a rank repeats, characters
+STOP_REASON_SHOWN_LEN = 300
+
+
+#: the deepest nesting of arrays and objects a room summary may have (the server's is about 6)
+ROOM_SUMMARY_MAX_DEPTH = 64
+_JSON_NESTING = re.compile(r'[\\"\[\]{}]')
+
+
 def parse_room_summary(body: bytes | str) -> dict | None:
-    """The room's public summary (the body of ``GET /api/rooms/ROOM``, JSON) as a dict, or None
-    when the body is not a JSON object: the summary is only a hint."""
+    """The room's public summary (the body of ``GET /api/rooms/ROOM``, UTF-8 JSON) as a dict, or
+    None when the body is not a JSON object (not JSON, a list, a number too long to convert,
+    arrays or objects nested deeper than :data:`ROOM_SUMMARY_MAX_DEPTH`): the summary is only a
+    hint, and a misconfigured server or proxy answers anything. (The depth is bounded before
+    the body is parsed: in Pyodide, a body of 20,000 brackets overflowed the JavaScript stack in
+    ``json.loads``, a fatal error of the whole runtime, not a RecursionError.)"""
     try:
-        obj = json.loads(body)
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
+        if not isinstance(text, str) or _json_depth(text) > ROOM_SUMMARY_MAX_DEPTH:
+            return None
+        obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON ``text`` (brackets inside strings do
+    not count), at most one past :data:`ROOM_SUMMARY_MAX_DEPTH`; linear in ``len(text)``."""
+    depth = deepest = 0
+    in_string, escaped_at = False, -1
+    for m in _JSON_NESTING.finditer(text):
+        i, c = m.start(), m.group()
+        if i == escaped_at:
+            continue
+        if in_string:
+            if c == "\\":
+                escaped_at = i + 1
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > ROOM_SUMMARY_MAX_DEPTH:
+                break
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 def finished_room_message(summary: Any) -> str | None:
     """What a rank says before it leaves a room that has finished (README "Resuming": a room
     whose checkpoint already reached ``--steps`` is finished, and ranks that join are told to
     stop), from the room's public summary (:func:`parse_room_summary`); None when the summary
-    does not say ``"stopped": true`` (the rank goes on)."""
+    does not say ``"stopped": true`` (the rank goes on: a summary of any other shape is unknown,
+    never a reason to stop).
+
+    The message is plain text: the server's ``stop_reason`` (a string, else left out) is cut to
+    :data:`STOP_REASON_SHOWN_LEN` characters, and its unprintable characters and ``<``, ``>``
+    become ``?`` (a terminal prints it, a page shows it).
+    """
     if not isinstance(summary, dict) or summary.get("stopped") is not True:
         return None
-    why = "".join(c if c.isprintable() else "?" for c in str(summary.get("stop_reason") or "")[:300])
-    return f"stopped (server: {why}) before joining the cohort: the room has finished; nothing was fetched"
+    reason = summary.get("stop_reason")
+    why = ("".join(c if c.isprintable() and c not in "<>" else "?" for c in reason[:STOP_REASON_SHOWN_LEN])
+           if isinstance(reason, str) else "")
+    return (f"stopped{f' (server: {why})' if why.strip() else ''} before joining the cohort: the room has "
+            "finished; nothing was fetched")
 
 
 def trusted_job_source(info: dict, *, trust: bool, local: str | None, trust_var: str = "--trust-job",
