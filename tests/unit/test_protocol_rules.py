@@ -1041,14 +1041,24 @@ def test_grace_window_is_bounded_by_elapsed_fraction_and_collect_window():
 
 def test_grace_window_bound_grows_with_the_samples_still_missing():
     """PROTOCOL-NOTES 7: the bound is MINOR_WAIT_FACTOR * M / S of the elapsed time when that is
-    above grace_fraction (two of five equal shares missing: 2 * 2/5), and a rank skipped for its
-    misses does not count in M."""
+    above grace_fraction (two of five equal shares missing: 2 * 2/5), shrinks as M does (a later
+    arrival shortens the window), and a rank skipped for its misses does not count in M. Only
+    under a fixed global batch (the rule reads the round's shares, planned here as equal)."""
     r, own = grace_rig()
     r.m.handle(grad(2, 1, 0), now_ms=1)
     r.m.handle(grad(3, 1, 0), now_ms=2)
     r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
-    assert r.m._collection.grace_until_ms == 180   # 0.8 * elapsed, not 0.1 * elapsed nor the 99 ms spread
+    assert r.m._collection.grace_until_ms == 110   # no global batch: grace_fraction alone
     r, own = grace_rig()
+    r.m.global_batch = 5 * r.w.batch
+    r.m.handle(grad(2, 1, 0), now_ms=1)
+    r.m.handle(grad(3, 1, 0), now_ms=2)
+    r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset), now_ms=100)
+    assert r.m._collection.grace_until_ms == 180   # 0.8 * elapsed, not 0.1 * elapsed nor the 99 ms spread
+    r.m.handle(grad(4, 1, 0), now_ms=110)          # one of five still missing: 2 * 1/5 of the same elapsed
+    assert r.m._collection.grace_until_ms == 140 and r.m.next_deadline_ms() == 140
+    r, own = grace_rig()
+    r.m.global_batch = 5 * r.w.batch
     r.m.missed_rounds = {5: 2}                     # skipped for its misses: not in M
     r.m.handle(grad(2, 1, 0), now_ms=1)
     r.m.handle(grad(3, 1, 0), now_ms=2)
@@ -1086,8 +1096,8 @@ def test_grace_window_covers_the_typical_spread_of_previous_rounds_late_buckets_
     r.m.handle(grad(2, 1, 1), now_ms=102.5)
     r.m.handle(grad(3, 1, 1), now_ms=103)         # ... but it counts: step 0 spread 56 - 50 = 6
     assert r.m.spread_ewma_ms == 6
-    # grace = min(max(spread 1, 2 * 6), 2 * 2/5 * (103 - 52)) = 12
-    assert r.m._collection.grace_until_ms == pytest.approx(115)
+    # grace = min(max(spread 1, 2 * 6), 0.1 * (103 - 52)) = 5.1 (no global batch: the bound is 0.1)
+    assert r.m._collection.grace_until_ms == pytest.approx(108.1)
     r.m.handle(grad(4, 1, 1), now_ms=103.5)
     r.m.handle(grad(5, 1, 1), now_ms=107)         # inside the window: kept, and all arrived
     assert r.m.step == 2 and r.m.counters["buckets_reduced"] == 9

@@ -126,7 +126,7 @@ class _Collection:
 
     __slots__ = ("step", "term", "shares", "wanted", "awaited", "quorum", "received", "opened_ms",
                  "first_ms", "last_ms", "grace_until_ms", "window_end_ms", "arrived_ms", "norms",
-                 "minor_until_ms", "assign")
+                 "minor_until_ms", "assign", "grace_basis")
 
     def __init__(self, step: int, term: int, shares: dict[int, int], awaited: set[int], quorum: int,
                  opened_ms: float) -> None:
@@ -147,6 +147,9 @@ class _Collection:
         self.norms: dict[int, float] = {}        # id -> its bucket's L2 norm (the clip rule)
         self.minor_until_ms: float | None = None  # "Shares": the wait for minor stragglers ends
         self.assign: dict[int, int] = {}         # id -> its window's offset (the round's assign)
+        #: grace rule: (when the quorum was reached, the spread-based window, the elapsed time
+        #: then), so each later arrival can shorten the window as the missing samples shrink
+        self.grace_basis: tuple[float, float, float] | None = None
 
 
 class _Spread:
@@ -1918,27 +1921,36 @@ class RankMachine:
         if all(k in col.received or missed.get(k, 0) >= _GRACE_SKIP_MISSES for k in col.awaited):
             self._finish_round(now_ms)
             return
-        if col.grace_until_ms is None:
+        if col.grace_basis is None:
             spread = now_ms - (col.first_ms if col.first_ms is not None else now_ms)
             typical = self.spread_ewma_ms if self.spread_ewma_ms is not None else 0.0
-            grace = min(max(spread, self.grace_margin * typical),
-                        self._grace_bound(col, missed) * (now_ms - col.opened_ms))
-            # A zero window still ends at a deadline (due now), not at once: buckets that
-            # arrived at the same instant and are queued behind this one are still taken.
-            col.grace_until_ms = now_ms + max(0.0, grace)
+            col.grace_basis = (now_ms, max(spread, self.grace_margin * typical), now_ms - col.opened_ms)
             self.counters["grace_windows"] += 1
-            if self._phase_deadline_ms is None or col.grace_until_ms < self._phase_deadline_ms:
-                self._phase_deadline_ms = col.grace_until_ms
+        # decided at the quorum, and shortened at each later arrival as the samples still missing
+        # shrink (the bound is of the buckets still missing, not of those missing at the quorum)
+        at_ms, window_ms, elapsed_ms = col.grace_basis
+        until = at_ms + max(0.0, min(window_ms, self._grace_bound(col, missed) * elapsed_ms))
+        # A zero window still ends at a deadline (due now), not at once: buckets that
+        # arrived at the same instant and are queued behind this one are still taken.
+        if col.grace_until_ms is None or until < col.grace_until_ms:
+            col.grace_until_ms = until
+            if self._phase_deadline_ms is None or until < self._phase_deadline_ms:
+                self._phase_deadline_ms = until
 
     def _grace_bound(self, col: _Collection, missed: dict[int, int]) -> float:
-        """The grace window's bound as a fraction of the round's elapsed time (docs/PROTOCOL-NOTES.md
-        note 7): ``grace_fraction``, or ``MINOR_WAIT_FACTOR * M / S`` when larger, ``M`` the
-        samples of the awaited buckets still missing (a rank skipped for its misses not counted)
-        and ``S`` those of every awaited bucket: the minor stragglers' cost model ("Shares"),
+        """The grace window's bound as a fraction of the round's elapsed time at the quorum
+        (docs/PROTOCOL-NOTES.md note 7): ``grace_fraction``, or ``MINOR_WAIT_FACTOR * M / S`` when
+        larger, ``M`` the samples of the awaited buckets still missing now (a rank skipped for its
+        misses not counted; taken again at each arrival, so the window only shortens) and ``S``
+        those of every awaited bucket: the minor stragglers' cost model ("Shares"),
         waiting delays the round by its fraction of the round's time to gain ``M / S`` of its
-        samples. Why: at a flat 10 %, four equally fast ranks on a 2-core host lost the fourth
+        samples. Only under a fixed global batch, where the shares are planned for every bucket
+        to arrive together; without one a rank's share is its declared batch, and a slower rank
+        is late every round. Why: at a flat 10 %, four equally fast ranks on a 2-core host lost the fourth
         bucket in about half the rounds (a quarter of the global batch, computed and sent for
         nothing), late only by the time the leader took to take in the third."""
+        if self.global_batch is None:
+            return self.grace_fraction   # shares not planned by speed: a late rank stays late
         awaited = sum(col.shares.get(k, 0) for k in col.awaited)
         missing = sum(col.shares.get(k, 0) for k in col.awaited
                       if k not in col.received and missed.get(k, 0) < _GRACE_SKIP_MISSES)
