@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import sys
 import zipfile
 from array import array
@@ -601,8 +602,10 @@ def test_a_factory_name_that_is_not_a_function_says_what_it_is(tmp_path):
 
 
 class _Returns:
-    """A worker whose ``grads`` returns the gradient it was given (three values)."""
-    bucket_len, batch, backend = 3, 4, "python"
+    """A worker whose ``grads`` returns the gradient it was given (three values), on the backend
+    the JobWorker is given (a class attribute ``backend = "python"`` made every "numpy" case
+    of the tests below run the pure-Python path: JobWorker.backend asks the job's worker first)."""
+    bucket_len, batch = 3, 4
 
     def __init__(self, grad):
         self.grad = grad
@@ -674,3 +677,59 @@ def test_a_gradient_of_floats_is_taken_whatever_carries_it():
     for backend in ("python", "numpy") if np is not None else ("python",):
         for g in cases:
             assert list(_gradient_of(g, backend)) == [1.0, 2.0, 3.0], (backend, g)
+
+
+_NOT_ONE_VECTOR = [
+    (lambda: [[1.0], [2.0], [3.0]], "a list of one-element lists"),
+    (lambda: [np.array([x], dtype=np.float32) for x in (1.0, 2.0, 3.0)], "a list of one-element arrays"),
+    (lambda: ((__import__("ctypes").c_float * 1) * 3)(), "a 2-D ctypes array"),
+]
+
+
+@pytest.mark.needs_numpy
+@pytest.mark.parametrize("make,what", _NOT_ONE_VECTOR, ids=[what for _, what in _NOT_ONE_VECTOR])
+def test_a_gradient_that_is_not_one_flat_vector_is_refused_on_every_backend(make, what):
+    """docs/PROTOCOL.md "Worker contract": one flat vector. A nested sequence has no ``shape``
+    for the shape check to read; on numpy it became a (3, 1) array whose len() is bucket_len, so
+    it passed as a gradient, and a leader under the trimmed mean faulted every round
+    (np.stack of its own (3, 1) bucket with its peers' (3,) ones)."""
+    for backend in ("python", "numpy"):
+        with pytest.raises(JobError, match=r"grads\(\) returned a gradient (of shape \(3, 1\): it must be one flat "
+                                           r"vector|that is not a sequence of numbers)"):
+            _gradient_of(make(), backend)
+
+
+@pytest.mark.needs_numpy
+@pytest.mark.parametrize("dtype", ["complex64", "datetime64[s]", "timedelta64[s]", "U3"])
+def test_a_numpy_gradient_of_a_dtype_that_is_not_floating_point_is_refused(dtype):
+    """PROTOCOL.md "Worker contract": floating point is a numpy dtype of kind ``f``. A complex
+    gradient lost its imaginary part with only numpy's ComplexWarning, and a datetime, timedelta
+    or string one was converted to numbers on the numpy path while the pure-Python path refused it."""
+    g = np.array(["1", "2", "3"]).astype(dtype) if dtype == "U3" else np.array([1, 2, 3]).astype(dtype)
+    for backend in ("python", "numpy"):
+        with pytest.raises(JobError, match=r"grads\(\) returned a gradient of dtype " + re.escape(str(g.dtype))
+                           + ": it must be floating point"):
+            _gradient_of(g, backend)
+
+
+def test_a_gradient_whose_buffer_cannot_be_read_is_a_job_error():
+    """A released memoryview (or, from Python 3.12, an object whose ``__buffer__`` raises) is a
+    JobError like any other gradient that is not a sequence of numbers, not a ValueError or a
+    BufferError out of the worker contract's own check."""
+    m = memoryview(array("f", [1.0, 2.0, 3.0]))
+    m.release()
+
+    class Unreadable:
+        def __buffer__(self, flags):
+            raise BufferError("no buffer today")
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            raise BufferError("nor items")
+
+    for backend in ("python", "numpy") if np is not None else ("python",):
+        for g in (m, Unreadable()):
+            with pytest.raises(JobError, match=r"grads\(\) returned a gradient that is not a sequence of numbers"):
+                _gradient_of(g, backend)

@@ -36,7 +36,10 @@ def _not_floating(g: Any) -> str | None:
     contract")."""
     kind = getattr(getattr(g, "dtype", None), "kind", None)
     if kind is not None:
-        return f"dtype {g.dtype}" if kind in ("b", "i", "u") else None
+        # (an object array holds Python values: converted one by one, as a list's are; any other
+        # kind but ``f`` is not floating point: a complex one lost its imaginary part, and a
+        # datetime, timedelta or string one became numbers on numpy only)
+        return None if kind in ("f", "O") else f"dtype {g.dtype}"
     if isinstance(g, array):
         return None if g.typecode in ("f", "d") else f"typecode {g.typecode!r}"
     if type(g).__module__ == "pyodide.ffi":      # a JS value, in a tab
@@ -48,8 +51,8 @@ def _not_floating(g: Any) -> str | None:
     try:
         with memoryview(g) as m:
             fmt = m.format
-    except TypeError:                            # (no buffer: a list, a tuple)
-        return None
+    except (TypeError, ValueError, BufferError):  # (no buffer: a list, a tuple; or an unreadable
+        return None                              # one: a released memoryview, a __buffer__ that raises)
     return None if fmt.lstrip("@=<>!") in ("e", "f", "d") else f"{type(g).__name__} format {fmt!r}"
 
 
@@ -279,7 +282,10 @@ class JobWorker:
         if isinstance(g, (str, bytes)):
             raise JobError(f"grads() returned a gradient that is not a sequence of numbers: got {_describe(g)}"
                            f"{self._grads_defined()}", self.model)
-        shape = getattr(g, "shape", None)
+        try:
+            shape = getattr(g, "shape", None)
+        except ValueError:   # (a released memoryview: "not a sequence of numbers" below says so)
+            shape = None
         if isinstance(shape, tuple) and len(shape) > 1:
             # (a (1, N) array was reported as "1 gradient values")
             raise JobError(f"grads() returned a gradient of shape {shape}: it must be one flat vector of "
@@ -294,13 +300,20 @@ class JobWorker:
         try:
             v = _vector(self.backend, g)
             n = len(v)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, BufferError) as e:
             # TypeError: a bare number, a 0-d array, array("f") of non-numbers; ValueError: numpy's
             # "could not convert string to float", which pointed into tabcohort
             if isinstance(e, TypeError) and not (hasattr(g, "__len__") or hasattr(g, "__iter__")):
                 raise JobError(f"grads() must return a vector as its gradient, got {_describe(g)}", self.model) from None
             raise JobError(f"grads() returned a gradient that is not a sequence of numbers ({e}): got "
                            f"{_describe(g)}{self._grads_defined()}", self.model) from None
+        ndim = getattr(v, "ndim", 1)
+        if ndim != 1:
+            # a nested sequence has no shape for the check above: on numpy [[x], [y], ...] became
+            # a (bucket_len, 1) array that passed the length check, and a leader under the
+            # trimmed mean faulted every round (its own bucket stacked with its peers' flat ones)
+            raise JobError(f"grads() returned a gradient of shape {tuple(v.shape)}: it must be one flat vector of "
+                           f"bucket_len = {self.bucket_len} values (reshape(-1)){self._grads_defined()}", self.model)
         if n != self.bucket_len:
             # checked at every bucket, not only at the start-up probe: a job whose gradient
             # changed length later was taken for a diverged run (simulate) or stalled a room
