@@ -1726,6 +1726,29 @@ def test_evaluate_now_measures_the_final_model_once_and_not_in_a_room_that_never
     assert r.m.fault is None and r.m.evaluate_failures == 0 and r.m.take_evaluate_error() is None
 
 
+def test_an_evaluation_at_upload_that_works_does_not_end_a_run_of_failing_scheduled_ones():
+    """"Worker contract": the runtime stops a job whose evaluate() raised in COMPUTE_FAILURES_FATAL
+    scheduled evaluations in a row; an upload's evaluation (evaluate_now) is no step towards that
+    stop when it fails, so it must not restart the count when it works either: with a checkpoint
+    between every two scheduled evaluations, a job whose scheduled evaluations always raised was
+    never stopped (evaluate_failures went 1, 0, 1, 0, ...)."""
+    from .test_checkpoint_upload import _lead_to
+    r = rig(1, ready=True, eval_every=2)
+
+    def evaluate():
+        if r.m.step % 2 == 0:          # the scheduled evaluations (even steps) raise ...
+            raise RuntimeError("held-out shard unavailable")
+        return 0.5                     # ... an upload's, at an odd step, works
+    r.w.evaluate = evaluate
+    for s in (2, 4, 6):
+        _lead_to(r, s)
+        assert r.m.take_evaluate_error() is not None
+        _lead_to(r, s + 1)
+        r.m.evaluate_now()
+        assert r.m.accuracy_now == 0.5
+    assert r.m.evaluate_failures == 3
+
+
 def test_re_publishing_ends_once_the_cohort_goes_on_under_another_leader():
     # "Publish", re-publish: a member that announces a newer (term, step) than the publish means
     # another leader took over; a joiner still announcing term 0 was sent the stale publish up to

@@ -2262,7 +2262,11 @@ class RankMachine:
             self.fault = f"evaluate() raised {type(exc).__name__}: {str(exc)[:160]}"
             self._evaluate_error = exc
             return
-        self.evaluate_failures = 0
+        if not on_demand:
+            # (the scheduled evaluations judge the job: an upload's that works between two that
+            # raised must not restart the count, or a job whose scheduled evaluate() always
+            # raised was never stopped while checkpoints were uploaded in between)
+            self.evaluate_failures = 0
         if 0.0 <= acc <= 1.0:
             self.accuracy = acc
         else:
