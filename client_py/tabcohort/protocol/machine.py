@@ -1334,14 +1334,16 @@ class RankMachine:
             self.drops["round_non_finite"] += 1       # never adopt non-finite parameters or state
             return
         self.last_open_ms = now_ms
-        # adopt: idempotent and order-independent
+        # adopt: idempotent and order-independent. The accuracy held no longer labels the
+        # parameters (another lineage's may share this term and step), even when set_params
+        # raises: it may have changed them first
+        self._evaluated_step = None
         try:
             self.worker.set_params(msg["params"])
         except Exception as exc:  # a worker bug must not escape as a peer-input crash
             self.fault = f"set_params: {exc!r}"
             self.drops["round_rejected_by_worker"] += 1
             return
-        self._evaluated_step = None   # (another lineage's parameters may share this term and step)
         if _opt_len(msg):
             # the leader's optimizer state travels with its round: a takeover resumes from it
             self.opt_state = to_vector(msg["opt"])
