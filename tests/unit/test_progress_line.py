@@ -64,3 +64,28 @@ def test_refused_rounds_are_said_on_the_lines_after_they_happen_not_forever():
         run._print(1.0, {**base, "step": step, "diverged": div})
     assert "DIVERGED" not in lines[5] and "DIVERGED x3 since the last line (3 in all)" in lines[6]
     assert "DIVERGED" not in lines[7]
+
+
+def test_a_rank_shows_its_share_and_a_follower_without_one_is_told_why_once():
+    # a new-user trial: the demo's second rank printed lines like the leader's with no word that
+    # it computed nothing (every round's 64 samples were the leader's), nor why
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"id": 0xB, "leader": 0xA, "cohort": 2, "loss": 0.5, "steps_per_s": 10.0, "ready": True,
+            "running": True, "is_leader": False, "global_batch": 64}
+    run._print(1.0, {**base, "step": 1, "shares": {"0000000a": 64}})
+    run._print(2.0, {**base, "step": 2, "shares": {"0000000a": 64}})
+    run._print(3.0, {**base, "step": 3, "shares": {"0000000a": 40, "0000000b": 24}})
+    assert "share 0/64" in out[0] and "no share: the other ranks finish the global batch" in out[0]
+    assert "share 0/64" in out[1] and "no share" not in out[1]          # said once
+    assert "share 24/64" in out[2]
+    assert "share" not in _line({"id": 0xB, "global_batch": 64})        # before any round
+    assert "share 64/64" in _line({"id": 0xA, "is_leader": True, "global_batch": 64, "shares": {"0000000a": 64}})
+
+
+def test_a_rank_whose_server_is_unreachable_says_so_on_its_lines():
+    # a new-user trial: with the server gone a rank printed normal lines for 30 s, then stopped
+    assert "server unreachable: reconnecting" in _line({"server_connected": False})
+    assert "unreachable" not in _line({"server_connected": True})

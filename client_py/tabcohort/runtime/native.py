@@ -421,6 +421,7 @@ class RankRun(RankSession):
         self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._diverged_shown = 0                      # the diverged count the progress lines have said
+        self._no_share_said = False                   # why a follower has no share: said once
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
@@ -722,6 +723,7 @@ class RankRun(RankSession):
         st["rejoins"] = self.n_rejoins
         st["round_gaps"] = self.round_gaps.report()
         st.update(path_report(driver.bus))
+        st["server_connected"] = bool(driver.bus.connected)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     def _print(self, t: float, st: dict, *, unless_same: bool = False) -> None:
@@ -742,9 +744,12 @@ class RankRun(RankSession):
         self._diverged_shown = n_div
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if st.get('is_leader') or (lead is not None and lead == st.get('id')) else '     '}"
-                      f"  cohort {st['cohort']}  "
+                      f"  cohort {st['cohort']}{_share_text(st)}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
+                      + ("  (server unreachable: reconnecting; the rank stops if it is not back within "
+                         "the reconnect bound, README \"Resuming\")" if st.get("server_connected") is False else "")
+                      + self._no_share_note(st)
                       + (f"  DIVERGED x{new_div} since the last line ({n_div} in all): {st.get('fault')}"
                          if new_div > 0 else "")
                       + _below_global_batch(st)
@@ -756,6 +761,17 @@ class RankRun(RankSession):
                          "it has a --checkpoint-dir; README \"Roles\")"
                          if (lead is None or st.get("leader_live") is False) and st.get("may_lead") is False
                          else ""))
+
+    def _no_share_note(self, st: dict) -> str:
+        """Once per run, why a follower has no share (PROTOCOL.md "Shares"): it is not idle, the
+        others finish the global batch before one bucket of it would arrive (a new-user trial
+        read the demo's "share 0" as a rank doing nothing)."""
+        if self._no_share_said or st.get("is_leader") or not _share_text(st).endswith(f" 0/{st.get('global_batch')}"):
+            return ""
+        self._no_share_said = True
+        return ("  (no share: the other ranks finish the global batch before one bucket of this rank would "
+                "arrive through the server; it follows every round, is probed with a sample now and then, and "
+                "gets a share when a round's compute outweighs that trip: a larger --global-batch or model)")
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
         up = checkpoint_upload(machine, worker, bus, self.progress, final=final)
@@ -802,6 +818,16 @@ def _raise_unless_ok(url: str, r: Any) -> None:
             f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
     if r.status != 200:
         raise TabcohortError(f"GET {redact_url(url)}: HTTP {r.status}")
+
+
+def _share_text(st: dict) -> str:
+    """This rank's share of the last round, ``  share S/G`` (PROTOCOL.md "Shares"); empty before
+    any round."""
+    gb, shares = st.get("global_batch"), st.get("shares")
+    if not gb or not isinstance(shares, dict) or not shares or not isinstance(st.get("id"), int):
+        return ""
+    mine = shares.get(f"{st['id']:08x}")
+    return f"  share {mine if isinstance(mine, int) else 0}/{gb}"
 
 
 def _below_global_batch(st: dict) -> str:
