@@ -225,8 +225,14 @@ def _say_final_checkpoint(room: Any, meta: dict, progress: Callable[[str], None]
     it was said only on Ctrl-C, not after an operator's stop or a stop condition)."""
     if room.final_checkpoint_said:
         return
-    room.final_checkpoint_said = True
-    line = f"tabcohort serve: room {room.name}: final checkpoint at step {meta.get('step')}"
+    if not room.stopped:
+        # a leader that left on its own (Ctrl-C on its rank) uploads its last model as final, and
+        # the room trains on under the next leader: "final checkpoint" here misled a new user
+        line = (f"tabcohort serve: room {room.name}: checkpoint at step {meta.get('step')}, uploaded by its "
+                f"leader as it left; the room has not stopped (another rank that may lead takes over)")
+    else:
+        room.final_checkpoint_said = True
+        line = f"tabcohort serve: room {room.name}: final checkpoint at step {meta.get('step')}"
     try:
         progress(line)
     except Exception:

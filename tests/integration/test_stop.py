@@ -13,8 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
+
+from tabcohort_server.serve import _say_final_checkpoint
 
 from .conftest import ROOT, _env, wait_for
 
@@ -146,3 +149,17 @@ def test_a_follower_stopped_alone_leaves_at_once_while_the_leader_trains_on(clus
     step = cluster.state()["step"]
     wait_for(lambda: cluster.state()["step"] >= step + 50, 30, "the others to train on")
     print(f"\na follower's own SIGINT: exited in {took:.2f} s")
+
+
+def test_a_leader_that_left_a_room_training_on_is_not_said_to_have_stored_the_final_checkpoint():
+    # a new-user trial: Ctrl-C on the leader rank alone printed "final checkpoint at step 82294"
+    # while the room trained on; the real final one, later, was never said
+    room = types.SimpleNamespace(name="digits", stopped=False, final_checkpoint_said=False)
+    out: list[str] = []
+    _say_final_checkpoint(room, {"step": 82294}, out.append)
+    assert out == ["tabcohort serve: room digits: checkpoint at step 82294, uploaded by its leader as it left; "
+                   "the room has not stopped (another rank that may lead takes over)"]
+    room.stopped = True
+    _say_final_checkpoint(room, {"step": 142411}, out.append)
+    _say_final_checkpoint(room, {"step": 142412}, out.append)       # said once
+    assert out[1:] == ["tabcohort serve: room digits: final checkpoint at step 142411"]
