@@ -91,6 +91,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     from tabcohort._urls import redact_url
 
     from .app import ASSETS, OPERATOR_TOKEN, ROOMS, TRAINER_TOKEN, create_app
+    from .static import missing_page_assets
 
     app = create_app(config)  # ConfigError before listening
     runner, site, actual = await start_site(app, host, port)
@@ -134,6 +135,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         # a tab joins from the page; a token room's page needs the token in its link
         progress(f"  tabs: {url}/?room={name}" + ("&token=... (the room token: give tabs this link with it)"
                                                    if job.token else ""))
+        if (missing := missing_page_assets()) is not None:
+            progress(f"  warning: {missing}")
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from

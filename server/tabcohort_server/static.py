@@ -57,6 +57,24 @@ def _pyodide_dir() -> pathlib.Path | None:
     return d if (d / "pyodide.mjs").is_file() else None
 
 
+def missing_page_assets() -> str | None:
+    """What the page lacks locally, said once by ``serve`` at start, or None: without
+    ``node_modules/pyodide`` (or ``TABCOHORT_PYODIDE_DIR``) tabs load Pyodide from the CDN, which
+    needs internet (offline a tab only said "boot failed: Failed to fetch ... cdn.jsdelivr.net"),
+    and without ``node_modules/uplot`` the page's charts stay blank."""
+    missing = []
+    d = _pyodide_dir()
+    if d is None:
+        missing.append(f"Pyodide (tabs will load it from {CDN.format(version=_pyodide_version(None))}, which needs "
+                       f"internet)")
+    if not (NODE_MODULES / "uplot" / "dist").is_dir():
+        missing.append("uPlot (the page's charts stay blank)")
+    if not missing:
+        return None
+    return (f"no local {' and no local '.join(missing)} in {NODE_MODULES}: `npm ci` in the repository "
+            f"(or bash scripts/install.sh) installs them; TABCOHORT_PYODIDE_DIR points at another Pyodide")
+
+
 def _pyodide_version(d: pathlib.Path | None) -> str:
     if d is not None:
         try:

@@ -171,3 +171,16 @@ async def test_the_relay_socket_refuses_per_message_compression(client):
         assert json.loads((await ws.receive(5)).data)["type"] == "welcome"
     finally:
         await ws.close()
+
+
+def test_serve_says_at_start_when_the_page_would_load_pyodide_from_the_cdn_or_lack_its_charts(tmp_path, monkeypatch):
+    # a new-user trial offline: without node_modules a tab only said "boot failed: Failed to fetch
+    # ... cdn.jsdelivr.net/pyodide/..." and the charts stayed blank; serve said nothing at start
+    from tabcohort_server import static
+
+    assert static.missing_page_assets() is None                    # this checkout has both
+    monkeypatch.setattr(static, "NODE_MODULES", tmp_path)
+    monkeypatch.delenv("TABCOHORT_PYODIDE_DIR", raising=False)
+    said = static.missing_page_assets()
+    assert said and "no local Pyodide" in said and "cdn.jsdelivr.net" in said and "uPlot" in said
+    assert "npm ci" in said
