@@ -63,16 +63,16 @@ def missing_page_assets() -> str | None:
     needs internet (offline a tab only said "boot failed: Failed to fetch ... cdn.jsdelivr.net"),
     and without ``node_modules/uplot`` the page's charts stay blank."""
     missing = []
-    d = _pyodide_dir()
-    if d is None:
-        missing.append(f"Pyodide (tabs will load it from {CDN.format(version=_pyodide_version(None))}, which needs "
-                       f"internet)")
+    if _pyodide_dir() is None:
+        where = os.environ.get("TABCOHORT_PYODIDE_DIR") or NODE_MODULES / "pyodide"
+        missing.append(f"Pyodide in {where} (tabs will load it from {CDN.format(version=_pyodide_version(None))}, "
+                       f"which needs internet)")
     if not (NODE_MODULES / "uplot" / "dist").is_dir():
-        missing.append("uPlot (the page's charts stay blank)")
+        missing.append(f"uPlot in {NODE_MODULES / 'uplot'} (the page's charts stay blank)")
     if not missing:
         return None
-    return (f"no local {' and no local '.join(missing)} in {NODE_MODULES}: `npm ci` in the repository "
-            f"(or bash scripts/install.sh) installs them; TABCOHORT_PYODIDE_DIR points at another Pyodide")
+    return (f"no local {' and no local '.join(missing)}: `npm ci` in the repository (or bash "
+            f"scripts/install.sh) installs them; TABCOHORT_PYODIDE_DIR points at another Pyodide")
 
 
 def _pyodide_version(d: pathlib.Path | None) -> str:
