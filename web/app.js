@@ -96,7 +96,27 @@ async function main() {
   if (check.unreachable) return fail("unreachable", "The server is unreachable.");
   if (check.status === 403) return fail("token", "The room token is wrong or missing: ask the operator for the room link.");
   if (check.status === 404) return fail("room", `There is no room named “${room}” on this server.`);
-  if (check.body && check.body.stopped) note(`This room has stopped (${check.body.stop_reason}).`);
+  if (check.body && check.body.stopped === true) {
+    // a finished room (README "Resuming"): nothing to train, so no Python runtime is booted and
+    // nothing is fetched; the page says so and links the final model (text only, never markup)
+    const why = typeof check.body.stop_reason === "string" ? check.body.stop_reason.slice(0, 300) : "";
+    tc.finished = { text: `stopped${why ? ` (server: ${why})` : ""} before joining the cohort: the room has finished; nothing was fetched` };
+    setPhase("stopped");
+    const ck = check.body.checkpoint && typeof check.body.checkpoint === "object" ? check.body.checkpoint : null;
+    const at = ck && Number.isInteger(ck.step) ? `; its final model is of step ${ck.step}` +
+      (typeof ck.accuracy === "number" ? `, held-out accuracy ${(ck.accuracy * 100).toFixed(1)} %` : "") : "";
+    status(`This room has finished${why ? ` (${why})` : ""}${at}: there is nothing to train here.`);
+    $("start").disabled = $("stop").disabled = true;
+    if (ck) {
+      const li = document.createElement("li");
+      const a = document.createElement("a");
+      a.href = `/api/rooms/${encodeURIComponent(room)}/model${q}`;
+      a.textContent = "its final model (.npz: tabcohort evaluate --model FILE)";
+      li.append("Download ", a, ".");
+      $("notes").append(li);
+    }
+    return;
+  }
   const resumed = check.body && check.body.resumed_from_step;
   if (Number.isInteger(resumed)) {
     tc.resumedFrom = resumed;

@@ -4,7 +4,8 @@ checkpoint's step with the checkpoint's parameters, not a fresh init (docs/PROTO
 "Joining": a rank that starts without parameters must not train from its own init while a
 cohort exists; README "Resuming"). Without it a tabs-only room (`RANKS=0 FRESH=0` of the demo)
 would silently train again from scratch while every page said it resumed. Loaded again once the
-room has finished, the page says so without fetching the job, its data or the checkpoint."""
+room has finished, the page says so without booting Python or fetching the job, its data or the
+checkpoint, and links the final model."""
 
 from __future__ import annotations
 
@@ -53,8 +54,11 @@ def test_a_tab_alone_resumes_the_room_at_its_checkpoint_step_and_accuracy(tmp_pa
         assert tab.tc("tc.job") is None and tab.tc("tc.download") is None and tab.tc("tc.joinedAt") is None
         assert not [e for e in tab.tc("tc.events") if e.get("k") in ("job", "download", "joined")]
         status = tab.page.locator("#status")
-        assert "the room has finished; nothing was fetched" in status.text_content()
+        assert f"This room has finished (steps {STEPS + 5} reached)" in status.text_content()
         assert status.evaluate("e => e.childElementCount") == 0
+        assert tab.tc("!!tc.worker") is False                     # no Python runtime booted for it
+        link = tab.page.locator("#notes a")
+        assert link.count() == 1 and link.get_attribute("href").endswith("/model"), link.count()
         assert tab.tc("tc.phase") == "stopped" and not tab.tc("tc.errors.filter(e => e.kind !== 'stderr')")
         print(f"\nreloaded on the finished room: said so {t_finished:.1f} s after the reload")
     finally:
