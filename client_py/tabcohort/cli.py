@@ -529,7 +529,11 @@ def _evaluate(a: argparse.Namespace) -> int:
         raise ConfigError("--model", a.model, f"not a model export: it has no {e.args[0]!r} member (an export "
                           "is GET /api/rooms/ROOM/model: an .npz with params.npy and job.json)") from None
     except (ArrayFormatError, ValueError) as e:
-        raise ConfigError("--model", a.model, f"not a model export (.npz with params.npy and job.json): {e}") from None
+        # (a raw checkpoint, GET .../checkpoint, is float32 parameters without the job: a new-user
+        # trial downloaded one and was not told where the export is)
+        raise ConfigError("--model", a.model, f"not a model export (.npz with params.npy and job.json): {e}; "
+                          "download one from GET /api/rooms/ROOM/model (the page of a finished room links "
+                          "it), not the raw .../checkpoint") from None
     if params.descr != "<f4" or len(params.shape) != 1 or params.size != job.get("bucket_len"):
         raise ConfigError("--model", a.model, f"params.npy must be float32 of shape ({job.get('bucket_len')},), "
                           f"got {params.descr} {params.shape}")

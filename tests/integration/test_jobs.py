@@ -300,6 +300,13 @@ def test_the_builtin_job_exports_and_evaluates(cluster, tmp_path, train):
     bad = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(tmp_path / "none.npz")],
                          capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
     assert bad.returncode == 2 and "--model=" in bad.stderr and "cannot read it" in bad.stderr, bad.stderr
+    # a raw checkpoint (float32 parameters, no job) is refused, saying where the export is
+    if not train:
+        raw = tmp_path / "raw.bin"
+        raw.write_bytes(b"\0" * 64)
+        bad = subprocess.run([sys.executable, "-m", "tabcohort.cli", "evaluate", "--model", str(raw)],
+                             capture_output=True, text=True, timeout=60, env=_env(), cwd=str(ROOT))
+        assert bad.returncode == 2 and "/api/rooms/ROOM/model" in bad.stderr, bad.stderr
     # an export whose job hash is not the built-in job's here is refused, naming the file
     forged = tmp_path / "forged.npz"
     with zipfile.ZipFile(model) as zin, zipfile.ZipFile(forged, "w") as zout:
