@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 from .history import RoomHistory
 from .rooms import Room
@@ -68,8 +69,33 @@ class RoomAssets:
             raise ConfigError("--hidden", options.get("hidden"), e.reason,
                               head=f"the built-in MLP job ({shown})") from None
 
+    @staticmethod
+    def _needs_numpy(loaded: Any, ref: str, batch: int, seed: int) -> bool:
+        """Whether the job's pure-Python path needs numpy where numpy cannot be imported (a tab
+        without Pyodide's numpy: README "Write your own job"); when it does, one warning names
+        the job and what to declare.
+
+        The python worker built above ran in this process, where numpy is importable: a job
+        importing numpy at its top level passed, was announced with backends ``numpy, python``
+        and failed in every tab without numpy. Announced as numpy only, such a tab refuses it by
+        name before downloading it. (A child interpreter: :func:`tabcohort.jobs.nonumpy.needs_numpy`.)
+        """
+        from tabcohort.jobs import PROBE_TIMEOUT_S
+        from tabcohort.jobs.nonumpy import needs_numpy
+
+        reason, note = needs_numpy(loaded, batch=batch, seed=seed, timeout_s=PROBE_TIMEOUT_S)
+        if note is not None:
+            log.warning("job %s: its pure-Python path was not checked where numpy cannot be imported: %s", ref, note)
+        if reason is None:
+            return False
+        declare = ('declare BACKENDS = ("numpy",) in the job' if loaded.backends is None else
+                   f"take \"python\" out of its BACKENDS ({', '.join(loaded.backends)})")
+        log.warning("job %s: its pure-Python path needs numpy, which a tab without numpy cannot import (%s): "
+                    "serving it on numpy only; %s to say so (README \"Write your own job\")", ref, reason, declare)
+        return True
+
     def _load_job(self, room: Room) -> None:
-        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, JobError, check_round_fits, load_job, loss_ceiling, probe, resolve_backend
+        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, SHIPPED, JobError, check_round_fits, load_job, loss_ceiling, probe, resolve_backend
 
         job = room.job
         ref, options = job.job_ref()
@@ -84,6 +110,7 @@ class RoomAssets:
         # (before the pure-Python path's check, which takes minutes on a model too large to send)
         check_round_fits(loaded, self.worker.bucket_len, train.state_len(self.worker.bucket_len))
         backends = [resolve_backend("auto")]
+        accepts = list(loaded.backends) if loaded.backends else None
         if resolve_backend("auto") != "python":   # the path a tab without numpy takes
             py = None
             if loaded.backends is not None and "python" not in loaded.backends:
@@ -102,6 +129,10 @@ class RoomAssets:
                     raise JobError(f"bucket_len {py.bucket_len} on the python backend, "
                                    f"{self.worker.bucket_len} on {self.worker.backend}", ref)
                 backends.append("python")
+                if ref not in SHIPPED and self._needs_numpy(loaded, ref, batch, job.seed):
+                    backends.remove("python")   # (the shipped jobs run the no-numpy test tier)
+                    if accepts is not None:
+                        accepts = [b for b in accepts if b != "python"]
         self.loaded = loaded
         self.bucket_len = self.worker.bucket_len
         #: the room's runaway-loss bound (README "Divergence"), or None
@@ -119,7 +150,7 @@ class RoomAssets:
         d.update(room=room.name, bucket_len=self.bucket_len, state_len=self.state_len, job_hash=self.job_hash, model=self.worker.spec(),
                  job_info={"name": loaded.name, "module": loaded.source.module, "factory": loaded.source.factory,
                            "spec": loaded.spec, "options": loaded.options, "backends": backends,
-                           "accepts": list(loaded.backends) if loaded.backends else None,
+                           "accepts": accepts,
                            "builtin": ref == BUILTIN,
                            "code_sha256": loaded.source.code_sha256, "code_bytes": len(self.job_code),
                            "code_url": f"{base}/code",

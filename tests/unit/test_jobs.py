@@ -733,3 +733,28 @@ def test_a_gradient_whose_buffer_cannot_be_read_is_a_job_error():
         for g in (m, Unreadable()):
             with pytest.raises(JobError, match=r"grads\(\) returned a gradient that is not a sequence of numbers"):
                 _gradient_of(g, backend)
+
+
+@pytest.mark.skipif(np is None, reason="the server checks a job's pure-Python path apart only where numpy imports")
+def test_serve_announces_a_job_whose_python_path_imports_numpy_as_numpy_only(tmp_path, caplog):
+    """README "Write your own job": a job without ``BACKENDS`` that imports numpy at its top level
+    passed serve's check of its pure-Python path (numpy imports in the server's process), was
+    announced with backends numpy, python, and failed in every tab without numpy. Checked where
+    numpy cannot be imported, it is served on numpy only with one warning saying what to
+    declare; a job that merely tries numpy keeps its python path."""
+    from tabcohort_server.assets import RoomAssets
+    from tabcohort_server.config import JobConfig, ServerLimits
+    from tabcohort_server.rooms import Room
+
+    def served(src, name):
+        caplog.clear()
+        a = RoomAssets(Room("r", JobConfig(job=_job(tmp_path, src, name)), ServerLimits()))
+        info = __import__("json").loads(a.job_json)["job_info"]
+        return info["backends"], info["accepts"], [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    with caplog.at_level("WARNING", logger="tabcohort.server"):
+        backends, accepts, warned = served("import numpy as np\n" + JOB, "npjob.py")
+        assert backends == ["numpy"] and accepts is None, (backends, accepts)
+        assert len(warned) == 1 and "npjob.py" in warned[0] and "needs numpy" in warned[0], warned
+        assert 'declare BACKENDS = ("numpy",)' in warned[0] and "No module named 'numpy'" in warned[0], warned
+        for src in (JOB, "try:\n    import numpy\nexcept ImportError:\n    numpy = None\n" + JOB):
+            assert served(src, "plain.py") == (["numpy", "python"], None, []), src
