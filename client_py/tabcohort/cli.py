@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ._alloc import hold_allocator
 from .errors import ConfigError, TabcohortError
@@ -622,6 +622,23 @@ def _evaluate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _trainer_token_from_env(env: Mapping[str, str]) -> str | None:
+    """``serve``'s trainer token from ``TABCOHORT_TRAINER_TOKEN`` (None: unset).
+
+    Raises:
+        ConfigError: set but empty, naming the variable (it was taken as unset, and serve read
+            or generated another token than the one the operator meant; ``--trainer-token=""``
+            was refused).
+    """
+    var = "TABCOHORT_TRAINER_TOKEN"
+    value = env.get(var)
+    if value == "":
+        from .runtime.native import EMPTY_TOKEN_VARIABLE
+        raise ConfigError(var, "", EMPTY_TOKEN_VARIABLE + f"; give a token of 16..256 printable ASCII characters, or "
+                          f"unset {var}: serve then reads CHECKPOINT_DIR/.trainer-token or generates one")
+    return value
+
+
 def _serve(a: argparse.Namespace) -> int:
     try:
         return _serve_checked(a)
@@ -680,9 +697,9 @@ def _serve_checked(a: argparse.Namespace) -> int:
         op_token = os.environ["TABCOHORT_OPERATOR_TOKEN"]
         check_token("TABCOHORT_OPERATOR_TOKEN", op_token)
     trainer = a.trainer_token
-    if trainer is None and os.environ.get("TABCOHORT_TRAINER_TOKEN"):
+    if trainer is None and os.environ.get("TABCOHORT_TRAINER_TOKEN") is not None:
         from tabcohort_server.config import check_token
-        trainer = os.environ["TABCOHORT_TRAINER_TOKEN"]
+        trainer = _trainer_token_from_env(os.environ)
         check_token("TABCOHORT_TRAINER_TOKEN", trainer)
     elif trainer is not None:
         from tabcohort_server.config import check_token

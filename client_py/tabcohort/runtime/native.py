@@ -48,6 +48,11 @@ TRAINER_TOKEN_REFUSED = (
     "none to join as a rank that only contributes; a server run with --any-rank-may-lead lets any "
     "rank lead without one")
 
+#: said of a token's environment variable that is set but empty (README "Trust model": an
+#: unset variable means no token; an empty one is taken for a mistake, as ``--trainer-token=""``)
+EMPTY_TOKEN_VARIABLE = ("is set but empty (e.g. the shell's \"$(cat ckpt/.trainer-token)\" of a file that "
+                        "does not exist)")
+
 #: redirects followed per request (a cluster node sends a rank to its room's owner: one hop)
 _MAX_REDIRECTS = 4
 
@@ -105,6 +110,10 @@ class RankConfig:
                 vals[key], src[key] = args[key], "--" + key.replace("_", "-")
             elif env.get(var) not in (None, ""):
                 vals[key], src[key] = env[var], var
+            elif key == "trainer_token" and env.get(var) == "":
+                # (set but empty: a shell's "$(cat ckpt/.trainer-token)" of a missing file, which
+                # was taken as no token and the rank never led; validate() refuses it)
+                vals[key], src[key] = "", var
         cfg = cls(server=vals.get("server", ""), room=vals.get("room", ""), token=vals.get("token"),
                   link=vals.get("link", "ws"), backend=args.get("backend") or "auto", sources=src)
         cfg.batch = vals.get("batch")  # validated (int) in validate()
@@ -200,6 +209,10 @@ class RankConfig:
                 raise ConfigError(self._name("token"), "<hidden>",
                                   "must be 16..256 printable ASCII characters (the room token serve was "
                                   "started with, --token)")
+        if self.trainer_token == "" and self._name("trainer_token") == ENV["trainer_token"]:
+            raise ConfigError(ENV["trainer_token"], "", EMPTY_TOKEN_VARIABLE + "; give the trainer token serve "
+                              f"printed at start, or unset {ENV['trainer_token']} to join as a rank that only "
+                              "contributes")
         if self.trainer_token is not None:
             t = self.trainer_token
             if not isinstance(t, str) or not 16 <= len(t) <= 256 or not all(33 <= ord(c) < 127 for c in t):
