@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import sys
+import time
 from typing import Any, Mapping, Sequence
 
 from ._alloc import hold_allocator
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(a: argparse.Namespace) -> int:
-    from .runtime.inproc import InprocConfig, run_inprocess
+    from .runtime.inproc import InprocConfig
 
     train, lr = _train_from(a, 0.5)
     job_options = _check_job_args(a)
@@ -422,7 +423,30 @@ def _simulate(a: argparse.Namespace) -> int:
             raise ConfigError("backend", a.backend, "expected one of auto, numpy, python")
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
+    t0 = time.monotonic()
+    cohort: list[Any] = []     # (the run's cohort, once built: what Ctrl-C's summary reads)
+    try:
+        return _simulate_run(a, cfg, job_options, cohort)
+    except KeyboardInterrupt:
+        if not a.json:   # (under --json main() prints the one document; before, exit 130 said nothing)
+            step, acc = cohort[0].so_far() if cohort else (None, None)
+            print(interrupted_line(step, acc, time.monotonic() - t0), flush=True)
+        raise
+
+
+def interrupted_line(step: int | None, accuracy: float | None, seconds: float) -> str:
+    """``simulate``'s one line when Ctrl-C stops it: the step reached (None: before the ranks
+    started), the last held-out accuracy when one is known, and the seconds since it began."""
+    where = "before the ranks started" if step is None else f"at step {step}"
+    acc = (f", last test accuracy {accuracy * 100:.2f} %" if isinstance(accuracy, (int, float))
+           and 0.0 <= accuracy <= 1.0 else ", no test accuracy yet" if step is not None else "")
+    return f"stopped by Ctrl-C {where}{acc}, after {seconds:.1f} s"
+
+
+def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: list[Any]) -> int:
+    """:func:`_simulate` from its job check on; ``cohort`` gets the run's cohort once built."""
     from .model import load_dataset
+    from .runtime.inproc import InprocCohort
     try:   # a bad --dataset or --job is named before anything starts (the run loads it again)
         if not cfg.job:
             load_dataset(cfg.dataset, seed=cfg.seed)
@@ -437,7 +461,10 @@ def _simulate(a: argparse.Namespace) -> int:
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     # (a refused or failed run's one JSON document is printed by main()'s handlers)
-    res = asyncio.run(run_inprocess(cfg, progress=lambda line: print(line, flush=True, file=out)))
+    async def run() -> Any:
+        cohort.append(InprocCohort(cfg, progress=lambda line: print(line, flush=True, file=out)))
+        return await cohort[0].run()
+    res = asyncio.run(run())
     # a run --max-seconds ended before its first step trained nothing: not a success (it printed
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"

@@ -405,6 +405,16 @@ class InprocCohort:
         ld = self.leader()
         return ld.machine.accuracy if ld is not None else None
 
+    def so_far(self) -> tuple[int, float | None]:
+        """``(step, accuracy)`` reached so far: the furthest rank's step and the leader's last
+        held-out accuracy (else the furthest rank's), None before any evaluation. For a run
+        stopped from outside (Ctrl-C), whose result :meth:`run` never returned."""
+        if not self.drivers:
+            return 0, None
+        best = max(self.drivers.values(), key=lambda d: d.machine.step)
+        acc = self._accuracy()
+        return best.machine.step, acc if acc is not None else best.machine.accuracy
+
     def _applied_samples(self) -> int:
         # followers count the samples each adopted round reports, so any surviving rank
         # has (about) the cohort's total, including rounds of a leader that was killed
