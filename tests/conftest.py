@@ -80,6 +80,11 @@ ALLOWED_SKIPS: list[tuple[str, Any, str]] = [
      "a tab's Python runs on Emscripten's allocator, which tabcohort._alloc leaves alone"),
     (r"^sockets: native tiers only", lambda: sys.platform == "emscripten",
      "the direct path's TCP sockets exist natively only (a tab never opens one)"),
+    (r"^JS typed arrays exist in Pyodide only$", lambda: sys.platform != "emscripten",
+     "a tab's JS values exist only in Pyodide; the Pyodide tier runs those cases"),
+    (r"^a subprocess: native tiers only$", lambda: sys.platform == "emscripten", "Pyodide has no subprocesses"),
+    (r"^could not import 'tabcohort_server'", lambda: sys.platform == "emscripten",
+     "the server never runs in a tab (Pyodide tier): its configuration is tested natively"),
     (r"^numpy is importable in this tier$", lambda: not _no_numpy(), "the check of the no-numpy tiers' setup"),
     (r"^numpy disabled by TABCOHORT_NO_NUMPY only$", lambda: True, "the check of the block itself, not the variable"),
 ]

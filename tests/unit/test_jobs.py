@@ -643,7 +643,7 @@ def test_a_gradient_of_integers_is_refused_naming_what_it_is(make, what):
     """docs/PROTOCOL.md "Worker contract": a gradient whose elements say they are integers is
     refused, whatever carries it (it would train on zeros or garbage)."""
     if "dtype" in what and np is None:
-        pytest.skip("numpy is not importable")
+        pytest.skip("needs numpy: a numpy dtype")
     if what.startswith("JS ") and sys.platform != "emscripten":
         pytest.skip("JS typed arrays exist in Pyodide only")
     for backend in ("python", "numpy") if np is not None else ("python",):
@@ -735,7 +735,7 @@ def test_a_gradient_whose_buffer_cannot_be_read_is_a_job_error():
                 _gradient_of(g, backend)
 
 
-@pytest.mark.skipif(np is None, reason="the server checks a job's pure-Python path apart only where numpy imports")
+@pytest.mark.skipif(np is None, reason="needs numpy: the server checks a job's pure-Python path apart only where numpy imports")
 def test_serve_announces_a_job_whose_python_path_imports_numpy_as_numpy_only(tmp_path, caplog):
     """README "Write your own job": a job without ``BACKENDS`` that imports numpy at its top level
     passed serve's check of its pure-Python path (numpy imports in the server's process), was
