@@ -103,7 +103,7 @@ async function main() {
     tc.finished = { text: `stopped${why ? ` (server: ${why})` : ""} before joining the cohort: the room has finished; nothing was fetched` };
     setPhase("stopped");
     const ck = check.body.checkpoint && typeof check.body.checkpoint === "object" ? check.body.checkpoint : null;
-    const at = ck && Number.isInteger(ck.step) ? `; its final model is of step ${ck.step}` +
+    const at = ck && Number.isInteger(ck.step) ? `; its ${ck.final === true ? "final model" : "last checkpoint"} is of step ${ck.step}` +
       (typeof ck.accuracy === "number" ? `, held-out accuracy ${(ck.accuracy * 100).toFixed(1)} %` : "") : "";
     status(`This room has finished${why ? ` (${why})` : ""}${at}: there is nothing to train here.`);
     $("start").disabled = $("stop").disabled = true;

@@ -786,6 +786,10 @@ async def put_checkpoint(request: web.Request) -> web.Response:
                     m = await loop.run_in_executor(None, room.store.mark_final, newest["id"])
                     room.checkpoint = m
                     room.stored_final(m)
+                elif final and room.stopped:
+                    # the same model a leader that left stored as final, now the stopped room's
+                    # (a takeover and a stop before any new round): serve still says it, once
+                    room.stored_final(newest)
                 return _json({"stored": False, "reason": "already stored", "id": newest["id"],
                               "step": step})
             raise _refuse_upload(room, "stale", web.HTTPConflict,

@@ -133,6 +133,10 @@ class RoomAssets:
                     backends.remove("python")   # (the shipped jobs run the no-numpy test tier)
                     if accepts is not None:
                         accepts = [b for b in accepts if b != "python"]
+                        if not accepts:
+                            raise JobError("its BACKENDS list only the pure-Python path, which imports numpy "
+                                           "(a tab without numpy cannot run it): take numpy out of that path, "
+                                           "or declare BACKENDS = (\"numpy\",)", ref)
         self.loaded = loaded
         self.bucket_len = self.worker.bucket_len
         #: the room's runaway-loss bound (README "Divergence"), or None

@@ -135,8 +135,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         # a tab joins from the page; a token room's page needs the token in its link
         progress(f"  tabs: {url}/?room={name}" + ("&token=... (the room token: give tabs this link with it)"
                                                    if job.token else ""))
-        if (missing := missing_page_assets()) is not None:
-            progress(f"  warning: {missing}")
+        if name == next(iter(config.rooms)) and (missing := missing_page_assets()) is not None:
+            progress(f"  warning: {missing}")        # (once: it is the server's, not a room's)
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from
@@ -228,14 +228,18 @@ def _say_final_checkpoint(room: Any, meta: dict, progress: Callable[[str], None]
     it was said only on Ctrl-C, not after an operator's stop or a stop condition)."""
     if room.final_checkpoint_said:
         return
-    if not room.stopped:
+    step = meta.get("step")
+    # (at its --steps limit the room is finished even before the report that stops it arrives:
+    # the leader's final upload can overtake that report)
+    at_limit = bool(room.job.steps) and isinstance(step, int) and step >= room.job.steps
+    if not (room.stopped or at_limit):
         # a leader that left on its own (Ctrl-C on its rank) uploads its last model as final, and
         # the room trains on under the next leader: "final checkpoint" here misled a new user
-        line = (f"tabcohort serve: room {room.name}: checkpoint at step {meta.get('step')}, uploaded by its "
-                f"leader as it left; the room has not stopped (another rank that may lead takes over)")
+        line = (f"tabcohort serve: room {room.name}: checkpoint at step {step}, uploaded by its leader as it "
+                f"left; the room has not stopped (a rank that may lead takes over, if one is connected)")
     else:
         room.final_checkpoint_said = True
-        line = f"tabcohort serve: room {room.name}: final checkpoint at step {meta.get('step')}"
+        line = f"tabcohort serve: room {room.name}: final checkpoint at step {step}"
     try:
         progress(line)
     except Exception:

@@ -178,9 +178,9 @@ def test_serve_says_at_start_when_the_page_would_load_pyodide_from_the_cdn_or_la
     # ... cdn.jsdelivr.net/pyodide/..." and the charts stayed blank; serve said nothing at start
     from tabcohort_server import static
 
-    assert static.missing_page_assets() is None                    # this checkout has both
-    monkeypatch.setattr(static, "NODE_MODULES", tmp_path)
     monkeypatch.delenv("TABCOHORT_PYODIDE_DIR", raising=False)
+    assert static.missing_page_assets() is None                    # this checkout has both (npm ci)
+    monkeypatch.setattr(static, "NODE_MODULES", tmp_path)
     said = static.missing_page_assets()
     assert said and "no local Pyodide" in said and "cdn.jsdelivr.net" in said and "uPlot" in said
     assert "npm ci" in said

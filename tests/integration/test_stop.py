@@ -154,11 +154,18 @@ def test_a_follower_stopped_alone_leaves_at_once_while_the_leader_trains_on(clus
 def test_a_leader_that_left_a_room_training_on_is_not_said_to_have_stored_the_final_checkpoint():
     # a new-user trial: Ctrl-C on the leader rank alone printed "final checkpoint at step 82294"
     # while the room trained on; the real final one, later, was never said
-    room = types.SimpleNamespace(name="digits", stopped=False, final_checkpoint_said=False)
+    room = types.SimpleNamespace(name="digits", stopped=False, final_checkpoint_said=False,
+                                 job=types.SimpleNamespace(steps=150000))
     out: list[str] = []
     _say_final_checkpoint(room, {"step": 82294}, out.append)
     assert out == ["tabcohort serve: room digits: checkpoint at step 82294, uploaded by its leader as it left; "
-                   "the room has not stopped (another rank that may lead takes over)"]
+                   "the room has not stopped (a rank that may lead takes over, if one is connected)"]
+    # at the step limit it is the final one even before the report that stops the room arrives
+    at_limit = types.SimpleNamespace(name="d", stopped=False, final_checkpoint_said=False,
+                                     job=types.SimpleNamespace(steps=30))
+    _say_final_checkpoint(at_limit, {"step": 30}, out.append)
+    assert out[-1] == "tabcohort serve: room d: final checkpoint at step 30"
+    del out[-1]
     room.stopped = True
     _say_final_checkpoint(room, {"step": 142411}, out.append)
     _say_final_checkpoint(room, {"step": 142412}, out.append)       # said once

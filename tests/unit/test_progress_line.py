@@ -75,12 +75,15 @@ def test_a_rank_shows_its_share_and_a_follower_without_one_is_told_why_once():
     run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
     base = {"id": 0xB, "leader": 0xA, "cohort": 2, "loss": 0.5, "steps_per_s": 10.0, "ready": True,
             "running": True, "is_leader": False, "global_batch": 64}
-    run._print(1.0, {**base, "step": 1, "shares": {"0000000a": 64}})
-    run._print(2.0, {**base, "step": 2, "shares": {"0000000a": 64}})
-    run._print(3.0, {**base, "step": 3, "shares": {"0000000a": 40, "0000000b": 24}})
-    assert "share 0/64" in out[0] and "no share: the other ranks finish the global batch" in out[0]
-    assert "share 0/64" in out[1] and "no share" not in out[1]          # said once
-    assert "share 24/64" in out[2]
+    from tabcohort.runtime.native import NO_SHARE_LINES
+
+    for step in range(1, NO_SHARE_LINES + 3):
+        run._print(float(step), {**base, "step": step, "shares": {"0000000a": 64}})
+    run._print(9.0, {**base, "step": 99, "shares": {"0000000a": 40, "0000000b": 24}})
+    notes = [i for i, line in enumerate(out) if "no share: the other ranks finish the global batch" in line]
+    assert notes == [NO_SHARE_LINES - 1], out                           # after a run of lines, once
+    assert all("share 0/64" in line for line in out[:-1])
+    assert "share 24/64" in out[-1]
     assert "share" not in _line({"id": 0xB, "global_batch": 64})        # before any round
     assert "share 64/64" in _line({"id": 0xA, "is_leader": True, "global_batch": 64, "shares": {"0000000a": 64}})
 

@@ -15,8 +15,11 @@ import and its probe.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 #: the line before the child's result on its stdout (the job may print there too)
@@ -70,18 +73,41 @@ def needs_numpy(job: Any, *, batch: int, seed: int, timeout_s: float) -> tuple[s
     header = {"path": list(sys.path), "ref": job.source.ref, "options": job.options,
               "batch": int(batch), "seed": int(seed), "timeout_s": float(timeout_s)}
     stdin = json.dumps(header).encode() + b"\n" + (job.data.raw or b"")
-    try:
-        r = subprocess.run([sys.executable, "-c", _BOOT], input=stdin, capture_output=True,
-                           timeout=2 * timeout_s + 30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"the check without numpy did not run to its end ({type(e).__name__}: {e})"
-    out = r.stdout.decode("utf-8", "replace")
+    # output to files, in a process group of its own, ended with its group: a job that leaves a
+    # process behind (a pool, a helper) holds no pipe open for the parent to wait on
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f, tempfile.TemporaryFile() as in_f:
+        in_f.write(stdin)
+        in_f.seek(0)
+        try:
+            p = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=in_f, stdout=out_f, stderr=err_f,
+                                 start_new_session=True)
+        except OSError as e:
+            return None, f"the check without numpy did not start ({e})"
+        try:
+            rc = p.wait(timeout=2 * timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            p.wait()
+        if rc is None:
+            return None, f"the check without numpy did not end within {2 * timeout_s + 30:g} s"
+        out_f.seek(0)
+        err_f.seek(0)
+        out = out_f.read().decode("utf-8", "replace")
+        err = err_f.read().decode("utf-8", "replace")
     at = out.rfind(_MARK)
     if at < 0:
-        tail = r.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
-        return None, f"the check without numpy exited {r.returncode} without a result ({tail[0]})"
-    result = json.loads(out[at + len(_MARK):].splitlines()[0])
-    reason = classify(result)
+        tail = err.strip().splitlines()[-1:] or ["no output"]
+        return None, f"the check without numpy exited {rc} without a result ({tail[0]})"
+    try:
+        result = json.loads(out[at + len(_MARK):].splitlines()[0])
+        reason = classify(result)
+    except (ValueError, IndexError, AttributeError, TypeError):
+        return None, "the check without numpy gave an unreadable result"
     if reason is None and not result.get("ok"):
         return None, f"without numpy: {result.get('reason')}"
     return reason, None

@@ -222,9 +222,9 @@ class RankMachine:
             ``min(max(spread, grace_margin * typical_spread), bound * elapsed)``
             (spread: time since this round's first bucket arrived; typical_spread: an EWMA of
             the first-to-last arrival spread of previous rounds, late buckets included;
-            elapsed: time since the round was sent; bound: ``grace_fraction``, or
-            ``MINOR_WAIT_FACTOR`` times the missing buckets' fraction of the awaited samples
-            when larger), never past the collect window.
+            elapsed: time since the round was sent; bound: ``grace_fraction``, or, under a
+            fixed ``global_batch``, ``MINOR_WAIT_FACTOR`` times the missing buckets' fraction
+            of the awaited samples when larger), never past the collect window.
         grace_fraction: least bound of the grace window relative to the round's elapsed time.
         grace_margin: the grace window covers at least this many typical spreads.
         term: the lineage term this rank's parameters come from (PROTOCOL.md, "Lineage and

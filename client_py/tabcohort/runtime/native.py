@@ -435,6 +435,7 @@ class RankRun(RankSession):
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._no_share_said = False                   # why a follower has no share: said once
+        self._no_share_lines = 0                      # progress lines in a row with no share, running
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
@@ -736,7 +737,8 @@ class RankRun(RankSession):
         st["rejoins"] = self.n_rejoins
         st["round_gaps"] = self.round_gaps.report()
         st.update(path_report(driver.bus))
-        st["server_connected"] = bool(driver.bus.connected)
+        # (a bus that gave up, or was closed for good, is not reconnecting: its stop line says why)
+        st["server_connected"] = bool(driver.bus.connected) or driver.bus.failed is not None
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
     def _print(self, t: float, st: dict, *, unless_same: bool = False) -> None:
@@ -779,7 +781,12 @@ class RankRun(RankSession):
         """Once per run, why a follower has no share (PROTOCOL.md "Shares"): it is not idle, the
         others finish the global batch before one bucket of it would arrive (a new-user trial
         read the demo's "share 0" as a rank doing nothing)."""
-        if self._no_share_said or st.get("is_leader") or not _share_text(st).endswith(f" 0/{st.get('global_batch')}"):
+        zero = (st.get("running") and not st.get("is_leader")
+                and _share_text(st).endswith(f" 0/{st.get('global_batch')}"))
+        self._no_share_lines = self._no_share_lines + 1 if zero else 0
+        # (a rank just joined is not measured yet, and one quarantined or on probation has no
+        # share for another reason: only a run of lines without one is this)
+        if self._no_share_said or self._no_share_lines < NO_SHARE_LINES:
             return ""
         self._no_share_said = True
         return ("  (no share: the other ranks finish the global batch before one bucket of this rank would "
@@ -831,6 +838,10 @@ def _raise_unless_ok(url: str, r: Any) -> None:
             f"{r.headers.get('Retry-After', 'a few')} s, with the right token")
     if r.status != 200:
         raise TabcohortError(f"GET {redact_url(url)}: HTTP {r.status}")
+
+
+#: progress lines in a row with no share before a follower says why (about as many seconds)
+NO_SHARE_LINES = 5
 
 
 def _share_text(st: dict) -> str:
