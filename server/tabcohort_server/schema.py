@@ -21,6 +21,8 @@ from typing import Any
 
 from jsonschema import Draft202012Validator, validators
 
+from tabcohort._json import within_depth
+
 #: Nesting depth a control may have (a report is at most 3 deep); anything deeper is dropped
 #: (``too_deep``) before the JSON parser recurses.
 MAX_DEPTH = 8
@@ -184,29 +186,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
 
 
-def _depth_ok(text: str, limit: int) -> bool:
-    """True when ``text`` nests brackets at most ``limit`` deep (strings skipped)."""
-    depth = 0
-    in_str = esc = False
-    for c in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "[{":
-            depth += 1
-            if depth > limit:
-                return False
-        elif c in "]}":
-            depth -= 1
-    return True
-
-
 def parse_json(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[Any, str | None]:
     """Parse untrusted JSON: ``(obj, None)`` or ``(None, reason)``; never raises.
 
@@ -219,7 +198,7 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[Any, s
         except UnicodeDecodeError:
             return None, "bad_json"
     # cheap pre-check: a deep document is refused before the (recursive) parser sees it
-    if text.count("[") + text.count("{") > max_depth and not _depth_ok(text, max_depth):
+    if text.count("[") + text.count("{") > max_depth and not within_depth(text, max_depth):
         return None, "too_deep"
     try:
         return json.loads(text, parse_constant=_reject_constant), None

@@ -781,8 +781,7 @@ class RankRun(RankSession):
         """Once per run, why a follower has no share (PROTOCOL.md "Shares"): it is not idle, the
         others finish the global batch before one bucket of it would arrive (a new-user trial
         read the demo's "share 0" as a rank doing nothing)."""
-        zero = (st.get("running") and not st.get("is_leader")
-                and _share_text(st).endswith(f" 0/{st.get('global_batch')}"))
+        zero = st.get("running") and not st.get("is_leader") and _own_share(st) == 0
         self._no_share_lines = self._no_share_lines + 1 if zero else 0
         # (a rank just joined is not measured yet, and one quarantined or on probation has no
         # share for another reason: only a run of lines without one is this)
@@ -844,14 +843,20 @@ def _raise_unless_ok(url: str, r: Any) -> None:
 NO_SHARE_LINES = 5
 
 
-def _share_text(st: dict) -> str:
-    """This rank's share of the last round, ``  share S/G`` (PROTOCOL.md "Shares"); empty before
-    any round."""
-    gb, shares = st.get("global_batch"), st.get("shares")
-    if not gb or not isinstance(shares, dict) or not shares or not isinstance(st.get("id"), int):
-        return ""
+def _own_share(st: dict) -> int | None:
+    """This rank's share of the last round in samples (0: none), or None before any round
+    (PROTOCOL.md "Shares")."""
+    shares = st.get("shares")
+    if not st.get("global_batch") or not isinstance(shares, dict) or not shares or not isinstance(st.get("id"), int):
+        return None
     mine = shares.get(f"{st['id']:08x}")
-    return f"  share {mine if isinstance(mine, int) else 0}/{gb}"
+    return mine if isinstance(mine, int) else 0
+
+
+def _share_text(st: dict) -> str:
+    """``  share S/G`` for a progress line; empty before any round."""
+    mine = _own_share(st)
+    return "" if mine is None else f"  share {mine}/{st['global_batch']}"
 
 
 def _below_global_batch(st: dict) -> str:

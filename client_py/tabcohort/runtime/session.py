@@ -13,11 +13,11 @@ import asyncio
 import hashlib
 import json
 import math
-import re
 import time
 from array import array
 from typing import Any, Awaitable, Callable
 
+from .._json import within_depth
 from ..errors import ConfigError, TabcohortError
 
 
@@ -39,7 +39,6 @@ STOP_REASON_SHOWN_LEN = 300
 
 #: the deepest nesting of arrays and objects a room summary may have (the server's is about 6)
 ROOM_SUMMARY_MAX_DEPTH = 64
-_JSON_NESTING = re.compile(r'[\\"\[\]{}]')
 
 
 def parse_room_summary(body: bytes | str) -> dict | None:
@@ -51,38 +50,12 @@ def parse_room_summary(body: bytes | str) -> dict | None:
     ``json.loads``, a fatal error of the whole runtime, not a RecursionError.)"""
     try:
         text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
-        if not isinstance(text, str) or _json_depth(text) > ROOM_SUMMARY_MAX_DEPTH:
+        if not isinstance(text, str) or not within_depth(text, ROOM_SUMMARY_MAX_DEPTH):
             return None
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def _json_depth(text: str) -> int:
-    """The deepest nesting of arrays and objects in JSON ``text`` (brackets inside strings do
-    not count), at most one past :data:`ROOM_SUMMARY_MAX_DEPTH`; linear in ``len(text)``."""
-    depth = deepest = 0
-    in_string, escaped_at = False, -1
-    for m in _JSON_NESTING.finditer(text):
-        i, c = m.start(), m.group()
-        if i == escaped_at:
-            continue
-        if in_string:
-            if c == "\\":
-                escaped_at = i + 1
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > ROOM_SUMMARY_MAX_DEPTH:
-                break
-        elif c in "]}":
-            depth -= 1
-    return deepest
 
 
 def finished_room_message(summary: Any) -> str | None:
