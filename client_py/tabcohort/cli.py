@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Mapping, Sequence
@@ -300,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "define is listed and reachable through any of them.")
     v.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8080, help="listen port (0 = any free port)")
-    v.add_argument("--room", default="digits", help="the room's name (one room per serve command)")
+    v.add_argument("--room", default=None,
+                   help="the room's name (one room per serve command; its checkpoints are ROOM.ckpt); default: "
+                        "the --job module's name (my_job.py: my_job), digits for the built-in job")
     _job_args(v, "default: the built-in MLP job")
     v.add_argument("--global-batch", type=int, default=64,
                    help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "
@@ -666,7 +669,41 @@ def _trainer_token_from_env(env: Mapping[str, str]) -> str | None:
     return value
 
 
+def default_room_name(job: str | None) -> str:
+    """The room a ``serve`` without ``--room`` hosts: ``digits`` for the built-in job (whatever
+    its ``--dataset``: the name every earlier checkpoint directory holds), else named after the
+    module job, so its checkpoints (``ROOM.ckpt``) do not take the built-in room's name.
+
+    Args:
+        job: the ``--job`` argument (a path to a ``.py`` file or a package directory, or a
+            module name, each optionally with ``:FACTORY``), or None for the built-in job.
+
+    Returns:
+        The module's stem (``my_job.py`` -> ``my_job``, ``pkg.mod:make`` -> ``mod``), with
+        every character outside ``[A-Za-z0-9._-]`` replaced by ``-``, cut to 64 and without
+        leading or trailing dots (the server's room-name rule,
+        ``tabcohort_server.config.ROOM_NAME``); ``job`` when nothing is left.
+    """
+    if job is None:
+        return "digits"
+    src = job
+    if ":" in src and not os.path.exists(src):   # PATH_OR_MODULE:FACTORY
+        src = src.rsplit(":", 1)[0]
+    src = src.rstrip("/" + os.sep)
+    base = os.path.basename(src)
+    if base.endswith(".py"):
+        name = base[:-3]
+    elif os.sep in src or "/" in src or os.path.isdir(src):
+        name = base               # a package directory
+    else:
+        name = base.rsplit(".", 1)[-1]   # a module name: its last component
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:64].strip(".")
+    return name or "job"
+
+
 def _serve(a: argparse.Namespace) -> int:
+    if a.room is None:
+        a.room = default_room_name(a.job)
     try:
         return _serve_checked(a)
     except ConfigError as e:  # a room field (``digits.steps``) or a Timing field -> the flag typed

@@ -449,6 +449,34 @@ def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_pat
         p.wait(10)
 
 
+def test_serve_names_a_module_job_s_room_after_the_module(tmp_path):
+    """Without --room a module job's room is named after its module (its checkpoints are
+    ``cnn_digits.ckpt``, not the built-in room's ``digits.ckpt``), and the join line says so."""
+    import time
+
+    from tabcohort.cli import default_room_name
+    assert default_room_name(None) == "digits"
+    assert default_room_name("jobs/my_job.py:make") == "my_job" and default_room_name("pkg.mod:make") == "mod"
+    assert default_room_name("/x/ünï côde.py") == "-n--c-de" and default_room_name("...py") == "job"
+    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", "--job", CNN,
+                          "--checkpoint-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=_env(), cwd=str(ROOT))
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(x.startswith("URL ") for x in lines):
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        said = "".join(lines)
+        assert " room cnn_digits (job cnn-digits-3x3x6" in said, said
+        assert "--room cnn_digits --trainer-token" in said and "/?room=cnn_digits" in said, said
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 def _evaluate_failing_later() -> str:
     """GOOD, whose evaluate() raises from its 4th call on (a job bug the start-up check, which
     calls it once, does not meet)."""
