@@ -41,6 +41,22 @@ def test_the_stop_line_of_the_rank_that_led_still_says_me():
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": False, "running": False})
     assert "(me)" not in _line({"id": 0xB, "is_leader": False, "running": False})
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": True})
+    # a leader stopped before its first evaluation is not told that the leader evaluates
+    line = _line({"id": 0xA, "is_leader": False, "running": False, "accuracy": None})
+    assert "acc n/a " in line and "evaluated by the leader" not in line, line
+
+
+def test_the_stop_line_says_the_cohort_the_rank_trained_in_not_zero():
+    # a stopped rank is in no cohort (the machine counts running ranks): its last line said
+    # "cohort 0" after a run of "cohort 2"
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"id": 0xA, "leader": 0xA, "loss": 0.5, "steps_per_s": 10.0, "ready": True, "is_leader": True}
+    run._print(1.0, {**base, "step": 5, "cohort": 2, "running": True})
+    run._print(2.0, {**base, "step": 9, "cohort": 0, "running": False, "is_leader": False})
+    assert "cohort 2" in out[0] and "cohort 2" in out[1], out
 
 
 def test_refused_rounds_are_said_on_the_lines_after_they_happen_not_forever():

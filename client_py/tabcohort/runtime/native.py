@@ -435,6 +435,7 @@ class RankRun(RankSession):
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._no_share_said = False                   # why a follower has no share: said once
+        self._cohort_seen: int | None = None          # the cohort on the last line while running
         self._no_share_lines = 0                      # progress lines in a row with no share, running
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._printed_at = -math.inf
@@ -757,11 +758,18 @@ class RankRun(RankSession):
         # (a count below the last one is a new seat's machine, counting from 0 again)
         new_div = n_div - self._diverged_shown if n_div >= self._diverged_shown else n_div
         self._diverged_shown = n_div
+        me = bool(st.get("is_leader")) or (lead is not None and lead == st.get("id"))
+        # a stopped rank is in no cohort: its stop line says the one it last trained in, not 0
+        cohort = st["cohort"]
+        if st.get("running", True):
+            self._cohort_seen = cohort
+        elif self._cohort_seen is not None:
+            cohort = self._cohort_seen
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
-                      f"{' (me)' if st.get('is_leader') or (lead is not None and lead == st.get('id')) else '     '}"
-                      f"  cohort {st['cohort']}{_share_text(st)}  "
+                      f"{' (me)' if me else '     '}"
+                      f"  cohort {cohort}{_share_text(st)}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
-                      f"acc {_acc_text(acc, st)}  {st['steps_per_s']:6.1f} steps/s"
+                      f"acc {_acc_text(acc, st, me=me)}  {st['steps_per_s']:6.1f} steps/s"
                       + ("  (server unreachable: reconnecting; the rank stops if it is not back within "
                          "the reconnect bound, README \"Resuming\")" if st.get("server_connected") is False else "")
                       + self._no_share_note(st)
@@ -872,15 +880,16 @@ def _below_global_batch(st: dict) -> str:
             f"ranks are still being measured; README \"Shares\")")
 
 
-def _acc_text(acc: float | None, st: dict) -> str:
+def _acc_text(acc: float | None, st: dict, *, me: bool = False) -> str:
     """Held-out accuracy for a progress line; a follower says why it has none (only the leader
-    evaluates held-out accuracy: PROTOCOL.md, "State report")."""
-    if acc is not None and (st.get("is_leader") or not st.get("running", True)):
+    evaluates held-out accuracy: PROTOCOL.md, "State report"). ``me``: this rank leads, or led
+    until it stopped (its stop line is not a follower's)."""
+    if acc is not None and (me or st.get("is_leader") or not st.get("running", True)):
         return f"{acc * 100:5.1f}%"    # (a running follower's is its last lead's: stale)
     if (st.get("counters") or {}).get("evaluate_out_of_range"):
         # "Worker contract": the job's evaluate() gave a value that is no accuracy
         return "n/a (the job's evaluate() returned a value outside [0, 1]: fix the job)"
-    return "n/a (evaluated by the leader)" if st.get("ready") and not st.get("is_leader") else "n/a"
+    return "n/a (evaluated by the leader)" if st.get("ready") and not st.get("is_leader") and not me else "n/a"
 
 
 def cfg_links() -> tuple[str, ...]:
