@@ -27,6 +27,16 @@ def to_vector(values: Any) -> Any:
     return array("f", [float(v) for v in values])
 
 
+def is_vector(v: Any) -> bool:
+    """Whether ``v`` is a float vector as the codecs decode one (and so one :func:`all_finite`,
+    :func:`weighted_mean` and a worker take): a 1-D numpy array of a floating dtype, or an
+    ``array.array`` of typecode ``'f'`` or ``'d'``. A message's ``params``, ``g`` or ``opt`` of
+    any other type is malformed (PROTOCOL.md "Messages": the machine drops it, never raises)."""
+    if np is not None and isinstance(v, np.ndarray):
+        return v.ndim == 1 and v.dtype.kind == "f"
+    return isinstance(v, array) and v.typecode in "fd"
+
+
 #: elements per block of the numpy paths below: the temporaries stay in cache (512 KiB of
 #: float64) instead of a full-length float64 copy per vector (page faults on every round)
 BLOCK = 1 << 16

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from .. import PROTOCOL_VERSION
 from ..errors import LocalProtocolError
-from ..vec import RunningMean, all_finite, to_vector, weighted_mean
+from ..vec import RunningMean, all_finite, is_vector, to_vector, weighted_mean
 from .actions import Action, Compute, Post, Report
 from .assign import windows
 from .optim import TrainConfig, empty, outer_step
@@ -87,14 +87,17 @@ REPUBLISH_MAX = 8
 
 # Required keys and their types, per message type (see docs/INTERFACES.md).
 _INT = int
+_NUMBER = (float, int)
+#: the largest int a float holds without overflow (``float(10**400)`` raises OverflowError)
+_FLOAT_MAX_INT = int(1.7976931348623157e308)
 _SCHEMA: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     "hello": (("version", _INT), ("job", str), ("batch", _INT), ("ready", bool),
               ("running", bool), ("step", _INT), ("model", str), ("backend", str)),
     "beat": (("batch", _INT), ("ready", bool), ("running", bool), ("step", _INT), ("backend", str),
              ("term", _INT)),
-    "round": (("step", _INT), ("term", _INT), ("lr", (float, int)), ("assign", dict), ("shares", dict),
-              ("cursor", _INT), ("params", object), ("loss", (float, int)), ("samples", _INT), ("cohort", _INT)),
-    "grad": (("step", _INT), ("term", _INT), ("loss", (float, int)), ("samples", _INT), ("g", object)),
+    "round": (("step", _INT), ("term", _INT), ("lr", _NUMBER), ("assign", dict), ("shares", dict),
+              ("cursor", _INT), ("params", object), ("loss", _NUMBER), ("samples", _INT), ("cohort", _INT)),
+    "grad": (("step", _INT), ("term", _INT), ("loss", _NUMBER), ("samples", _INT), ("g", object)),
 }
 
 
@@ -171,10 +174,7 @@ def _opt_len(msg: dict) -> int:
     opt = msg.get("opt")
     if opt is None:
         return 0
-    try:
-        return len(opt)
-    except TypeError:
-        return -1
+    return len(opt) if is_vector(opt) else -1
 
 
 def _arrived(col: _Collection, now_ms: float, rank: int) -> None:
@@ -1056,12 +1056,16 @@ class RankMachine:
             if key not in msg:
                 return "malformed"
             v = msg[key]
-            if typ is object:
+            if typ is object:          # params, g: a decoded float vector, nothing else
+                if not is_vector(v):
+                    return "malformed"
                 continue
             if isinstance(v, bool) and typ is not bool:
                 return "malformed"
             if not isinstance(v, typ):
                 return "malformed"
+            if typ is _NUMBER and isinstance(v, int) and not -_FLOAT_MAX_INT <= v <= _FLOAT_MAX_INT:
+                return "malformed"     # (math.isfinite of it would raise OverflowError)
         return None
 
     def _announce(self) -> None:
