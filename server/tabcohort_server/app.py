@@ -596,7 +596,9 @@ async def set_room_lr(request: web.Request) -> web.Response:
     # above the room's lr_max every follower drops the leader's rounds (PROTOCOL.md "Untrusted
     # ranks"): this answered 200 and the learning rate silently stayed as it was
     top = min(MAX_LR, room.job.lr_max)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr <= top:
+    # (an int of 400 digits, which JSON allows, is no float: math.isfinite of it raised, a 500)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or (isinstance(lr, int) and not 0 < lr <= top) \
+            or not math.isfinite(lr) or not 0 < lr <= top:
         room.drop("bad_lr")
         return _json({"error": f"lr must be a number in (0, {top:g}] (the room's lr_max: serve --lr-max)"},
                      status=400)
