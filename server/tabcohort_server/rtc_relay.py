@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from tabcohort.bus.rtc_util import MAX_REMOTE_CANDIDATES, add_candidate, configuration, set_host_addresses
+from tabcohort.bus.rtc_util import MAX_REMOTE_CANDIDATES, add_candidate, configuration, parse_candidate, set_host_addresses
 from tabcohort.errors import ConfigError, RemoteProtocolError
 from tabcohort.wire.chunk import (DATA_CHANNEL_MAX_MESSAGE_BYTES, MIN_MESSAGE_BYTES, negotiate_max_message_bytes,
                                   rechunk)
@@ -199,7 +199,13 @@ class RtcTerminator:
                 p.charge("rtc_candidate_limit")
                 return
             p.rtc.n_candidates += 1
-            self._spawn(add_candidate(p.rtc.pc, sig["candidate"]), room)
+            try:
+                cand = parse_candidate(sig["candidate"])
+            except ValueError:
+                room.drop("bad_signal")
+                p.charge("bad_signal")
+                return
+            self._spawn(add_candidate(p.rtc.pc, cand), room)
         elif kind == "bye":
             self.detach(p)
         else:

@@ -28,8 +28,8 @@ from .path import CHANNEL_CLOSED, CLOSED_BY_PEER, PathKind
 
 from ..wire.codecs import DEFAULT_INT8_BLOCK
 from .mesh import MeshBus
-from .rtc_util import (CHANNEL_LABEL, MAX_REMOTE_CANDIDATES, add_candidate, configuration, gate_receive, negotiated_max_message_bytes,
-                       parse_ice_servers, set_host_addresses)
+from .rtc_util import (CHANNEL_LABEL, MAX_REMOTE_CANDIDATES, add_candidate, configuration, gate_receive,
+                       negotiated_max_message_bytes, parse_candidate, parse_ice_servers, set_host_addresses)
 from .star import ChannelListener, SocketListener, StarBus
 
 #: the native rank's chunk size on its WebSocket (the server reads up to 256 KiB + 1 KiB)
@@ -264,7 +264,12 @@ class AiortcChannel:
                 self.connector.count("rtc_candidate_limit")
                 return
             self.n_candidates += 1
-            self.connector.spawn(add_candidate(self.pc, signal["candidate"]))
+            try:
+                cand = parse_candidate(signal["candidate"])
+            except ValueError:
+                self.connector.count("rtc_bad_candidate")
+                return
+            self.connector.spawn(add_candidate(self.pc, cand))
 
     def buffered_bytes(self) -> int:
         dc = self.dc

@@ -133,17 +133,50 @@ def gate_receive(pc: Any, gate: Any) -> None:
 MAX_REMOTE_CANDIDATES = 32
 
 
-async def add_candidate(pc: Any, cand: dict) -> None:
-    """Add a trickled browser candidate (``{candidate, sdpMid, sdpMLineIndex}``); empty = end."""
+#: :func:`parse_candidate`'s answer for the end of a peer's candidates (an empty candidate)
+END_OF_CANDIDATES = object()
+#: the longest candidate line taken from a peer (RFC 8839 section 5.1's grammar; real ones are
+#: about 100 characters)
+MAX_CANDIDATE_CHARS = 1024
+
+
+def parse_candidate(cand: Any) -> Any:
+    """A peer's trickled candidate (``{candidate, sdpMid, sdpMLineIndex}``, as a page sends
+    it) as an aiortc ``RTCIceCandidate``, or :data:`END_OF_CANDIDATES` for an empty one.
+
+    Raises:
+        ValueError: not a candidate (untrusted input, checked here: aiortc's parser met a
+            short line with an ``assert``, which ``python -O`` removes, and with IndexError or
+            ValueError otherwise): not a dict, a line that is no string, longer than
+            :data:`MAX_CANDIDATE_CHARS` or of fewer than the 8 fields RFC 8839 section 5.1
+            requires, a field of the wrong type, or one aiortc does not parse.
+    """
     from aiortc.sdp import candidate_from_sdp
 
+    if not isinstance(cand, dict):
+        raise ValueError("not an object")
     text = cand.get("candidate") or ""
+    mid, index = cand.get("sdpMid"), cand.get("sdpMLineIndex")
+    if not isinstance(text, str) or len(text) > MAX_CANDIDATE_CHARS:
+        raise ValueError("the candidate is no string of at most %d characters" % MAX_CANDIDATE_CHARS)
+    if not (mid is None or isinstance(mid, str) and len(mid) <= 64) or not (
+            index is None or isinstance(index, int) and not isinstance(index, bool) and 0 <= index <= 0xFFFF):
+        raise ValueError("sdpMid or sdpMLineIndex of the wrong type")
     if not text:
-        await pc.addIceCandidate(None)
-        return
+        return END_OF_CANDIDATES
     if text.startswith("candidate:"):
         text = text[len("candidate:"):]
-    c = candidate_from_sdp(text)
-    c.sdpMid = cand.get("sdpMid")
-    c.sdpMLineIndex = cand.get("sdpMLineIndex")
-    await pc.addIceCandidate(c)
+    if len(text.split()) < 8:
+        raise ValueError("a candidate line has at least 8 fields (RFC 8839 section 5.1)")
+    try:
+        c = candidate_from_sdp(text)
+    except (AssertionError, ValueError, IndexError, KeyError) as e:
+        raise ValueError(f"not a candidate line: {type(e).__name__}") from None
+    c.sdpMid = mid
+    c.sdpMLineIndex = index
+    return c
+
+
+async def add_candidate(pc: Any, cand: Any) -> None:
+    """Add a candidate :func:`parse_candidate` made (:data:`END_OF_CANDIDATES`: the end)."""
+    await pc.addIceCandidate(None if cand is END_OF_CANDIDATES else cand)
