@@ -79,7 +79,10 @@ if "$PY" -c "import socket, sys; s = socket.socket(); s.settimeout(1); sys.exit(
   echo "[demo] PORT=$PORT: something already listens on 127.0.0.1:$PORT (another demo or serve?); stop it or choose another PORT" >&2
   exit 1
 fi
-mkdir -p .cache "$CKPT"
+if ! mkdir -p .cache "$CKPT" 2> /dev/null || [ ! -w "$CKPT" ]; then
+  echo "[demo] CKPT=$CKPT: cannot create or write this directory; give CKPT a writable one (default .cache/checkpoints)" >&2
+  exit 2
+fi
 if [ "$INSTALL" = 1 ]; then
   echo "[demo] installing (pip, npm; log: .cache/install.log)..."
   if ! bash scripts/install.sh > .cache/install.log 2>&1; then
@@ -91,6 +94,20 @@ if [ "$INSTALL" = 1 ]; then
 fi
 if ! "$PY" -c 'import tabcohort, tabcohort_server' > /dev/null 2>&1; then   # (before a checkpoint is deleted)
   echo "[demo] PYTHON=$PY cannot import tabcohort: run scripts/install.sh (or the demo without INSTALL=0)" >&2
+  exit 1
+fi
+# another server (a second demo from this checkout) on the checkpoint directory: its checkpoint
+# was deleted below before this demo's server refused the directory (a new-user trial)
+if ! held="$("$PY" -c '
+import sys
+from tabcohort.errors import ConfigError
+from tabcohort_server.serve import lock_checkpoint_dir
+try:
+    lock_checkpoint_dir(sys.argv[1]).close()
+except ConfigError as e:
+    print(e.reason)
+    sys.exit(1)' "$CKPT" 2>&1)"; then
+  echo "[demo] CKPT=$CKPT: ${held:-cannot be locked} (another demo?); stop it, or give this one another CKPT and PORT" >&2
   exit 1
 fi
 resumed_step=   # the step of the checkpoint the room resumes from (FRESH=0)
@@ -158,10 +175,10 @@ prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
 [ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
 # the operator token for this run (the view's link below carries it; serve would otherwise make one)
-# (hex: a token that starts with "-" is read as an option; and given with "=" below for the same reason)
+# (given in the server's environment, not its arguments, which any user of the machine reads in ps)
 op_token="${TABCOHORT_OPERATOR_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_hex(24))')}"
-"$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
-  --steps "$STEPS" --checkpoint-dir "$CKPT" --operator-token="$op_token" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
+TABCOHORT_OPERATOR_TOKEN="$op_token" "$PY" -m tabcohort serve --host "$HOST" --port "$PORT" --room digits --dataset digits \
+  --steps "$STEPS" --checkpoint-dir "$CKPT" ${lead[@]+"${lead[@]}"} > >(prefix server) 2>&1 &
 server_pid=$!
 pids+=($!)
 url="http://127.0.0.1:$PORT"

@@ -51,6 +51,24 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def test_a_second_demo_on_a_checkpoint_directory_in_use_deletes_nothing(tmp_path):
+    # a new-user trial: a second demo from the same checkout removed the running one's checkpoint
+    # ("fresh start"), then its server refused the directory, and it reported the other's checkpoint
+    from tabcohort_server.serve import lock_checkpoint_dir
+
+    ckdir = tmp_path / "ckpt"
+    old = _old_checkpoint(ckdir)
+    held = lock_checkpoint_dir(str(ckdir))        # as a running server holds it
+    try:
+        r = _demo({"CKPT": str(ckdir), "PORT": str(_free_port())})
+    finally:
+        held.close()
+    assert r.returncode == 1 and f"another tabcohort serve (pid {os.getpid()}) uses this directory" in r.stderr, \
+        (r.stdout, r.stderr)
+    assert "[server]" not in r.stdout and "checkpoint:" not in r.stdout, r.stdout
+    assert all(f.exists() for f in old), "the running server's checkpoint was deleted"
+
+
 @pytest.mark.parametrize("env,said", [
     # (PORT=0 hung: serve bound a free port and the ranks dialled port 0)
     pytest.param({"PORT": "0"}, "[demo] PORT=0: the demo needs a fixed port", id="port0"),
@@ -67,6 +85,8 @@ def _old_checkpoint(ckdir: pathlib.Path) -> list[pathlib.Path]:
     ({"HOST": "192.0.2.1"}, "[demo] HOST=192.0.2.1: not an address this machine can listen on"),   # (TEST-NET-1)
     ({"SERVER_WAIT": "0"}, "[demo] SERVER_WAIT=0: expected at least 1 (seconds)"),
     ({"SERVER_WAIT": "2.5"}, "[demo] SERVER_WAIT='2.5': expected a whole number"),
+    # (a bare "mkdir: cannot create directory" from the shell)
+    ({"CKPT": "/proc/tabcohort-no-such-dir"}, "[demo] CKPT=/proc/tabcohort-no-such-dir: cannot create or write"),
 ])
 def test_bad_settings_are_refused_before_anything_is_deleted_or_started(tmp_path, env, said):
     ckdir = tmp_path / "ckpt"

@@ -635,6 +635,10 @@ _INTEGER_GRADIENTS = [
     (lambda: bytearray(b"\x00\x01\x02"), "bytearray format 'B'"),
     (lambda: _js_typed_array("Int32Array"), "JS Int32Array"),
     (lambda: _js_typed_array("Uint8Array"), "JS Uint8Array"),
+    # (a new-user trial: ``[int(v) for v in g]`` trained 300 steps on zeros, and simulate said
+    # "bit-identical: yes" of the untrained parameters)
+    (lambda: [0, 1, 0], "list of Python ints"),
+    (lambda: (0, True, 0), "tuple of Python ints"),
 ]
 
 
@@ -656,7 +660,8 @@ def test_a_gradient_of_floats_is_taken_whatever_carries_it():
     """docs/PROTOCOL.md "Worker contract": float formats pass in any byte order (a ctypes array
     exports '<f'), as float32 values."""
     cases = [array("f", [1, 2, 3]), array("d", [1, 2, 3]), memoryview(array("f", [1, 2, 3])),
-             memoryview(array("d", [1, 2, 3])), [1, 2, 3]]
+             memoryview(array("d", [1, 2, 3])), [1.0, 2.0, 3.0],
+             [1, 2.0, 3]]   # (ints beside floats: ``[0] * n`` with the entries a batch touched)
     try:
         import ctypes
     except ImportError:

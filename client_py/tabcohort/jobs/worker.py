@@ -27,8 +27,9 @@ def _vector(backend: str, v: Any) -> Any:
 
 def _not_floating(g: Any) -> str | None:
     """What a gradient's elements are when they say so and are not floating point (``dtype
-    int32``, ``typecode 'i'``, ``memoryview format 'B'``, ``JS Int32Array``), else None (floats,
-    or a gradient that does not say, such as a list: its values are converted one by one).
+    int32``, ``typecode 'i'``, ``memoryview format 'B'``, ``JS Int32Array``, a list of Python
+    ints only), else None (floats, or a gradient that does not say: its values are converted one
+    by one).
 
     Floating point is a numpy dtype of kind ``f``, an ``array`` of typecode ``f`` or ``d``, a
     buffer of struct format ``e``, ``f`` or ``d`` in any byte order (``'<f'``, ``'=d'``), or a
@@ -48,11 +49,19 @@ def _not_floating(g: Any) -> str | None:
             return None
         name = str(g.constructor.name)
         return None if name.startswith("Float") else f"JS {name}"
+    if isinstance(g, (list, tuple)):
+        # Python numbers, converted one by one: a list with no float in it (``[int(x) for x in
+        # g]``, all zeros for gradients below 1) is refused; one whose untouched entries are the
+        # int 0 of ``[0] * n`` beside floats is not (the scan stops at the first float)
+        if g and not any(type(x) is float or isinstance(x, float) for x in g) \
+                and all(type(x) is int or type(x) is bool for x in g):
+            return f"{type(g).__name__} of Python ints"
+        return None
     try:
         with memoryview(g) as m:
             fmt = m.format
-    except (TypeError, ValueError, BufferError):  # (no buffer: a list, a tuple; or an unreadable
-        return None                              # one: a released memoryview, a __buffer__ that raises)
+    except (TypeError, ValueError, BufferError):  # (no buffer; or an unreadable one: a released
+        return None                              # memoryview, a __buffer__ that raises)
     return None if fmt.lstrip("@=<>!") in ("e", "f", "d") else f"{type(g).__name__} format {fmt!r}"
 
 
