@@ -859,7 +859,7 @@ async def _moved_while_registering(request: web.Request, ws: web.WebSocketRespon
     return True
 
 
-async def room_ws(request: web.Request) -> web.WebSocketResponse:
+async def room_ws(request: web.Request) -> web.StreamResponse:
     """The star relay for one rank: register (first text message), then chunks and controls."""
     room = _room(request)
     limits = request.app[CONFIG].limits
@@ -869,7 +869,13 @@ async def room_ws(request: web.Request) -> web.WebSocketResponse:
     # it would only spend the relay's and the tab's CPU.
     ws = web.WebSocketResponse(heartbeat=limits.heartbeat_s, max_msg_size=limits.max_ws_message_bytes,
                                compress=False)
-    await ws.prepare(request)
+    try:
+        await ws.prepare(request)
+    except ConnectionError:
+        # the client left before the handshake's answer (a rank that gave up on a loaded server):
+        # counted, not a traceback per rank in the log (aiohttp ends the request quietly)
+        request.app[REFUSED]["gone_before_handshake"] += 1
+        return web.Response(status=400)   # (its write fails too, quietly: an unprepared socket raised)
     request.app[SOCKETS].add(ws)
     auth = request.app[AUTH]
     if room.job.token is not None and auth.blocked(request.remote, time.monotonic()):

@@ -674,3 +674,30 @@ async def test_a_rank_trickling_thousands_of_candidates_to_the_server_is_capped(
     await ws.close()
     await pc.close()
 
+
+
+async def test_a_rank_gone_before_the_websocket_handshake_is_counted_not_a_traceback(client, caplog):
+    # a new-user trial (70 ranks on 2 cores): each rank that gave up before the server answered
+    # its upgrade left a ClientConnectionResetError traceback in the server's log
+    import base64
+    import os
+    import socket
+    import struct
+
+    caplog.set_level(logging.ERROR)
+    for _ in range(20):
+        r, w = await asyncio.open_connection("127.0.0.1", client.server.port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        w.write(f"GET /api/rooms/r/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        await w.drain()
+        w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.close()                                    # (a reset, at once: as a rank's process exits)
+    refused = client.app[REFUSED]
+    deadline = time.monotonic() + 10
+    while refused["gone_before_handshake"] < 20 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert refused["gone_before_handshake"] == 20, dict(refused)
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text, caplog.text
+    ws, _ = await join(client)                       # and the room still answers a rank
+    await ws.close()
