@@ -148,6 +148,11 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"evaluate\(\) must return a number \(held-out accuracy in \[0, 1\]\), got NoneType None"),
     ("set_params_noop", GOOD.replace("        self.p = array(\"f\", v)", "        pass"),
      r"set_params\(v\) does not set the parameters"),
+
+    # (a new-user trial: a job with no load_data() was told only "make_worker() raised KeyError: 'x'")
+    ("no_load_data", GOOD.replace("def load_data():", "def _not_load_data():"),
+     r"make_worker\(\) raised KeyError: 'x' \(.*badjob\.py:\d+\); the job has no data: its module defines no "
+     r"load_data\(\)"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)

@@ -164,7 +164,7 @@ class LoadedJob:
             raise
         except Exception as e:
             raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
-                           f"({_where(e, files, self.factory)})", self.source.ref) from None
+                           f"({_where(e, files, self.factory)}){_no_data_hint(e, self.data)}", self.source.ref) from None
 
     def make_worker(self, *, batch: int, seed: int, backend: str = "auto") -> JobWorker:
         """The job's worker, wrapped in :class:`JobWorker`.
@@ -279,12 +279,21 @@ class _Pending:
             raise
         except Exception as e:
             files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
-            raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {e} ({_where(e, files)})",
-                           src.ref) from None
+            raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {e} ({_where(e, files)})"
+                           f"{_no_data_hint(e, self.job.data)}", src.ref) from None
         return self.wrap(got)
 
     def close(self) -> None:
         getattr(self.inner, "close", lambda: None)()
+
+
+def _no_data_hint(e: BaseException, data: Any) -> str:
+    """Why a factory's ``data[...]`` failed when the job has no data: a KeyError of a job with
+    no ``load_data()`` (its factory gets an empty dict) was said as a bare ``KeyError: 'x'``."""
+    if isinstance(e, KeyError) and not data:
+        return ("; the job has no data: its module defines no load_data() (README \"Write your own job\"), "
+                "so the factory's data is an empty dict")
+    return ""
 
 
 def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dict | None, dict]:
