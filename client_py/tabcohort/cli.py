@@ -156,7 +156,8 @@ def _check_job_args(a: argparse.Namespace) -> dict:
                 raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset, "
                                   "--hidden and --activation are the built-in MLP job's (use --job-option)")
     elif a.job_option:
-        raise ConfigError("--job-option", a.job_option[0][0], "sets an option of a module job (--job); the built-in "
+        name, value = a.job_option[0]
+        raise ConfigError("--job-option", f"{name}={json.dumps(value)}", "sets an option of a module job (--job); the built-in "
                           "MLP job's options are --dataset, --hidden, --activation and --seed")
     return dict(a.job_option)
 

@@ -34,6 +34,9 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--link-loss", "1"], "--link-loss=1.0"), (["--ranks", "1", "--partition-at", "10"], "--partition-at=10"),
     (["--target-accuracy", "0.9", "--eval-every", "0"], "--target-accuracy=0.9"), (["--hidden", "0"], "--hidden='0'"), (["--job-option", "channels"], "--job-option='channels'"),
     (["--job", "/no/such/job.py"], "--job='/no/such/job.py'"),
+    (["--job", "/tmp"], "--job='/tmp': a directory without __init__.py is no package"),
+    # (the value was dropped from the echo: "--job-option='hidden'")
+    (["--job-option", "hidden=3"], "--job-option='hidden=3': sets an option of a module job"),
     # as serve bounds them: a batch over 2^24 failed every hello (u32) and hung; an infinite
     # delay delivered nothing
     (["--global-batch", "100000000000"], "--global-batch=100000000000"),

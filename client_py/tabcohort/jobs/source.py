@@ -200,6 +200,9 @@ def find_source(ref: str) -> JobSource:
         if spec.submodule_search_locations:
             return find_source(os.path.dirname(spec.origin) + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
         return find_source(spec.origin + (f":{factory}" if factory != DEFAULT_FACTORY else ""))
+    elif os.path.isdir(path):   # (it was said to be "no such file" of a directory that exists)
+        raise JobError("a directory without __init__.py is no package: name the job's .py file, or a "
+                       "package directory (one with an __init__.py)", ref)
     else:
         raise JobError("no such file, package directory or importable module", ref)
     if not module.isidentifier():
