@@ -664,7 +664,12 @@ class RankRun(RankSession):
             st = await self.leave(machine, driver, bus, final_report=final_report,
                                   upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
             self._print(time.monotonic() - t0, st, unless_same=True)
-            self.progress(f"stopped ({self.stop_reason}); step {machine.step}, digest {st['digest'][:16]}")
+            # (a trial's overloaded follower said "stopped (step limit 10 reached); step 7" and no
+            # more: its step is not the room's last, and the line says so)
+            behind = (f" (behind the room's step limit {machine.step_limit}: this rank's parameters are not the "
+                      f"final checkpoint's)" if machine.step_limit is not None and machine.ready
+                      and machine.step < machine.step_limit and "step limit" in str(self.stop_reason) else "")
+            self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}")
             await driver.close()
             await bus.aclose()
         return 1 if self.failed else 0
