@@ -80,17 +80,18 @@ async function init() {
   };
   const loop = async () => { if ((await poll()) !== "stop") setTimeout(loop, 1000); };
   $("stop-room").addEventListener("click", () => stopRoom(room));
-  // without the room token in the URL the download link alone would be refused: fetch it with
-  // the operator token instead and hand the browser the bytes
+  // without the room token in the URL a download link alone would be refused (the checkpoint and
+  // the model export alike): fetch it with the operator token instead and hand the browser the bytes
   $("r-ckpt").addEventListener("click", async (ev) => {
-    const a = ev.target.closest && ev.target.closest("#ckpt-link");
+    const a = ev.target.closest && ev.target.closest("#ckpt-link, #model-link");
     if (!a || token || !op.token) return;
     ev.preventDefault();
     const r = await fetch(a.href, { headers: authHeaders() });
     if (!r.ok) return;
     const url = URL.createObjectURL(await r.blob());
     const name = (r.headers.get("Content-Disposition") || "").match(/filename="([^"]+)"/);
-    const dl = Object.assign(document.createElement("a"), { href: url, download: name ? name[1] : "checkpoint.f32" });
+    const fallback = a.id === "model-link" ? "model.npz" : "checkpoint.f32";
+    const dl = Object.assign(document.createElement("a"), { href: url, download: name ? name[1] : fallback });
     document.body.append(dl);
     dl.click();
     dl.remove();
@@ -145,12 +146,19 @@ function render(s, q) {
   const ck = s.checkpoint;
   const dd = $("r-ckpt");
   if (ck) {
-    const a = document.createElement("a");
-    a.id = "ckpt-link";
-    a.href = `/api/rooms/${encodeURIComponent(s.room)}/checkpoint${q}`;
-    a.download = "";
-    a.textContent = "Download checkpoint (float32)";
-    dd.replaceChildren(`step ${ck.step}, accuracy ${typeof ck.accuracy === "number" ? (ck.accuracy * 100).toFixed(1) + " %" : "–"} `, a);
+    const link = (id, path, label) => {
+      const a = document.createElement("a");
+      a.id = id;
+      a.href = `/api/rooms/${encodeURIComponent(s.room)}/${path}${q}`;
+      a.download = "";
+      a.textContent = label;
+      return a;
+    };
+    // the raw checkpoint (parameters and optimizer state), and the model export (.npz: the
+    // parameters and the job) that `tabcohort evaluate --model FILE` reads (README "Export and evaluate")
+    dd.replaceChildren(`step ${ck.step}, accuracy ${typeof ck.accuracy === "number" ? (ck.accuracy * 100).toFixed(1) + " %" : "–"} `,
+      link("ckpt-link", "checkpoint", "Download checkpoint (float32)"), " · ",
+      link("model-link", "model", "Download model (.npz, for tabcohort evaluate)"));
   }
   // the report the server trusts (a rank with the role): a contributor that says it leads was
   // shown as the leader (its loss on the charts, its shares and quarantines in the table)

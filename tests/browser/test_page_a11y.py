@@ -5,6 +5,7 @@ and screenshots of loading / training / stopped / error / operator view in tests
 from __future__ import annotations
 
 import pathlib
+import zipfile
 
 import pytest
 
@@ -57,7 +58,22 @@ def test_page_states_operator_view_accessible_and_clean(cluster, tabs):
              20, "the operator view's first poll")
     wait_for(lambda: op.page.evaluate("tcOperator.last.checkpoint"), 20, "a checkpoint in the operator view")
     wait_for(lambda: op.page.is_visible("#ckpt-link"), 5, "the checkpoint download link")
+    # beside it the model export `tabcohort evaluate --model` reads (it offered the raw checkpoint only)
+    assert op.page.is_visible("#model-link")
+    assert "tabcohort evaluate" in op.page.text_content("#model-link")
+    href = op.page.get_attribute("#model-link", "href")
+    assert href == "/api/rooms/digits/model?token=room-token-s3cret-0123", href
     check_both_sizes(op, "operator")
+    # the operator's link (no room token in the URL): the view fetches the export with the operator
+    # token and hands the browser the .npz
+    op2 = tabs(url, f"operator?room=digits#operator={cluster.operator_token}", viewport=DESKTOP)
+    wait_for(lambda: op2.page.is_visible("#model-link"), 20, "the model link in the operator's view")
+    with op2.page.expect_download(timeout=10_000) as dl:
+        op2.page.click("#model-link")
+    assert dl.value.suggested_filename.startswith("digits-step") and dl.value.suggested_filename.endswith(".npz")
+    with zipfile.ZipFile(dl.value.path()) as z:
+        assert sorted(z.namelist()) == ["job.json", "params.npy"], z.namelist()
+    assert not op2.console_errors, op2.console_errors
 
     cluster.post(f"/api/rooms/{cluster.room}/stop?token=room-token-s3cret-0123")
     wait_for(lambda: t.tc("tc.phase") == "stopped", 20, "the tab to stop")
