@@ -5,7 +5,7 @@ import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const tc = (window.tc = { events: [], state: null, errors: [], boot: null, numpy: null, joinedAt: null,
-  stopped: null, finished: null, sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
+  stopped: null, finished: null, fault: null, faults: [], sockets: 0, maxCohort: 0, pageStart: performance.now(), phase: "starting" });
 tc.leaderView = { speeds: {}, quarantined: {} };  // the room leader's measured samples/s by rank (its report)
 const setPhase = (p) => { tc.phase = p; document.body.dataset.phase = p; };
 setPhase("starting");
@@ -391,7 +391,12 @@ function onPy(m) {
       setPhase("training");
       status(`Joined as rank ${hex(m.id)}.`);
       break;
-    case "job": renderJob(m); break;
+    case "job":
+      renderJob(m);
+      // a job that failed to load here is this tab's fault (its state report to the server says it
+      // too): the Faults field said "none" beside the error, as no state report reaches the page then
+      if (m.status === "failed") { tc.fault = String(m.error || "the job failed to load in this tab"); showFault(); }
+      break;
     case "download": {
       tc.download = m;
       $("job-dl").hidden = m.got >= m.total;
@@ -424,6 +429,13 @@ function onPy(m) {
       break;
     case "log": if (m.stream === "stderr") tc.errors.push({ kind: "stderr", text: m.text }); break;
   }
+}
+
+// the Faults field: this tab's own fault (a job it cannot load), then its state's fault and wire
+// drops; text only, never markup (a job's name, in its fault, comes from the server)
+function showFault() {
+  const all = [tc.fault, ...(tc.faults || [])].filter(Boolean).map(String);
+  $("s-fault").textContent = [...new Set(all)].join("; ") || "none";
 }
 
 // a module job (README "Write your own job"): which one, its size and hash; text only, never markup
@@ -481,7 +493,8 @@ function render(s) {
   // superseded rounds skipped unread are normal, not a fault (docs/PROTOCOL.md "Follower: receiving messages")
   const drops = Object.entries(s.wire_drops || {}).filter(([k, v]) => v && k !== "round_superseded")
     .map(([k, v]) => `${k} ${v}`);
-  $("s-fault").textContent = [s.fault, ...drops].filter(Boolean).join("; ") || "none";
+  tc.faults = [s.fault, ...drops];
+  showFault();
   lossChart.push(s.step, s.loss);
   accChart.push(s.step, s.accuracy);
   if (!s.final && tc.phase !== "stopped") {

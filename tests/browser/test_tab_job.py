@@ -24,6 +24,9 @@ CHAR = str(ROOT / "examples" / "jobs" / "char_model.py")
 
 #: DiLoCo-style rounds (docs/PROTOCOL.md, "Local steps and optimizer state"): each rank's bucket
 #: is the pseudo-gradient of 4 inner SGD steps on its worker, the leader steps Nesterov
+#: a job name that is markup (it would fetch /xss-name and set a global if parsed as HTML)
+MARKUP_NAME = "<img src=/xss-name onerror=\"__xss=1\">"
+
 LOCAL_STEPS = ("--local-steps", "4", "--inner-lr", "0.1", "--outer-optimizer", "nesterov", "--outer-lr", "0.7")
 
 
@@ -111,6 +114,7 @@ def test_a_tab_that_cannot_import_the_job_says_so(cluster, tabs, tmp_path):
     assert tab.tc("tc.job")["status"] == "failed"
     assert "failed to load" in tab.page.text_content("#job")
     assert "aiohttp" in tab.page.text_content("#error")
+    assert "failed to load in this tab" in tab.page.text_content("#s-fault")   # not "none"
     assert tab.tc("tc.joinedAt") is None
     # ... and in its state report to the server: a seat that never said hello, with the fault
     rep = wait_for(lambda: next((r for r in cluster.reports(connected_only=False)
@@ -130,7 +134,10 @@ def test_a_tab_without_numpy_says_a_numpy_only_job_cannot_run_here_before_downlo
     state report, before fetching the job's data (a new-user trial: the tab called the factory,
     which raised "No module named 'numpy'" from a temporary path)."""
     job = tmp_path / "numpy_only.py"
-    job.write_text((ROOT / "examples" / "jobs" / "cnn_digits.py").read_text()
+    # (its name, which the page shows, is markup: the server's strings are text in the page)
+    src = (ROOT / "examples" / "jobs" / "cnn_digits.py").read_text()
+    assert '"name": "cnn-digits-3x3x6"' in src
+    job.write_text(src.replace('"name": "cnn-digits-3x3x6"', f'"name": {json.dumps(MARKUP_NAME)}', 1)
                    + '\nBACKENDS = ("numpy",)\n')
     url = cluster.serve("--job", str(job))
     tab = tabs(url, "?room=digits&numpy=off")
@@ -138,6 +145,12 @@ def test_a_tab_without_numpy_says_a_numpy_only_job_cannot_run_here_before_downlo
     assert "runs on numpy only (its BACKENDS), and this tab has no numpy" in err["text"], err
     assert "No module named" not in err["text"] and "--job=" not in err["text"], err
     assert tab.tc("tc.download") is None          # nothing was fetched for a job it cannot run
+    # the page's Faults field is the tab's own fault, as text (it said "none" beside the error)
+    fault = tab.page.text_content("#s-fault")
+    assert "runs on numpy only (its BACKENDS), and this tab has no numpy" in fault and MARKUP_NAME in fault, fault
+    assert tab.page.evaluate("document.querySelector('#s-fault').children.length") == 0
+    assert tab.page.evaluate("document.querySelector('#s-fault img, #job img, #error img')") is None
+    assert tab.tc("window.__xss") is None
     rep = wait_for(lambda: next((r for r in cluster.reports(connected_only=False)
                                  if "runs on numpy only" in (r.get("fault") or "")), None),
                    20, "the tab's state report with the fault")
