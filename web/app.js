@@ -408,7 +408,12 @@ function onPy(m) {
       break;
     }
     case "state": render(m.state); break;
-    case "error": fail(m.kind || "error", m.text); break;
+    case "error":
+      // a refused control (lr or precision from a rank that does not lead) ends nothing: the rank
+      // trains on, so the page says it as a note, not as the failure that stops the page
+      if (m.kind === "control") note(`Not applied: ${m.text}`);
+      else fail(m.kind || "error", m.text);
+      break;
     case "finished": {
       // the room had finished before the rank fetched its job: the rank ended (text only, never markup)
       tc.finished = m;

@@ -109,3 +109,13 @@ def test_a_tab_left_without_a_share_says_why_on_its_page(cluster, tabs):
     text = wait_for(lambda: (t := tab.page.evaluate("document.getElementById('s-share').textContent"))
                     and "follows every round" in t and t, 15, "the page's reason for no share")
     assert text.startswith("none") and "--global-batch" in text, text
+    # a control only a leader applies, asked of this contributing tab: refused as a note, and the
+    # page does not turn to "Not running." while the rank trains on (it did: the refusal went
+    # through the page's failure path)
+    tab.tc("tc.sendControl('lr', 0.1)")
+    wait_for(lambda: "Not applied: only a rank the server lets lead" in tab.tc("document.getElementById('notes')"
+                                                                              ".textContent"), 10, "the refusal's note")
+    assert tab.tc("tc.phase") != "error" and tab.tc("document.getElementById('status').textContent") != "Not running."
+    assert tab.tc("document.getElementById('error').hidden")
+    s0 = tab.state()["step"]
+    wait_tab(tab, lambda s: s["step"] > s0, 15, "the tab still following rounds")
