@@ -339,7 +339,7 @@ def profile(world: int, reps: int = 5) -> dict:
             s.buffer()[:4] = len(c).to_bytes(4, "little")
             s.advance(4)
             s.buffer()[:] = c
-            out.append(s.advance(len(c)))
+            out += s.advance(len(c))
         return out
 
     def feed(chunks):

@@ -471,14 +471,16 @@ class _TcpStream(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         st = self.stream
         if st is not None:
-            chunk = st.advance(nbytes)
+            chunks = st.advance(nbytes)
             ch = self.channel
-            if chunk is not None and not ch.closed:
+            for chunk in chunks:
+                if ch.closed:
+                    break
                 ch.listener.channel_chunk(ch, chunk, owned=True)   # (a buffer of its own: direct.ChunkStream)
-            elif st.error is not None and not ch.closed:
+            if st.error is not None and not ch.closed:
                 self.connector.count("direct_bad_chunk")
                 ch.down(f"direct path: {st.error}")
-            elif not ch.closed:
+            elif not chunks and not ch.closed:
                 # part of a chunk: on a slow link a 4 MiB chunk takes seconds, and the peer's
                 # beats wait behind it; its bytes keep the path's idle bound from expiring
                 ch.listener.channel_progress(ch)
