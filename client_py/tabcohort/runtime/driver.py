@@ -14,6 +14,7 @@ state report and a log line, never a silent death.
 from __future__ import annotations
 
 import asyncio
+import sys
 import logging
 import os
 import pathlib
@@ -50,6 +51,12 @@ def job_frame(exc: BaseException, job_files: "set[str] | None" = None) -> str | 
         return None
     f = (mine or theirs or frames)[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+#: the yield to due deadlines is a timer due at once (asyncio: after the turn's I/O callbacks),
+#: except in a browser, whose event loop clamps timers (Pyodide's WebLoop: setTimeout, >= 4 ms
+#: once nested) where ``call_soon`` is a MessageChannel hop with no clamp
+_DUE_TIMER_YIELD = sys.platform != "emscripten"
 
 
 class RankDriver:
@@ -317,6 +324,13 @@ class RankDriver:
             if self._soon is None:          # unclamped FIFO yield: no timer armed
                 if self.yield_delay_ms > 0:
                     self._soon = self.loop.call_later(self.yield_delay_ms / 1000.0, self._on_soon)
+                elif _DUE_TIMER_YIELD:
+                    # a timer due now, not call_soon: asyncio queues the callbacks of the sockets
+                    # that became readable before the timers that came due, so what arrived while
+                    # this rank computed (a bucket, a beat) is read before its next compute; behind
+                    # call_soon a leader computing 2 ms per round read a follower's bucket two
+                    # rounds late, and measured its turnaround as 10 ms
+                    self._soon = self.loop.call_later(0.0, self._on_soon)
                 else:
                     self._soon = self.loop.call_soon(self._on_soon)
             return
