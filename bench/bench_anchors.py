@@ -183,7 +183,7 @@ def ours_worker(url: str, link: str, out: str, max_s: float, world: int) -> None
         # rule ended it at 3 of 4)
         m = RankMachine(bus.id, w, bus, job="bench-anchors", now_ms=RankDriver.clock_ms(loop), lr=0.01,
                         eval_every=0, global_batch=world * w.batch, collect_rule="grace")
-        d = RankDriver(m, w, bus)
+        d = RankDriver(m, w, bus, reads_first=True)   # (as the native runtime runs it)
         d.start(0.01)
         with open(out, "a", buffering=1) as fh:
             while not stop.is_set():

@@ -186,7 +186,7 @@ async def run_rank(a: argparse.Namespace) -> None:
     w = ToyWorker(bucket_len=a.bucket_len, batch=a.batch, compute_ms=a.compute_ms)
     m = RankMachine(bus.id, w, bus, job=JOB, now_ms=RankDriver.clock_ms(loop), lr=0.01, eval_every=0,
                     collect_rule=a.rule)
-    d = RankDriver(m, w, bus)
+    d = RankDriver(m, w, bus, reads_first=True)   # (as the native runtime runs it)
     d.start(0.01)
     with open(a.out, "a", buffering=1) as out:
         while not stop.is_set():

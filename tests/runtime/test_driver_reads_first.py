@@ -1,5 +1,5 @@
-"""A native rank's driver yields to its due deadlines through a timer due at once, not
-``call_soon``: asyncio queues the callbacks of sockets that became readable before the timers
+"""A native rank's driver (``reads_first``, as the rank session runs it) yields to its due
+deadlines through a timer due at once, not ``call_soon``: asyncio queues the callbacks of sockets that became readable before the timers
 that came due, so what arrived while the rank computed (a follower's bucket, a beat) is read
 before its next compute. Behind ``call_soon`` a leader computing 2 ms per round read a
 follower's bucket two rounds late and measured its turnaround as 10 ms (PROTOCOL.md "Shares":
@@ -44,7 +44,7 @@ def test_what_arrives_during_a_compute_is_read_before_the_next_compute():
         w = Busy(peer, events)
         bus = net.attach(1)
         m = RankMachine(1, w, bus, job="t", now_ms=RankDriver.clock_ms(loop), lr=0.05)
-        d = RankDriver(m, w, bus)
+        d = RankDriver(m, w, bus, reads_first=True)
         d.start()
         try:
             end = loop.time() + 20

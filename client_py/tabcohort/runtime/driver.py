@@ -53,10 +53,9 @@ def job_frame(exc: BaseException, job_files: "set[str] | None" = None) -> str | 
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
-#: the yield to due deadlines is a timer due at once (asyncio: after the turn's I/O callbacks),
-#: except in a browser, whose event loop clamps timers (Pyodide's WebLoop: setTimeout, >= 4 ms
-#: once nested) where ``call_soon`` is a MessageChannel hop with no clamp
-_DUE_TIMER_YIELD = sys.platform != "emscripten"
+#: ``reads_first`` is honoured natively only: a browser's event loop clamps timers (Pyodide's
+#: WebLoop: setTimeout, >= 4 ms once nested), where ``call_soon`` is a MessageChannel hop
+_DUE_TIMER_OK = sys.platform != "emscripten"
 
 
 class RankDriver:
@@ -74,14 +73,24 @@ class RankDriver:
         yield_delay_ms: 0 (the default and the right choice) runs due deadlines through
             ``call_soon``. A positive value runs them through a timer of that delay instead:
             only for the benchmark that shows what a clamped 4 ms browser timer would cost.
+        reads_first: natively, run due deadlines through a timer due at once instead of
+            ``call_soon``: asyncio runs the turn's socket callbacks before the timers that came
+            due, so what arrived while the rank computed (a follower's bucket, a beat) is read
+            before its next compute. Behind ``call_soon`` a leader computing 2 ms a round read a
+            follower's bucket two rounds late and measured its turnaround (what its share is
+            planned by, PROTOCOL.md "Shares") at ~10 ms instead of ~5. For a rank on sockets (the
+            native runtime); ranks sharing one loop without sockets (the in-process simulation)
+            gain nothing and pay the timer heap (about 12 % of rounds/s with a tiny model).
     """
 
     def __init__(self, machine: RankMachine, worker: Any, bus: Any, *,
                  on_report: Callable[[dict], None] | None = None,
                  on_compute_failed: Callable[[str], None] | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None, yield_delay_ms: float = 0.0) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, yield_delay_ms: float = 0.0,
+                 reads_first: bool = False) -> None:
         self.machine = machine
         self.yield_delay_ms = float(yield_delay_ms)
+        self.reads_first = bool(reads_first) and _DUE_TIMER_OK
         self.worker = worker
         self.bus = bus
         self.on_report = on_report
@@ -324,12 +333,7 @@ class RankDriver:
             if self._soon is None:          # unclamped FIFO yield: no timer armed
                 if self.yield_delay_ms > 0:
                     self._soon = self.loop.call_later(self.yield_delay_ms / 1000.0, self._on_soon)
-                elif _DUE_TIMER_YIELD:
-                    # a timer due now, not call_soon: asyncio queues the callbacks of the sockets
-                    # that became readable before the timers that came due, so what arrived while
-                    # this rank computed (a bucket, a beat) is read before its next compute; behind
-                    # call_soon a leader computing 2 ms per round read a follower's bucket two
-                    # rounds late, and measured its turnaround as 10 ms
+                elif self.reads_first:   # a timer due now: after the turn's socket callbacks
                     self._soon = self.loop.call_later(0.0, self._on_soon)
                 else:
                     self._soon = self.loop.call_soon(self._on_soon)

@@ -415,7 +415,8 @@ class RankSession:
         def compute_failed(why: str) -> None:   # the job fails every time: this rank stops, exit 1
             self.failed = why
             self.request_stop(f"job failed: {why}")
-        self.driver = RankDriver(machine, worker, bus, on_report=on_report, on_compute_failed=compute_failed)
+        self.driver = RankDriver(machine, worker, bus, on_report=on_report, on_compute_failed=compute_failed,
+                                 reads_first=True)
         return machine, self.driver
 
     def start_from_checkpoint(self, worker: Any, job: dict, headers: dict, data: bytes) -> None:
