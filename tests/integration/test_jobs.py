@@ -425,61 +425,51 @@ def test_serve_refuses_a_built_in_model_too_large_for_a_checkpoint_at_once():
     assert r.returncode == 2 and "--hidden='100000000'" in r.stderr and "at most 67,108,864" in r.stderr, r.stderr
 
 
+def _serve_says(args: list[str], until: str) -> str:
+    """What ``serve ARGS`` prints up to the first line containing ``until`` (bounded: 60 s);
+    the server is then stopped."""
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=str(ROOT))
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(until in x for x in lines):
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        return "".join(lines)
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 def test_serve_says_why_it_does_not_resume_from_another_jobs_checkpoints(tmp_path):
     """A checkpoint directory whose checkpoints are of another job (here: another --hidden) is
     left alone, and serve says the room starts from scratch and why."""
     import hashlib
-    import time
 
     from tabcohort_server import checkpoint as ckpt
     data = b"\0" * 4 * 10
     ckpt.save(str(tmp_path), "digits", {"step": 1234, "digest": hashlib.sha256(data).hexdigest(), "n": 10,
                                         "job_hash": "0" * 32}, data)
-    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", "--dataset", "synthetic",
-                          "--checkpoint-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=_env(), cwd=str(ROOT))
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("starts from scratch" in x for x in lines):
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-        said = "".join(lines)
-        assert "room digits starts from scratch: the 1 checkpoint(s)" in said, said
-        assert "(newest at step 1234) are of another job" in said, said
-    finally:
-        p.kill()
-        p.wait(10)
+    said = _serve_says(["--dataset", "synthetic", "--checkpoint-dir", str(tmp_path)], "starts from scratch")
+    assert "room digits starts from scratch: the 1 checkpoint(s)" in said, said
+    assert "(newest at step 1234) are of another job" in said, said
 
 
 def test_serve_names_a_module_job_s_room_after_the_module(tmp_path):
     """Without --room a module job's room is named after its module (its checkpoints are
     ``cnn_digits.ckpt``, not the built-in room's ``digits.ckpt``), and the join line says so."""
-    import time
-
     from tabcohort.cli import default_room_name
     assert default_room_name(None) == "digits"
     assert default_room_name("jobs/my_job.py:make") == "my_job" and default_room_name("pkg.mod:make") == "mod"
     assert default_room_name("/x/ünï côde.py") == "-n--c-de" and default_room_name("...py") == "job"
-    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "serve", "--port", "0", "--job", CNN,
-                          "--checkpoint-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=_env(), cwd=str(ROOT))
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(x.startswith("URL ") for x in lines):
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-        said = "".join(lines)
-        assert " room cnn_digits (job cnn-digits-3x3x6" in said, said
-        assert "--room cnn_digits --trainer-token" in said and "/?room=cnn_digits" in said, said
-    finally:
-        p.kill()
-        p.wait(10)
+    said = _serve_says(["--job", CNN, "--checkpoint-dir", str(tmp_path)], "URL ")
+    assert " room cnn_digits (job cnn-digits-3x3x6" in said, said
+    assert "--room cnn_digits --trainer-token" in said and "/?room=cnn_digits" in said, said
 
 
 def _evaluate_failing_later() -> str:
