@@ -149,6 +149,11 @@ def test_good_tiny_job_is_accepted(tmp_path):
     ("set_params_noop", GOOD.replace("        self.p = array(\"f\", v)", "        pass"),
      r"set_params\(v\) does not set the parameters"),
 
+    # (a class as the factory pointed at tabcohort's own line that called it: a new-user trial)
+    ("class_as_factory", GOOD.replace("def make_worker(data, *, batch, seed, backend):\n    return Tiny(data, batch)",
+                                      "make_worker = Tiny"),
+     r"make_worker\(\) raised TypeError: .*unexpected keyword argument '(seed|backend)' "
+     r"\(.*badjob\.py:\d+ \(where Tiny is defined\)\)"),
     # (a new-user trial: a job with no load_data() was told only "make_worker() raised KeyError: 'x'")
     ("no_load_data", GOOD.replace("def load_data():", "def _not_load_data():"),
      r"make_worker\(\) raised KeyError: 'x' \(.*badjob\.py:\d+\); the job has no data: its module defines no "

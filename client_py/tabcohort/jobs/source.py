@@ -39,7 +39,8 @@ def _where(exc: BaseException, files: set[str], called: Any = None) -> str:
     for fr in reversed(tb):
         if os.path.abspath(fr.filename) in files:
             return f"{fr.filename}:{fr.lineno}"
-    code = getattr(called, "__code__", None)
+    # (a class named as the factory is called through its __init__: where that is defined)
+    code = getattr(called, "__code__", None) or getattr(getattr(called, "__init__", None), "__code__", None)
     if code is not None and os.path.abspath(code.co_filename) in files:
         return f"{code.co_filename}:{code.co_firstlineno} (where {getattr(called, '__name__', '?')} is defined)"
     return tb[-1].filename + f":{tb[-1].lineno}" if tb else "?"
