@@ -873,6 +873,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
             print(json.dumps({"ok": False, "error": "interrupted (Ctrl-C)"}, indent=2))
+        elif a.command != "simulate":   # (simulate says its own summary line)
+            # (serve stopped during its job's start-up check ended with exit 130 and no word)
+            print(f"tabcohort {a.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     parser.error(f"unknown command {a.command}")
     return 2

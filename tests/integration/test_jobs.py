@@ -691,6 +691,8 @@ def test_ctrl_c_stops_a_start_up_check_that_does_not_return(tmp_path, command):
     assert "Traceback" not in err and "did not finish within" not in err, err[-2000:]
     if command[0] == "simulate":   # (its one line: no rank had started)
         assert "stopped by Ctrl-C before the ranks started, after " in out, out[-2000:]
+    else:                          # (it ended with no word at all)
+        assert f"tabcohort {command[0]}: interrupted (Ctrl-C)" in err, err[-2000:]
 
 
 def test_a_job_whose_bucket_holds_the_event_loop_too_long_is_told_why_and_what_to_do(tmp_path):
