@@ -157,7 +157,7 @@ def _check_job_args(a: argparse.Namespace) -> dict:
                                   "--hidden and --activation are the built-in MLP job's (use --job-option)")
     elif a.job_option:
         name, value = a.job_option[0]
-        raise ConfigError("--job-option", f"{name}={json.dumps(value)}", "sets an option of a module job (--job); the built-in "
+        raise ConfigError("--job-option", f"{name}={value if isinstance(value, str) else json.dumps(value)}", "sets an option of a module job (--job); the built-in "
                           "MLP job's options are --dataset, --hidden, --activation and --seed")
     return dict(a.job_option)
 
@@ -682,7 +682,7 @@ def default_room_name(job: str | None) -> str:
     Returns:
         The module's stem (``my_job.py`` -> ``my_job``, ``pkg.mod:make`` -> ``mod``), with
         every character outside ``[A-Za-z0-9._-]`` replaced by ``-``, cut to 64 and without
-        leading or trailing dots (the server's room-name rule,
+        leading or trailing dots or leading dashes (the server's room-name rule,
         ``tabcohort_server.config.ROOM_NAME``); ``job`` when nothing is left.
     """
     if job is None:
@@ -692,13 +692,16 @@ def default_room_name(job: str | None) -> str:
         src = src.rsplit(":", 1)[0]
     src = src.rstrip("/" + os.sep)
     base = os.path.basename(src)
-    if base.endswith(".py"):
+    if base == "__init__.py":         # a package named by its __init__.py: the package
+        name = os.path.basename(os.path.dirname(os.path.abspath(src)))
+    elif base.endswith(".py"):
         name = base[:-3]
     elif os.sep in src or "/" in src or os.path.isdir(src):
         name = base               # a package directory
     else:
         name = base.rsplit(".", 1)[-1]   # a module name: its last component
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:64].strip(".")
+    # (no leading "-": the name is typed after --room, where it would read as an option)
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:64].strip(".").lstrip("-")
     return name or "job"
 
 

@@ -153,6 +153,14 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                      + (f" (the newest: {os.path.basename(kept)})" if kept else "")
                      + f", and {name}.ckpt becomes this job's newest checkpoint; the other job resumes "
                      f"from them when it is served on this directory again")
+        if room is not None and room.resumed_from is None and not (room.store is not None and room.store.n_refused) \
+                and config.checkpoint_dir and config.cluster is None \
+                and (others := _other_rooms_checkpoints(config.checkpoint_dir, config.rooms)):
+            # (serve --job my_job.py once named its room "digits": a directory of such a run holds
+            # digits.ckpt, and the room, now named after the module, started from scratch unsaid)
+            progress(f"  room {name} starts from scratch: {config.checkpoint_dir} holds checkpoints of "
+                     f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, not of {name}; "
+                     f"--room {others[0]} resumes that room (with the job it was trained with)")
         if room is not None and room.store is not None and room.store.unreadable:
             bad = room.store.unreadable
             progress(f"  room {name}: {len(bad)} checkpoint file(s) in {config.checkpoint_dir} could not be read "
@@ -378,6 +386,16 @@ def lock_checkpoint_dir(checkpoint_dir: str) -> Any:
         fh.close()
         raise ConfigError("--checkpoint-dir", checkpoint_dir, f"cannot write {path} ({exc.strerror})") from None
     return fh
+
+
+def _other_rooms_checkpoints(checkpoint_dir: str, rooms: Any) -> list[str]:
+    """The room names of ``checkpoint_dir``'s ``ROOM.ckpt`` files other than ``rooms``'s, sorted
+    (none when the directory cannot be listed)."""
+    try:
+        names = os.listdir(checkpoint_dir)
+    except OSError:
+        return []
+    return sorted(n[:-5] for n in names if n.endswith(".ckpt") and not n.startswith(".") and n[:-5] not in rooms)
 
 
 def serve(config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,

@@ -156,8 +156,8 @@ def test_good_tiny_job_is_accepted(tmp_path):
      r"\(.*badjob\.py:\d+ \(where Tiny is defined\)\)"),
     # (a new-user trial: a job with no load_data() was told only "make_worker() raised KeyError: 'x'")
     ("no_load_data", GOOD.replace("def load_data():", "def _not_load_data():"),
-     r"make_worker\(\) raised KeyError: 'x' \(.*badjob\.py:\d+\); the job has no data: its module defines no "
-     r"load_data\(\)"),
+     r"make_worker\(\) raised KeyError: 'x' \(.*badjob\.py:\d+\); the job has no data: its factory's data is an "
+     r"empty dict \(its module defines no load_data\(\)"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)
@@ -471,10 +471,20 @@ def test_serve_names_a_module_job_s_room_after_the_module(tmp_path):
     from tabcohort.cli import default_room_name
     assert default_room_name(None) == "digits"
     assert default_room_name("jobs/my_job.py:make") == "my_job" and default_room_name("pkg.mod:make") == "mod"
-    assert default_room_name("/x/ünï côde.py") == "-n--c-de" and default_room_name("...py") == "job"
+    assert default_room_name("/x/ünï côde.py") == "n--c-de" and default_room_name("...py") == "job"
+    assert default_room_name("/x/pkg/__init__.py") == "pkg" and default_room_name("-x.py") == "x"
+    # a directory of a run from before (its room was "digits"): said, not silently passed by
+    import hashlib
+
+    from tabcohort_server import checkpoint as ckpt
+    data = b"\0" * 4 * 10
+    ckpt.save(str(tmp_path), "digits", {"step": 77, "digest": hashlib.sha256(data).hexdigest(), "n": 10,
+                                        "job_hash": "0" * 32}, data)
     said = _serve_says(["--job", CNN, "--checkpoint-dir", str(tmp_path)], "URL ")
     assert " room cnn_digits (job cnn-digits-3x3x6" in said, said
     assert "--room cnn_digits --trainer-token" in said and "/?room=cnn_digits" in said, said
+    assert f"room cnn_digits starts from scratch: {tmp_path} holds checkpoints of digits, not of cnn_digits; " \
+           "--room digits resumes that room" in said, said
 
 
 def _evaluate_failing_later() -> str:

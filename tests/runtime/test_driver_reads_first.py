@@ -1,7 +1,7 @@
 """A native rank's driver (``reads_first``, as the rank session runs it) yields to its due
 deadlines through a timer due at once, not ``call_soon``: asyncio queues the callbacks of sockets that became readable before the timers
-that came due, so what arrived while the rank computed (a follower's bucket, a beat) is read
-before its next compute. Behind ``call_soon`` a leader computing 2 ms per round read a
+that came due, so what a protocol callback receives while the rank computed (the direct TCP
+path's: a follower's bucket, a beat) is read before its next compute. Behind ``call_soon`` a leader computing 2 ms per round read a
 follower's bucket two rounds late and measured its turnaround as 10 ms (PROTOCOL.md "Shares":
 the turnaround is what a rank's share is planned by)."""
 

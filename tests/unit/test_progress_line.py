@@ -108,3 +108,15 @@ def test_a_rank_whose_server_is_unreachable_says_so_on_its_lines():
     # a new-user trial: with the server gone a rank printed normal lines for 30 s, then stopped
     assert "server unreachable: reconnecting" in _line({"server_connected": False})
     assert "unreachable" not in _line({"server_connected": True})
+
+
+def test_a_stop_line_behind_the_room_s_step_limit_says_so():
+    # a trial's overloaded follower said "stopped (step limit 10 reached); step 7" and no more; a
+    # review found the server's own reason ("steps 10 reached") never matched
+    from tabcohort.runtime.native import behind_step_limit
+
+    assert "behind the room's step limit 10" in behind_step_limit(7, 10, "server: steps 10 reached")
+    assert "behind the room's step limit 10" in behind_step_limit(7, 10, "step limit 10 reached")
+    assert behind_step_limit(10, 10, "server: steps 10 reached") == ""
+    assert behind_step_limit(7, 10, "server: stopped by the operator") == ""
+    assert behind_step_limit(7, None, "server: steps 10 reached") == ""

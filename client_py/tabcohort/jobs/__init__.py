@@ -291,8 +291,8 @@ def _no_data_hint(e: BaseException, data: Any) -> str:
     """Why a factory's ``data[...]`` failed when the job has no data: a KeyError of a job with
     no ``load_data()`` (its factory gets an empty dict) was said as a bare ``KeyError: 'x'``."""
     if isinstance(e, KeyError) and not data:
-        return ("; the job has no data: its module defines no load_data() (README \"Write your own job\"), "
-                "so the factory's data is an empty dict")
+        return ("; the job has no data: its factory's data is an empty dict (its module defines no "
+                "load_data(), or one that returned {}; README \"Write your own job\")")
     return ""
 
 

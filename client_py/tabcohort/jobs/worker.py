@@ -28,7 +28,7 @@ def _vector(backend: str, v: Any) -> Any:
 def _not_floating(g: Any) -> str | None:
     """What a gradient's elements are when they say so and are not floating point (``dtype
     int32``, ``typecode 'i'``, ``memoryview format 'B'``, ``JS Int32Array``, a list of Python
-    ints only), else None (floats, or a gradient that does not say: its values are converted one
+    ints only, not all 0), else None (floats, or a gradient that does not say: its values are converted one
     by one).
 
     Floating point is a numpy dtype of kind ``f``, an ``array`` of typecode ``f`` or ``d``, a
@@ -50,11 +50,13 @@ def _not_floating(g: Any) -> str | None:
         name = str(g.constructor.name)
         return None if name.startswith("Float") else f"JS {name}"
     if isinstance(g, (list, tuple)):
-        # Python numbers, converted one by one: a list with no float in it (``[int(x) for x in
-        # g]``, all zeros for gradients below 1) is refused; one whose untouched entries are the
-        # int 0 of ``[0] * n`` beside floats is not (the scan stops at the first float)
+        # Python numbers, converted one by one. A list of ints only with one that is not 0
+        # (``[int(x) for x in g]``: gradients truncated) is refused; one of zeros only is an
+        # exact zero gradient (``[0] * n`` that no sample touched: a converged perceptron, a
+        # tab's all-zero JS Array, whose integral numbers Pyodide makes ints) and passes, as does
+        # ``[0] * n`` filled in part with floats (the scan stops at the first float)
         if g and not any(type(x) is float or isinstance(x, float) for x in g) \
-                and all(type(x) is int or type(x) is bool for x in g):
+                and all(type(x) is int or type(x) is bool for x in g) and any(g):
             return f"{type(g).__name__} of Python ints"
         return None
     try:

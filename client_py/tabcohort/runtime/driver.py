@@ -75,12 +75,15 @@ class RankDriver:
             only for the benchmark that shows what a clamped 4 ms browser timer would cost.
         reads_first: natively, run due deadlines through a timer due at once instead of
             ``call_soon``: asyncio runs the turn's socket callbacks before the timers that came
-            due, so what arrived while the rank computed (a follower's bucket, a beat) is read
-            before its next compute. Behind ``call_soon`` a leader computing 2 ms a round read a
-            follower's bucket two rounds late and measured its turnaround (what its share is
-            planned by, PROTOCOL.md "Shares") at ~10 ms instead of ~5. For a rank on sockets (the
-            native runtime); ranks sharing one loop without sockets (the in-process simulation)
-            gain nothing and pay the timer heap (about 12 % of rounds/s with a tiny model).
+            due, so what arrived while the rank computed is read before its next compute by a
+            receiver that is a protocol callback (the direct TCP path), and one compute later
+            instead of two by one that is a task woken through ``call_soon`` (the WebSocket
+            relay's reader). Behind ``call_soon`` a leader computing 2 ms a round read a
+            follower's direct-path bucket two rounds late and measured its turnaround (what its
+            share is planned by, PROTOCOL.md "Shares") at ~10 ms instead of ~5. For a rank on
+            sockets (the native runtime); ranks sharing one loop without sockets (the in-process
+            simulation) gain nothing and pay the timer heap (about 12 % of rounds/s with a tiny
+            model).
     """
 
     def __init__(self, machine: RankMachine, worker: Any, bus: Any, *,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import random
 import signal
 import socket
@@ -664,11 +665,7 @@ class RankRun(RankSession):
             st = await self.leave(machine, driver, bus, final_report=final_report,
                                   upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
             self._print(time.monotonic() - t0, st, unless_same=True)
-            # (a trial's overloaded follower said "stopped (step limit 10 reached); step 7" and no
-            # more: its step is not the room's last, and the line says so)
-            behind = (f" (behind the room's step limit {machine.step_limit}: this rank's parameters are not the "
-                      f"final checkpoint's)" if machine.step_limit is not None and machine.ready
-                      and machine.step < machine.step_limit and "step limit" in str(self.stop_reason) else "")
+            behind = behind_step_limit(machine.step, machine.step_limit, str(self.stop_reason))
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}")
             await driver.close()
             await bus.aclose()
@@ -883,6 +880,17 @@ def _below_global_batch(st: dict) -> str:
         return ""
     return (f"  (rounds cover {covered} of the global batch {gb}: the ranks' --batch caps sum to less, or "
             f"ranks are still being measured; README \"Shares\")")
+
+
+def behind_step_limit(step: int, step_limit: int | None, reason: str) -> str:
+    """What a rank's stop line adds when the room stopped at its step limit (the server's
+    ``steps N reached``, or this rank's own ``step limit N reached``) and this rank's ``step``
+    is short of it: its parameters are not the final checkpoint's. A trial's overloaded follower
+    said "stopped (step limit 10 reached); step 7" and no more. Else ``""``."""
+    if step_limit is None or step >= step_limit or not (
+            "step limit" in reason or re.search(r"\bsteps \d+ reached", reason)):
+        return ""
+    return f" (behind the room's step limit {step_limit}: this rank's parameters are not the final checkpoint's)"
 
 
 def _acc_text(acc: float | None, st: dict, *, me: bool = False) -> str:
