@@ -212,7 +212,7 @@ def test_serve_cluster_options_without_redis_are_config_errors_not_ignored(args)
     # (each was accepted and did nothing: nothing is advertised without --advertise)
     (["--advertise-interfaces", "1.2.3.4"], "--advertise-interfaces='1.2.3.4'", "applies only with --advertise"),
     # (it said the built-in job takes --dataset, --hidden and --activation: --seed is one of its options too)
-    (["--job-option", "foo=1"], "--job-option='foo'", "--dataset, --hidden, --activation and --seed"),
+    (["--job-option", "foo=1"], "--job-option='foo=1'", "--dataset, --hidden, --activation and --seed"),
 ])
 def test_serve_options_that_would_do_nothing_are_config_errors(args, named, why):
     r = subprocess.run([sys.executable, "-m", "tabcohort", "serve", "--port", "0", "--dataset", "synthetic", *args],
