@@ -622,6 +622,47 @@ def test_a_tab_like_rank_whose_turnaround_jitters_still_adds_to_the_cohort():
     assert lead.speeds.speeds[3].lateness_ms() > 1.0 and lead.state(sim.now_ms())["applied"]["00000003"] > 0
 
 
+def joined_late(speeds, *, blocking, global_batch, seconds=20.0, seed=5):
+    """Rank 1 trains alone for 2 s, the others join then; returns (applied samples/s over
+    ``seconds`` after a 4 s settling, the leader's machine). ``blocking``: every rank handles no
+    input while it computes, as a native rank's and a tab worker's event loop do."""
+    sim = SimCohort(seed=seed)
+    sim.network.set_default_link(delay_ms=0.2, jitter_ms=0.1)
+
+    def add(i, v):
+        sim.add(i, ToyWorker(bucket_len=N_PARAMS, batch=global_batch), compute_ms=0.5,
+                ms_per_sample=1.0 / v, ready=(i == 1), collect_rule="grace",
+                global_batch=global_batch, blocking_compute=blocking)
+    add(1, speeds[0])
+    for i, v in enumerate(speeds[1:], 2):
+        sim.at(2000, lambda i=i, v=v: add(i, v))
+    sim.run_until(6000)
+    lead = sim.ranks[1].machine
+    a0 = lead._applied_samples
+    sim.run_until(6000 + seconds * 1000)
+    return (lead._applied_samples - a0) / seconds, sim
+
+
+@pytest.mark.parametrize("speeds,global_batch", [((1.0, 1.0), 256), ((1.0, 1.0, 0.02), 64),
+                                                 ((1.0, 0.5, 0.25, 0.1), 64)],
+                         ids=["pair", "tab-like", "spread4"])
+def test_ranks_that_join_a_leader_busy_computing_still_get_their_share(speeds, global_batch):
+    # "Shares", a bucket that queued behind the leader's own compute: a leader handles nothing
+    # while its job computes, so a faster-than-planned rank's bucket is handled when the
+    # leader's own is, and measured as slow as the leader. Without the credit a rank joining a
+    # running leader stayed at its probe share for good (an equal pair: 32 of 256 samples, the
+    # cohort at 0.57 of the same ranks that handle inputs while computing; tab-like 0.56)
+    free, _ = joined_late(speeds, blocking=False, global_batch=global_batch)
+    busy, sim = joined_late(speeds, blocking=True, global_batch=global_batch)
+    assert busy >= 0.85 * free, (busy, free)
+    lead = sim.ranks[1].machine
+    assert lead.counters["turnaround_censored"] > 0
+    shares = lead.shares
+    assert shares.get(2, 0) >= 0.8 * shares[1] * speeds[1] / speeds[0], shares
+    stop_all_and_settle(sim)
+    assert len(set(digests(sim).values())) == 1
+
+
 def check_round_windows(sim):
     """Every round's shares cover consecutive sample indices from its cursor, once each."""
     n = 0

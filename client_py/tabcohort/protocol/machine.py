@@ -29,7 +29,7 @@ from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
 from .robust import (AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, BiasMonitor, clip_to_median_norm, l2_norm,
                      trimmed_mean)
-from .shares import (FOLLOW_INTERVAL_MS, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
+from .shares import (CENSOR_WINDOW_MS, CENSORED_CREDIT, FOLLOW_INTERVAL_MS, censor_window_ms, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
                      paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
 from .roster import Roster
@@ -415,6 +415,9 @@ class RankMachine:
         self._plan: tuple[tuple, float, dict[int, int], bool] | None = None
         # the last rounds this rank drove: (term, step) -> (sent at, shares), for turnaround
         self._sent_rounds: dict[tuple[int, int], tuple[float, dict[int, int]]] = {}
+        # when this rank's own bucket of each of those rounds was handled ("Shares": a bucket
+        # that queued behind the leader's own compute)
+        self._own_bucket_ms: dict[tuple[int, int], float] = {}
         # each rank's last probe shares, oldest first: rank -> [(term, step, sent at, samples)],
         # at most _PROBES_KEPT. A probe is answered many rounds later in a fast cohort, long
         # after its round left _sent_rounds ("Shares")
@@ -824,7 +827,7 @@ class RankMachine:
                 self._loop_step(now_ms)
 
     def bucket_ready(self, token: int, loss: float, g: Any, *, now_ms: float,
-                     samples: int | None = None) -> None:
+                     samples: int | None = None, held_ms: float = 0.0) -> None:
         """A requested :class:`Compute` finished.
 
         Args:
@@ -832,13 +835,18 @@ class RankMachine:
             loss: mean loss over the bucket's samples.
             g: float32 vector, shape (bucket_len,): the mean gradient.
             samples: samples in the bucket (default: the share the Compute asked for).
+            held_ms: how long, up to now, the compute ran without yielding (a synchronous job
+                in an event loop's turn), ms: this rank handled no input meanwhile, so a
+                leader's peers' buckets handled right after its own may have waited behind it
+                (PROTOCOL.md, "Shares"). 0: the rank kept handling inputs while it computed.
         """
         if self._input(now_ms):
             return
         if token == self._own_token:
             self._own_token = None
             share = self.train.local_steps * self.shares.get(self.id, self.worker.batch)
-            self._on_own_bucket(float(loss), share if samples is None else int(samples), g, now_ms)
+            self._on_own_bucket(float(loss), share if samples is None else int(samples), g, now_ms,
+                                held_ms=held_ms)
         elif self._inflight is not None and token == self._inflight[0]:
             _, seq, step, to, term, share = self._inflight
             samples = share if samples is None else int(samples)
@@ -1560,6 +1568,7 @@ class RankMachine:
             self._collection.assign = assign
         self._sent_rounds[(self.term, self.step)] = (now_ms, dict(shares))
         while len(self._sent_rounds) > 4:
+            self._own_bucket_ms.pop(next(iter(self._sent_rounds)), None)
             del self._sent_rounds[next(iter(self._sent_rounds))]
         for k in probing:
             q = self._probe_sent.setdefault(k, [])
@@ -1655,7 +1664,8 @@ class RankMachine:
             return None
         return holders
 
-    def _on_own_bucket(self, loss: float, samples: int, g: Any, now_ms: float) -> None:
+    def _on_own_bucket(self, loss: float, samples: int, g: Any, now_ms: float, *,
+                       held_ms: float = 0.0) -> None:
         if self._phase is not Phase.OWN:
             self.counters["late_own_bucket"] += 1
             return
@@ -1672,6 +1682,8 @@ class RankMachine:
         else:
             self._own_bucket = (loss, samples, g)
             self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)
+            if held_ms > CENSOR_WINDOW_MS and (self.term, self._round_step) in self._sent_rounds:
+                self._own_bucket_ms[(self.term, self._round_step)] = now_ms
         if col is None:
             self._finish_round(now_ms)
             return
@@ -1910,8 +1922,16 @@ class RankMachine:
             if not q:
                 del self._probe_sent[rank]
             self._probes_outstanding[rank] = len(q)
+        turnaround_ms = now_ms - sent[0]
+        own_ms = self._own_bucket_ms.get((term, step)) if rank != self.id else None
+        if own_ms is not None and now_ms - own_ms <= censor_window_ms(own_ms - sent[0]):
+            # it may have waited behind this rank's own compute: at most what was measured
+            predicted = self.speeds.predicted_ms(rank, share)
+            turnaround_ms = CENSORED_CREDIT * (turnaround_ms if predicted is None
+                                               else min(turnaround_ms, predicted))
+            self.counters["turnaround_censored"] += 1
         # per sample of the share, so the shares are planned in the round's own units
-        self.speeds.observe(rank, share, now_ms - sent[0])
+        self.speeds.observe(rank, share, turnaround_ms)
 
     def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
         """Received buckets (own included) reached the quorum while collecting."""

@@ -57,6 +57,20 @@ REPLAN_INTERVAL_MS = 2.0
 #: whose rounding put ``T`` below ``a`` (negative shares: a 1,000-rank round planned 2 samples
 #: of its 2,000). At 1e-6 the plan is well conditioned and the rank still counts as free per sample.
 PLAN_MIN_PER_SAMPLE = 1e-6
+#: a bucket handled at most CENSOR_WINDOW_MS (plus CENSOR_WINDOW_FRACTION of the leader's own
+#: turnaround) after the leader's own bucket of its round may have waited behind the leader's
+#: compute (a rank's event loop reads nothing while its job computes): its turnaround is an upper
+#: bound, and it is counted as CENSORED_CREDIT of the smaller of it and the rank's prediction, so
+#: such a rank's share grows until its buckets arrive measurably after the leader's own
+CENSOR_WINDOW_MS = 0.5
+CENSOR_WINDOW_FRACTION = 0.02
+CENSORED_CREDIT = 0.8
+
+
+def censor_window_ms(own_turnaround_ms: float) -> float:
+    """How long after the leader's own bucket (of a round its turnaround ``own_turnaround_ms``,
+    milliseconds) another rank's bucket still counts as having queued behind it ("Shares")."""
+    return CENSOR_WINDOW_MS + CENSOR_WINDOW_FRACTION * max(0.0, own_turnaround_ms)
 
 
 @dataclass

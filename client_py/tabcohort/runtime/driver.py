@@ -108,6 +108,7 @@ class RankDriver:
         self._timer_when_ms: float | None = None
         self._soon: asyncio.Handle | None = None
         self._closed = False
+        self._step_started_ms = 0.0   # when the compute coroutine's current step began
         self._wakers: list[list[Any]] = []      # [period_ms, next due ms, event]
         bus.on_message = self._on_message
         self._flush()
@@ -229,6 +230,9 @@ class RankDriver:
         if self._wakers:
             self._wake(now)
 
+    def _step_started(self) -> None:
+        self._step_started_ms = self.now_ms()
+
     def _start_compute(self, action: Compute) -> None:
         """Run the compute coroutine's first step here, in the turn that asked for it: a bucket
         that needs no await (one slice of a fast worker) finishes without a task, so a round
@@ -238,6 +242,7 @@ class RankDriver:
         caller's turn, outside a task of its own: a worker's ``grads`` must not need
         ``current_task()`` before its first await.)"""
         coro = self._compute(action)
+        self._step_started_ms = self.now_ms()
         try:
             first = coro.send(None)
         except StopIteration:
@@ -245,7 +250,7 @@ class RankDriver:
         except (Exception, asyncio.CancelledError) as exc:   # as in a task: a fault, not a crash
             self._fault("".join(traceback.format_exception_only(type(exc), exc)).strip())
             return
-        rest = _Resume(coro, first)
+        rest = _Resume(coro, first, self._step_started)
         task = self.loop.create_task(rest.run())
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -283,7 +288,10 @@ class RankDriver:
             return
         self.compute_failures = 0
         if not self._closed:
-            self.machine.bucket_ready(action.token, loss, g, now_ms=self.now_ms())
+            # (since its step began, the loop read nothing: "Shares", a bucket that waited)
+            now = self.now_ms()
+            self.machine.bucket_ready(action.token, loss, g, now_ms=now,
+                                      held_ms=now - self._step_started_ms)
             self._flush()
 
     # ------------------------------------------------------------------ outputs
@@ -411,8 +419,8 @@ class _Resume:
     start (a future to wait on, or None: a bare yield to the loop), and every exception the
     task throws in (cancellation) goes into it."""
 
-    def __init__(self, coro: Any, first: Any) -> None:
-        self.coro, self.first = coro, first
+    def __init__(self, coro: Any, first: Any, on_step: Callable[[], None]) -> None:
+        self.coro, self.first, self.on_step = coro, first, on_step
 
     async def run(self) -> Any:
         return await self
@@ -431,11 +439,13 @@ class _Resume:
             try:
                 sent = yield pending
             except BaseException as exc:     # thrown in by the task: pass it on
+                self.on_step()
                 try:
                     pending = self.coro.throw(exc)
                 except StopIteration as done:
                     return done.value
                 continue
+            self.on_step()
             try:
                 pending = self.coro.send(sent)
             except StopIteration as done:

@@ -26,13 +26,18 @@ class SimRank:
     def __init__(self, sim: "SimCohort", rank_id: int, worker: Any, *, compute_ms: float,
                  ready: bool, lr: float, eval_every: int, collect_rule: str = "quorum",
                  ms_per_sample: float = 0.0, global_batch: int | None = None, train: Any = None,
-                 compute_jitter_ms: float = 0.0) -> None:
+                 compute_jitter_ms: float = 0.0, blocking_compute: bool = False) -> None:
         self.sim = sim
         self.id = rank_id
         self.worker = worker
         self.compute_ms = compute_ms            # fixed cost per bucket (virtual ms)
         self.ms_per_sample = ms_per_sample      # plus this per sample of the share
         self.compute_jitter_ms = compute_jitter_ms  # plus uniform [0, this) from the sim's seed
+        #: the rank handles nothing while it computes (a native rank's or a tab worker's event
+        #: loop runs the job's grads in its own turn): inputs wait until the bucket is ready
+        self.blocking_compute = blocking_compute
+        self._busy_until_ms = 0.0
+        self._computing = False
         self.bus = sim.network.attach(rank_id)
         self.bus.on_message = self._on_message
         self.machine = RankMachine(rank_id, worker, self.bus, job=sim.job, now_ms=sim.now_ms(),
@@ -51,7 +56,7 @@ class SimRank:
     def _input(self, fn: Callable[[], None]) -> None:
         if not self.alive:
             return
-        if self.frozen:
+        if self.frozen or self._computing:
             self._held.append(fn)
             return
         fn()
@@ -124,6 +129,13 @@ class SimRank:
         took = self.compute_ms + self.ms_per_sample * a.samples * h
         if self.compute_jitter_ms > 0:
             took += self.sim.rng.uniform(0.0, self.compute_jitter_ms)
+        if self.blocking_compute:
+            # computes one bucket after another, and holds every input meanwhile; the bucket is
+            # handled first when the compute ends, then what queued behind it
+            now = self.sim.now_ms()
+            took = max(now, self._busy_until_ms) + took - now
+            self._busy_until_ms = now + took
+            self._computing = True
         try:
             if h > 1:
                 loss, g = self.worker.local_grads_sync(a.offset, a.samples, h, a.inner_optimizer, a.inner_lr)
@@ -131,11 +143,31 @@ class SimRank:
                 loss, g = self.worker.grads_sync(a.offset, a.samples)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
-            self.sim.scheduler.call_later(took, lambda: self._input(
-                lambda: self.machine.bucket_failed(a.token, err, now_ms=self.sim.now_ms())))
+            self._computed(took, lambda: self.machine.bucket_failed(a.token, err, now_ms=self.sim.now_ms()))
             return
-        self.sim.scheduler.call_later(took, lambda: self._input(
-            lambda: self.machine.bucket_ready(a.token, loss, g, now_ms=self.sim.now_ms())))
+        self._computed(took, lambda: self.machine.bucket_ready(a.token, loss, g, now_ms=self.sim.now_ms(),
+                                                               held_ms=took if self.blocking_compute else 0.0))
+
+    def _computed(self, took: float, fn: Callable[[], None]) -> None:
+        if not self.blocking_compute:
+            self.sim.scheduler.call_later(took, lambda: self._input(fn))
+            return
+
+        def done() -> None:
+            if self.sim.now_ms() >= self._busy_until_ms:
+                self._computing = False
+            if not self.alive:
+                return
+            if self.frozen:                  # (a freeze fault: the bucket waits with the rest)
+                self._held.append(fn)
+                return
+            fn()
+            self._flush()
+            if not self._computing:
+                held, self._held = self._held, []
+                for h in held:
+                    self._input(h)
+        self.sim.scheduler.call_later(took, done)
 
 
 class SimCohort:
@@ -170,14 +202,18 @@ class SimCohort:
     def add(self, rank_id: int, worker: Any, *, compute_ms: float = 5.0, ready: bool = False,
             start: bool = True, lr: float = 0.1, eval_every: int = 0,
             collect_rule: str = "quorum", ms_per_sample: float = 0.0,
-            global_batch: int | None = None, train: Any = None, compute_jitter_ms: float = 0.0) -> SimRank:
+            global_batch: int | None = None, train: Any = None, compute_jitter_ms: float = 0.0,
+            blocking_compute: bool = False) -> SimRank:
         """Add a rank; its bucket takes ``compute_ms + ms_per_sample * share * H`` virtual ms,
         plus a uniform draw from ``[0, compute_jitter_ms)`` (a tab's garbage collection and
         scheduling; the sim's seeded generator) (``train``: the room's
-        :class:`~tabcohort.protocol.optim.TrainConfig`, H its local steps)."""
+        :class:`~tabcohort.protocol.optim.TrainConfig`, H its local steps; ``blocking_compute``:
+        the rank handles no input while it computes, as a native rank and a tab's worker do,
+        whose job runs in their event loop's turn)."""
         r = SimRank(self, rank_id, worker, compute_ms=compute_ms, ready=ready, lr=lr,
                     eval_every=eval_every, collect_rule=collect_rule, ms_per_sample=ms_per_sample,
-                    global_batch=global_batch, train=train, compute_jitter_ms=compute_jitter_ms)
+                    global_batch=global_batch, train=train, compute_jitter_ms=compute_jitter_ms,
+                    blocking_compute=blocking_compute)
         self.ranks[rank_id] = r
         if start:
             r.start()
