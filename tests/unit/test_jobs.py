@@ -483,6 +483,21 @@ def test_a_job_whose_grads_never_return_fails_the_start_up_check_within_its_time
         probe(job, batch=8, seed=0, backend="python", timeout_s=30)
 
 
+def test_a_one_file_job_that_imports_a_file_beside_it_is_refused_as_ranks_would_refuse_it(tmp_path, monkeypatch):
+    """Ranks import a job from its bundle alone; under `python -m tabcohort` the job's directory
+    (the current one) was on sys.path, so serve's check imported the file beside it and accepted
+    a job that failed on every rank."""
+    (tmp_path / "helper_beside.py").write_text("ONE = 1\n")
+    path = _job(tmp_path, "from helper_beside import ONE\n" + JOB, name="uses_helper.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("")
+    sys.modules.pop("helper_beside", None)
+    with pytest.raises(JobError, match=r"No module named 'helper_beside'.*helper_beside is beside the job "
+                                       r"but not part of it: a job of several files is a package"):
+        load_job(path, with_data=False)
+    assert "" in sys.path                              # (the caller's path is put back)
+
+
 def test_a_job_whose_module_never_finishes_importing_fails_the_bounded_load(tmp_path):
     """A job that slept at its top level hung ``serve`` and ``simulate`` with nothing printed
     (the bound covered the calls after the import only)."""

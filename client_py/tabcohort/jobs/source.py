@@ -94,12 +94,27 @@ class JobSource:
         sys.modules[self.module] = mod
         _JOB_MODULES.add(self.module)
         files = {os.path.abspath(os.path.join(self.root, r)) for r in self.files}
+        # imported as a rank imports it, from its bundle alone: the job's own directory (the
+        # current one under `python -m`) off the path, so a file beside a one-file job that is
+        # not in its bundle fails here and not on every rank
+        saved = list(sys.path)
+        root = os.path.abspath(self.root)
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
         try:
             spec.loader.exec_module(mod)
         except Exception as e:
             del sys.modules[self.module]
-            raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)})",
+            hint = ""
+            missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+            if missing and (os.path.exists(os.path.join(self.root, missing.split(".")[0] + ".py"))
+                            or os.path.isdir(os.path.join(self.root, missing.split(".")[0]))):
+                hint = (f"; {missing.split('.')[0]} is beside the job but not part of it: a job of "
+                        f"several files is a package (a directory with __init__.py; README "
+                        f"'Write your own job')")
+            raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)}){hint}",
                            self.ref) from None
+        finally:
+            sys.path[:] = saved
         if not callable(getattr(mod, self.factory, None)):
             what = (f"has no function {self.factory}()" if not hasattr(mod, self.factory) else
                     f"has {self.factory}, a {type(getattr(mod, self.factory)).__name__}, not a function")
