@@ -537,6 +537,33 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
     assert codes == [1, 1]
 
 
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path, sig, code):
+    # a new-user trial: a job whose grads() hung mid-run held the event loop, and with it the
+    # ordered stop the first Ctrl-C (or SIGTERM) asks for: only SIGKILL ended the rank. The first
+    # signal still asks for the ordered stop; a second one stops the rank at once
+    import os
+    import signal
+    marker = tmp_path / "hanging"
+    job = tmp_path / "hangs_later.py"
+    job.write_text(GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                                '        self.calls = getattr(self, "calls", 0) + 1\n'
+                                '        if self.calls > 20:\n'
+                                f'            import pathlib, time; pathlib.Path({str(marker)!r}).write_text("")\n'
+                                '            time.sleep(600)\n'
+                                '        return LOSS, array("f", [0.0] * GRAD_LEN)'))
+    cluster.serve("--job", str(job))
+    rank = cluster.rank("--trust-job")
+    wait_for(lambda: marker.exists(), 60, "the job's grads to hang")
+    os.kill(rank.p.pid, getattr(signal, sig))
+    wait_for(lambda: "stopping in order (again to stop at once)" in rank.text(), 10, "the first signal's word")
+    assert rank.p.poll() is None                      # (the ordered stop waits for the loop)
+    os.kill(rank.p.pid, getattr(signal, sig))
+    assert rank.p.wait(15) == code, rank.text()[-2000:]
+    if sig == "SIGINT":
+        assert "tabcohort rank: interrupted (Ctrl-C)" in rank.text(), rank.text()[-2000:]
+
+
 def test_a_job_whose_evaluate_starts_raising_ends_each_rank_with_the_job_s_line(cluster, tmp_path):
     # a new-user trial: evaluate() raising mid-run made every evaluation a round fault (a beat's
     # wait: 25 steps/s for 5,000) with a frozen accuracy and no word on the rank's console

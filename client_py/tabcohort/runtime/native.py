@@ -57,6 +57,45 @@ EMPTY_TOKEN_VARIABLE = ("is set but empty (e.g. the shell's \"$(cat ckpt/.traine
 #: redirects followed per request (a cluster node sends a rank to its room's owner: one hop)
 _MAX_REDIRECTS = 4
 
+
+def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str], None]) -> Callable[[], None]:
+    """SIGINT and SIGTERM ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
+    ``loop`` once it turns. A second signal before the process ends stops it at once
+    (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM), raised where the main
+    thread is: a job whose compute never returns holds the loop, and the ordered stop with it,
+    so without this only SIGKILL ended such a rank. Python-level handlers (``signal.signal``), not
+    the loop's: those run only when the loop turns.
+
+    Returns:
+        A function that puts the previous handlers back (a no-op off the main thread, where
+        none are installed).
+    """
+    seen: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if seen:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        seen.append(name)
+        os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
+        try:
+            loop.call_soon_threadsafe(request_stop, f"signal {name}")
+        except RuntimeError:                     # (the loop has closed: nothing left to stop)
+            pass
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, on_signal)
+        except (ValueError, OSError):             # (not the main thread; a platform without it)
+            pass
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+    return restore
+
 @dataclass
 class RankConfig:
     """A native rank's settings. Build with :meth:`from_sources`, then :meth:`validate`."""
@@ -563,6 +602,17 @@ class RankRun(RankSession):
                 delay = min(delay * 2, 4.0)
 
     async def run(self) -> int:
+        """Join the room and train until stopped; returns the exit status (0, or 1 on a
+        failure). SIGINT and SIGTERM ask for the ordered stop once the rank has a seat
+        (:func:`stop_on_signals`), and the process's own handlers are back when this returns."""
+        self._restore_signals: Callable[[], None] | None = None
+        try:
+            return await self._run()
+        finally:
+            if self._restore_signals is not None:
+                self._restore_signals()
+
+    async def _run(self) -> int:
         import aiohttp
 
         from ..bus.aio import ws_url
@@ -616,11 +666,8 @@ class RankRun(RankSession):
                             self.first_loss = loss
                     inner(msg)
                 bus.on_message = tap
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    try:
-                        loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
-                    except (NotImplementedError, RuntimeError):  # pragma: no cover
-                        pass
+                if self._restore_signals is None:
+                    self._restore_signals = stop_on_signals(loop, self.request_stop)
                 self.progress(f"rank {bus.id:08x} joined room {cfg.room} ({worker.backend}, batch {worker.batch}, "
                               f"bucket_len {worker.bucket_len}; role: "
                               f"{'may lead' if machine.may_lead else 'contributes only (no trainer token)'})")
