@@ -96,7 +96,7 @@ def create_app(config: ServerConfig | None = None) -> web.Application:
     config.validate()
     limits = config.limits
     # bodies are small JSON everywhere but the checkpoint upload, which streams (put_checkpoint)
-    app = web.Application(client_max_size=1 << 20, middlewares=[_origin_middleware])
+    app = web.Application(client_max_size=1 << 20, middlewares=[_encoding_middleware, _origin_middleware])
     app[CONFIG] = config
     app[OPERATOR_TOKEN] = config.operator_token or new_token()
     app[TRAINER_TOKEN] = config.trainer_token or _trainer_token(config.checkpoint_dir)
@@ -421,6 +421,20 @@ def _operator_room(request: web.Request) -> Room:
 
 
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+@web.middleware
+async def _encoding_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse (415, counted in ``refused`` as ``content_encoding``) a request whose body is
+    compressed: no client of ours compresses one, and aiohttp would inflate it as it is read (a
+    body that says gzip and is not answered 500 with a traceback where a handler read it)."""
+    enc = request.headers.get("Content-Encoding", "").strip().lower()
+    if enc and enc != "identity":
+        request.app[REFUSED]["content_encoding"] += 1
+        raise web.HTTPUnsupportedMediaType(
+            text=json.dumps({"error": f"request bodies are not compressed here (Content-Encoding: {enc[:40]})"}),
+            content_type="application/json")
+    return await handler(request)
 
 
 @web.middleware

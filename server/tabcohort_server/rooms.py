@@ -92,6 +92,11 @@ _FRAME_ID = struct.Struct("<I")
 _FRAME_ID_AT = 10
 
 
+#: released rank ids a room remembers (never re-seated, never drawn for a new rank); 64 Ki ids,
+#: about 8 MiB at most
+RELEASED_IDS_KEPT = 65536
+
+
 class RoomError(Exception):
     """A registration the room refuses; ``code`` and ``reason`` become the close frame."""
 
@@ -230,7 +235,10 @@ class Room:
         #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
         #: id and secret although it never issued that id; ids released here are never re-seated.
         self.secret_key: bytes | None = None
-        self._released: set[int] = set()
+        #: released ids, oldest first, at most RELEASED_IDS_KEPT (an ordered set: every expired
+        #: rank added one for good, 0.5 GB a day at the registration limit); a new rank never
+        #: gets one of them, and one forgotten is as unlikely to be drawn as any other id
+        self._released: dict[int, None] = {}
         #: until when ranks of the room's previous life (before a restart on the same checkpoint
         #: directory, or on the cluster node that owned it) may still come back under their ids:
         #: its roll call is partial till then (PROTOCOL.md, "Membership and majority")
@@ -311,7 +319,7 @@ class Room:
             self._check_address(address, now)
             while True:
                 k = self.rng.getrandbits(32)
-                if k not in self.peers and k != 0:
+                if k not in self.peers and k != 0 and k not in self._released:
                     break
             p = self.peers[k] = Peer(k, self._secret(k), address)
         p.connected = True
@@ -434,7 +442,9 @@ class Room:
                 and now - p.disconnected_at > self.limits.resume_grace_s]
         for k in gone:
             del self.peers[k]
-            self._released.add(k)
+            self._released[k] = None
+        while len(self._released) > RELEASED_IDS_KEPT:
+            del self._released[next(iter(self._released))]
         return gone
 
     # ------------------------------------------------------------------ relay

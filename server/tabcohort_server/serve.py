@@ -16,7 +16,7 @@ from .config import ServerConfig
 
 class MalformedRequests(logging.Filter):
     """On aiohttp's ``aiohttp.server`` logger: a request aiohttp could not parse (a bad URL, a bad
-    header: it already answered 400) is counted in ``refused`` (``malformed_http``, in /metrics)
+    header: it already answered 400; a body it could not inflate) is counted in ``refused`` (``malformed_http``, in /metrics)
     and logged in one line at most every ``every_s`` seconds, not as an 11-line traceback each:
     anyone could fill the log with them, without a token."""
 
@@ -30,9 +30,11 @@ class MalformedRequests(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import BadHttpMessage
+        from aiohttp.web_protocol import RequestPayloadError
 
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, BadHttpMessage):
+        # (a body aiohttp could not inflate, read after the answer to drain it: a bad request too)
+        if not isinstance(exc, (BadHttpMessage, RequestPayloadError)):
             return True
         self.refused["malformed_http"] += 1
         self._since += 1

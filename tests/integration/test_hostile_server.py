@@ -128,3 +128,24 @@ def test_malformed_http_requests_are_counted_and_logged_in_one_line_not_a_traceb
     assert got
     log = cluster.server.text()
     assert "Traceback" not in log and log.count("malformed HTTP request") == 1, log[-2000:]
+
+
+def test_a_body_that_says_it_is_compressed_is_refused_counted_and_never_a_traceback(cluster):
+    # an adversarial trial: `Content-Encoding: gzip` on a body that is not gzip answered 500 on
+    # the two routes that read a body (the operator's /lr, the leader's checkpoint upload) and
+    # logged a 28-line traceback on any route, without a token
+    cluster.serve()
+    url = f"{cluster.url}/api/rooms/{cluster.room}"
+    auth = {"Authorization": f"Bearer {cluster.operator_token}"}
+    for path, method in ((f"{url}/lr", "POST"), (f"{url}/checkpoint", "PUT"), (f"{cluster.url}/healthz", "POST")):
+        for enc in ("gzip", "deflate"):       # (br, zstd: aiohttp answers 400 itself, unread)
+            req = urllib.request.Request(path, data=b"notcompressed", method=method,
+                                         headers={**auth, "Content-Encoding": enc})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 415, (path, enc, e.value.code)
+    m = urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5).read().decode()
+    assert 'reason="content_encoding"} 6.0' in m, [x for x in m.splitlines() if "refused" in x]
+    log = cluster.server.text()
+    assert "Traceback" not in log and "Error handling request" not in log, log[-3000:]
+

@@ -46,6 +46,29 @@ def test_ids_are_unique_uint32_and_resume_needs_the_secret():
         r.register(now=50.0, resume_id=a.id, resume_secret=a.secret)
 
 
+def test_a_room_remembers_a_bounded_number_of_released_ids_and_never_draws_one(monkeypatch):
+    # an adversarial trial: every expired rank's id was kept for good (20,000 register /
+    # disconnect / expire cycles: 20,000 ids; about 0.5 GB a day at the registration limit)
+    import tabcohort_server.rooms as rooms
+    monkeypatch.setattr(rooms, "RELEASED_IDS_KEPT", 8)
+    r = room()
+    r.secret_key = b"k" * 32
+    t = 0.0
+    gone = []
+    for _ in range(20):
+        p = r.register(now=t)
+        r.disconnect(p, t)
+        t += r.limits.resume_grace_s + 1
+        gone += r.expire(t)
+    assert len(gone) == 20 and list(r._released) == gone[-8:]
+    newest = gone[-1]                        # still remembered: its owner cannot take it back
+    with pytest.raises(RoomError):
+        r.register(now=t, resume_id=newest, resume_secret=r._secret(newest))
+    draws = iter([newest, 12345])            # and a new rank never gets it
+    monkeypatch.setattr(r.rng, "getrandbits", lambda bits: next(draws))
+    assert r.register(now=t).id == 12345
+
+
 def test_a_star_rank_that_declares_relay_peers_is_relayed_to_those_only():
     """Direct TCP paths (docs/PROTOCOL.md): a star rank's broadcast goes to every peer until it
     declares ``relay_peers``, then to those only; a reconnect forgets the declaration."""
