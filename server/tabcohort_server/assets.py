@@ -43,6 +43,8 @@ class RoomAssets:
         self.job_data: bytes | None = None
         self._load_job_named(room)
         self.checkpoint_data: bytes | None = None
+        #: the model export of the newest checkpoint (``GET .../model``): (its key, the .npz bytes)
+        self.model_export: tuple[tuple, bytes] | None = None
         #: one checkpoint upload at a time per room (each holds up to the parameters' size)
         self.upload_lock = asyncio.Lock()
         self.history = RoomHistory()
