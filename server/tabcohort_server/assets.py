@@ -97,7 +97,8 @@ class RoomAssets:
         return True
 
     def _load_job(self, room: Room) -> None:
-        from tabcohort.jobs import BUILTIN, PROBE_TIMEOUT_S, SHIPPED, JobError, check_round_fits, load_job, loss_ceiling, probe, resolve_backend
+        from tabcohort.jobs import (BUILTIN, PROBE_TIMEOUT_S, SHIPPED, JobError, check_round_fits, compare_paths, load_job,
+                                    loss_ceiling, probe, resolve_backend)
 
         job = room.job
         ref, options = job.job_ref()
@@ -130,6 +131,7 @@ class RoomAssets:
                 if py.bucket_len != self.worker.bucket_len:
                     raise JobError(f"bucket_len {py.bucket_len} on the python backend, "
                                    f"{self.worker.bucket_len} on {self.worker.backend}", ref)
+                compare_paths(loaded, self.worker, py, timeout_s=PROBE_TIMEOUT_S)
                 backends.append("python")
                 if ref not in SHIPPED and self._needs_numpy(loaded, ref, batch, job.seed):
                     backends.remove("python")   # (the shipped jobs run the no-numpy test tier)

@@ -158,6 +158,15 @@ def test_good_tiny_job_is_accepted(tmp_path):
     ("no_load_data", GOOD.replace("def load_data():", "def _not_load_data():"),
      r"make_worker\(\) raised KeyError: 'x' \(.*badjob\.py:\d+\); the job has no data: its factory's data is an "
      r"empty dict \(its module defines no load_data\(\)"),
+    # (a new-user trial: a pure-Python path with the gradient's sign flipped was served, and a
+    # tab on it pushed the model the other way; simulate on it said "done")
+    ("paths_disagree", GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
+                                    '        return LOSS, array("f", [self.sign] * GRAD_LEN)')
+                           .replace("    return Tiny(data, batch)",
+                                    "    w = Tiny(data, batch)\n    w.sign = -1.0 if backend == 'python' else 1.0\n"
+                                    "    return w"),
+     r"its numpy and pure-Python paths disagree on the same \d+ samples and parameters \(loss 0.7 and 0.7; the "
+     r"gradients differ by 2 of the numpy one's norm"),
 ])
 def test_serve_refuses_a_bad_job(tmp_path, case, src, expect):
     r = _serve_job(tmp_path, src)

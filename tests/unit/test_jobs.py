@@ -483,6 +483,21 @@ def test_a_job_whose_grads_never_return_fails_the_start_up_check_within_its_time
         probe(job, batch=8, seed=0, backend="python", timeout_s=30)
 
 
+def test_two_paths_of_a_job_must_agree_on_one_batch(tmp_path):
+    """serve and simulate compare a job's numpy and pure-Python paths (tabs without numpy take
+    the pure one): a path with the gradient's sign flipped trained a mixed cohort wrong, unsaid."""
+    from tabcohort.jobs import compare_paths
+    src = JOB.replace("return 0.5, array(\"f\", [1.0, 1.0, float(offset)])",
+                      "return 0.5, array(\"f\", [self.sign, 1.0, float(offset) + 1.0])")
+    src = src.replace("    return W(batch)", "    w = W(batch)\n    w.sign = -1.0 if seed == 1 else 1.0\n    return w")
+    job = load_job(_job(tmp_path, src, name="signs.py"), with_data=False)
+    same, flipped = (job.make_worker(batch=4, seed=s, backend="python") for s in (0, 1))
+    compare_paths(job, same, job.make_worker(batch=4, seed=0, backend="python"))
+    with pytest.raises(JobError, match=r"its numpy and pure-Python paths disagree on the same 4 samples and "
+                                       r"parameters \(loss 0.5 and 0.5; the gradients differ by 1.15 of"):
+        compare_paths(job, same, flipped)
+
+
 def test_a_one_file_job_that_imports_a_file_beside_it_is_refused_as_ranks_would_refuse_it(tmp_path, monkeypatch):
     """Ranks import a job from its bundle alone; under `python -m tabcohort` the job's directory
     (the current one) was on sys.path, so serve's check imported the file beside it and accepted

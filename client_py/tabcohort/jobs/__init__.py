@@ -590,6 +590,48 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
                        doing=doing, ref=job.source.ref)
 
 
+#: the largest relative difference serve accepts between a job's two paths on one batch (the
+#: norm of the gradients' difference over the numpy gradient's norm; the losses likewise): float32
+#: against the pure-Python path's float64 arithmetic differs by about 1e-6
+PATHS_REL_TOL = 1e-3
+
+
+def compare_paths(job: LoadedJob, numpy_worker: JobWorker, python_worker: JobWorker, *,
+                  timeout_s: float | None = None) -> None:
+    """Both paths of a job computed on the same batch from the same parameters agree: the
+    pure-Python worker is given the numpy worker's ``params()``, both compute the bucket of
+    ``min(batch, PROBE_SAMPLES)`` samples at offset 0, and their losses and gradients must agree
+    within :data:`PATHS_REL_TOL`. Why: a cohort mixes both (tabs without numpy take the pure
+    one), so a path that computes something else trains the model wrong with nothing said (a
+    new-user trial: a python path with the gradient's sign flipped was served, and a tab on it
+    pushed the model the other way).
+
+    Raises:
+        JobError: naming both losses and the gradients' relative difference.
+    """
+    doing = ["comparing the numpy and pure-Python paths"]
+
+    def check() -> None:
+        ref = job.source.ref
+        python_worker.set_params(to_vector(numpy_worker.params()))
+        n = max(1, min(numpy_worker.batch, python_worker.batch, PROBE_SAMPLES))
+        loss_np, g_np = numpy_worker.grads_sync(0, n)
+        loss_py, g_py = python_worker.grads_sync(0, n)
+        a, b = [float(v) for v in g_np], [float(v) for v in g_py]
+        norm = math.sqrt(sum(v * v for v in a))
+        diff = math.sqrt(sum((u - v) ** 2 for u, v in zip(a, b))) if len(a) == len(b) else math.inf
+        rel_g = diff / norm if norm > 0 else diff
+        rel_loss = abs(loss_np - loss_py) / max(abs(loss_np), 1e-12)
+        if not rel_g <= PATHS_REL_TOL or not rel_loss <= PATHS_REL_TOL:
+            raise JobError(f"its numpy and pure-Python paths disagree on the same {n} samples and parameters "
+                           f"(loss {loss_np:.6g} and {loss_py:.6g}; the gradients differ by {rel_g:.3g} of the "
+                           f"numpy one's norm, at most {PATHS_REL_TOL:g} allowed): a cohort mixes both (tabs "
+                           f"without numpy take the pure one), so one of them trains the model wrong. Make them "
+                           f"compute the same (a stochastic job draws the same numbers for an offset on both), "
+                           f"or declare BACKENDS = (\"numpy\",)", ref)
+    run_bounded(check, timeout_s=timeout_s, doing=doing, ref=job.source.ref)
+
+
 def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorker | None,
            doing: list[str]) -> JobWorker:
     """:func:`probe`'s checks; ``doing[0]`` names the call in progress."""

@@ -195,6 +195,8 @@ class InprocCohort:
         w = probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend,
                   timeout_s=bound_s)
         check_round_fits(self.loaded_job, w.bucket_len, cfg.train.state_len(w.bucket_len))
+        if cfg.job:
+            self._compare_paths(w, bound_s)
         self.rng = random.Random(cfg.seed)
         self.loop = asyncio.get_running_loop()
         self.network = MemoryNetwork(AsyncioScheduler(self.loop), seed=cfg.seed, precision=cfg.precision,
@@ -211,6 +213,25 @@ class InprocCohort:
         #: seconds since the run began when its partition healed, or None
         self._healed_at_s: float | None = None
         self.job: str | None = None
+
+    def _compare_paths(self, w: Any, bound_s: float | None) -> None:
+        """A module job with both a numpy and a pure-Python path: they agree on one batch, as
+        serve checks (:func:`tabcohort.jobs.compare_paths`), whichever of them this run uses."""
+        from ..jobs import JobError, compare_paths
+        from ..jobs.worker import resolve_backend
+        job, cfg = self.loaded_job, self.cfg
+        if resolve_backend("auto") == "python" or (job.backends is not None and
+                                                   not {"numpy", "python"} <= set(job.backends)):
+            return
+        other = "numpy" if w.backend == "python" else "python"
+        try:
+            o = job.make_worker(batch=cfg.resolved_global_batch, seed=cfg.seed, backend=other)
+        except JobError:                    # (a job with one path only)
+            return
+        np_w, py_w = (o, w) if other == "numpy" else (w, o)
+        params = w.params()
+        compare_paths(job, np_w, py_w, timeout_s=bound_s)
+        w.set_params(params)
 
     def _new_id(self) -> int:
         while True:
