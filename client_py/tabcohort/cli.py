@@ -37,9 +37,9 @@ examples:
       --trainer-token="$(cat ckpt/.trainer-token)"                      # a native rank that may lead
   tabcohort simulate --ranks 4 --steps 400                               # no server needed
   tabcohort serve --job examples/jobs/cnn_digits.py --lr 0.3 --checkpoint-dir ckpt  # your own model and data
-  tabcohort rank --server http://127.0.0.1:8080 --room digits --trust-job \\
+  tabcohort rank --server http://127.0.0.1:8080 --room cnn_digits --trust-job \\
       --trainer-token="$(cat ckpt/.trainer-token)"                      # ... run by a native rank
-  tabcohort evaluate --job examples/jobs/cnn_digits.py --model digits-step200.npz
+  tabcohort evaluate --job examples/jobs/cnn_digits.py --model cnn_digits-step200.npz
 
 tabcohort COMMAND --help lists a command's options and their defaults."""
 
