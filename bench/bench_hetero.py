@@ -10,8 +10,11 @@ same run and timed the same way. A rank of speed ``v`` computes a share of ``s``
 - ``spread4``: speeds {1, 0.5, 0.25, 0.1};
 - ``spread16``: 16 ranks with speeds spread evenly from 1 down to 0.05.
 
-Measured twice: in virtual time (``tabcohort.runtime.sim``: the same machines and in-memory bus on
-a discrete-event clock, no CPU cost; deterministic for a seed) and on the wall clock (one asyncio
+Measured three times: in virtual time (``tabcohort.runtime.sim``: the same machines and in-memory bus on
+a discrete-event clock, no CPU cost; deterministic for a seed), once with ranks that handle
+inputs while they compute and once with ranks that do not (``blocking_compute``: as a native rank
+and a tab's worker on the python or js backend, whose job runs in their event loop's turn, so a
+peer's bucket waits behind the leader's own compute; docs/PROTOCOL.md "Shares"), and on the wall clock (one asyncio
 loop: real ``RankMachine`` + ``RankDriver`` + in-memory bus, the compute an awaited sleep, so the
 two cores are not the limit; the rank machines' own message handling is). A wall-clock window
 starts and ends at a round boundary, so a slow solo rank is measured over whole rounds.
@@ -21,8 +24,8 @@ against a homogeneous one (4 ranks of speed 1) at the same global batch, the sam
 rounds: held-out accuracy of both and their difference. (The shares cover consecutive windows from
 one cursor and the reduce is sample-weighted, so both cohorts take the same samples per round.)
 
-Writes ``bench/results/hetero.json`` (``efficiency_virtual`` and ``efficiency_wall``: cohort name
--> efficiency; ``accuracy``; and the rows) and prints Markdown tables.
+Writes ``bench/results/hetero.json`` (``efficiency_virtual``, ``efficiency_virtual_blocking`` and
+``efficiency_wall``: cohort name -> efficiency; ``accuracy``; and the rows) and prints Markdown tables.
 
 Usage: PYTHONPATH=client_py python bench/bench_hetero.py [--quick] [--seconds 5] [--json PATH]
 """
@@ -55,17 +58,22 @@ COHORTS = {
 }
 BUCKET_LEN = 8
 GOAL_VIRTUAL, GOAL_WALL, GOAL_ACCURACY = 0.90, 0.80, 0.005
+#: the table's names of the three measurements
+CLOCKS = {"virtual": "virtual", "virtual_blocking": "virtual, blocking compute", "wall": "wall"}
 
 
 # ------------------------------------------------------------------ virtual time
 def virtual(speeds: list[float], global_batch: int, seconds: float, unit: float, overhead_ms: float,
-            seed: int = 5) -> dict:
-    """One cohort in virtual time; applied samples/s over ``seconds`` after a 4 s warm-up."""
+            seed: int = 5, blocking: bool = False) -> dict:
+    """One cohort in virtual time; applied samples/s over ``seconds`` after a 4 s warm-up.
+    ``blocking``: every rank handles no input while it computes (a native rank, a tab's worker
+    on the python or js backend: their job runs in their event loop's turn)."""
     sim = SimCohort(seed=seed)
     sim.network.set_default_link(delay_ms=0.2, jitter_ms=0.1)
     for i, v in enumerate(speeds, 1):
         sim.add(i, ToyWorker(bucket_len=BUCKET_LEN, batch=global_batch), compute_ms=overhead_ms,
-                ms_per_sample=1.0 / (v * unit), ready=(i == 1), collect_rule="grace", global_batch=global_batch)
+                ms_per_sample=1.0 / (v * unit), ready=(i == 1), collect_rule="grace", global_batch=global_batch,
+                blocking_compute=blocking)
     sim.run_until(4000.0)
     lead = sim.ranks[1].machine
     a0, s0 = lead._applied_samples, lead.step
@@ -221,12 +229,16 @@ async def main_async(a) -> dict:
     for name, (speeds, gb) in COHORTS.items():
         v = virtual(speeds, gb, a.sim_seconds, a.unit, a.overhead_ms)
         v_solo = [virtual([s], gb, a.sim_seconds, a.unit, a.overhead_ms) for s in speeds]
+        b = virtual(speeds, gb, a.sim_seconds, a.unit, a.overhead_ms, blocking=True)
+        b_solo = [virtual([s], gb, a.sim_seconds, a.unit, a.overhead_ms, blocking=True) for s in speeds]
         w = await wall(speeds, gb, a.seconds, a.unit, a.overhead_ms)
         w_solo = await wall_solos(speeds, gb, a.seconds, a.unit, a.overhead_ms)
         cohorts[name] = {
             "speeds": speeds, "global_batch": gb,
             "virtual": {"cohort": v, "solo_applied_per_s": [r["applied_per_s"] for r in v_solo],
                         "efficiency": v["applied_per_s"] / sum(r["applied_per_s"] for r in v_solo)},
+            "virtual_blocking": {"cohort": b, "solo_applied_per_s": [r["applied_per_s"] for r in b_solo],
+                                 "efficiency": b["applied_per_s"] / sum(r["applied_per_s"] for r in b_solo)},
             "wall": {"cohort": w, "solo_applied_per_s": [r["applied_per_s"] for r in w_solo],
                      "efficiency": w["applied_per_s"] / sum(r["applied_per_s"] for r in w_solo)}}
     speeds = COHORTS["spread4"][0]
@@ -238,6 +250,7 @@ async def main_async(a) -> dict:
             "cpus": os.cpu_count(),
             "efficiency_virtual": {k: c["virtual"]["efficiency"] for k, c in cohorts.items()},
             "efficiency_wall": {k: c["wall"]["efficiency"] for k, c in cohorts.items()},
+            "efficiency_virtual_blocking": {k: c["virtual_blocking"]["efficiency"] for k, c in cohorts.items()},
             "accuracy": {"dataset": "digits", "model": "mlp hidden 32", "global_batch": a.acc_global_batch,
                          "rounds": a.acc_rounds, "lr": a.acc_lr, "heterogeneous": hetero, "homogeneous": homo,
                          "difference": hetero["accuracy"] - homo["accuracy"]},
@@ -260,9 +273,9 @@ def print_tables(r: dict) -> None:
           "| rounds/s | efficiency |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for name, c in r["cohorts"].items():
-        for clock in ("virtual", "wall"):
+        for clock in ("virtual", "virtual_blocking", "wall"):
             x = c[clock]
-            print(f"| {name} | {speeds_text(c['speeds'])} | {c['global_batch']} | {clock} | "
+            print(f"| {name} | {speeds_text(c['speeds'])} | {c['global_batch']} | {CLOCKS[clock]} | "
                   f"{x['cohort']['applied_per_s']:.0f} | {sum(x['solo_applied_per_s']):.0f} | "
                   f"{x['cohort']['rounds_per_s']:.1f} | **{x['efficiency'] * 100:.1f} %** |")
     acc = r["accuracy"]
@@ -273,7 +286,8 @@ def print_tables(r: dict) -> None:
         x = acc[k]
         print(f"| {k} | {speeds_text(x['speeds'])} | {x['accuracy'] * 100:.2f} % | {x['seconds']:.1f} |")
     print(f"\naccuracy difference (heterogeneous - homogeneous): {acc['difference'] * 100:+.2f} points")
-    bad = [f"{clock} {k}: {v:.3f}" for clock, goal in (("virtual", GOAL_VIRTUAL), ("wall", GOAL_WALL))
+    bad = [f"{clock} {k}: {v:.3f}" for clock, goal in (("virtual", GOAL_VIRTUAL), ("virtual_blocking", GOAL_VIRTUAL),
+                                                        ("wall", GOAL_WALL))
            for k, v in r[f"efficiency_{clock}"].items() if v < goal]
     if abs(acc["difference"]) > GOAL_ACCURACY:
         bad.append(f"accuracy difference {acc['difference']:+.4f}")

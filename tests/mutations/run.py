@@ -172,7 +172,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      'held_ms=now - self._step_started_ms)', 'held_ms=0.0)',
      ["tests/runtime/test_driver_held_ms.py::test_a_compute_that_holds_the_loop_reports_how_long"]),
     ("shares: a bucket that waited behind the leader's compute counts as early", M,
-     'if own_ms is not None and now_ms - own_ms <= censor_window_ms(own_ms - sent[0]):', 'if False:',
+     'censored = own_ms is not None and now_ms - own_ms <= censor_window_ms(own_ms - sent[0])', 'censored = False',
      [f"{S}::test_ranks_that_join_a_leader_busy_computing_still_get_their_share"]),
     ("shares: only after a compute that held the loop", M,
      'if held_ms > CENSOR_WINDOW_MS and (self.term, self._round_step) in self._sent_rounds:',

@@ -935,3 +935,25 @@ def test_buckets_the_quorum_rule_does_not_wait_for_count_the_round_as_below_the_
     _drive(r, 0.0)
     assert r.m.step == 1 and r.m.samples == 64 - col.shares[4]
     assert r.m.counters["rounds_below_global_batch"] == 1
+
+
+def test_a_censored_bucket_counts_as_early_never_as_later_than_predicted():
+    # PROTOCOL.md "Shares": a bucket handled right after the leader's own may have waited behind
+    # the leader's compute; its turnaround is an upper bound, so it is counted as CENSORED_CREDIT
+    # of the smaller of it and the rank's prediction (never late), and such a rank's share grows
+    from tabcohort.protocol.shares import CENSORED_CREDIT
+    t = SpeedTable()
+    for _ in range(5):
+        t.observe(7, 32, 10.0)
+    before = t.predicted_ms(7, 32)
+    t.observe(7, 32, 50.0, censored=True)          # waited 40 ms behind the leader: not late
+    assert t.speeds[7].lateness_ms() == 0.0
+    assert t.predicted_ms(7, 32) < before
+    u = SpeedTable()
+    u.observe(8, 32, 10.0, censored=True)           # a first bucket, censored
+    assert abs(u.predicted_ms(8, 32) - CENSORED_CREDIT * 10.0) < 1e-9
+    for _ in range(5):
+        t.observe(1, 32, 10.0)                      # an equal rank, measured as it is
+    shares, _ = plan_shares(64, [1, 7], {1: 64, 7: 64}, t)
+    assert shares[7] > shares[1]                    # credited: planned more than the equal rank
+

@@ -29,7 +29,7 @@ from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
 from .robust import (AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, BiasMonitor, clip_to_median_norm, l2_norm,
                      trimmed_mean)
-from .shares import (CENSOR_WINDOW_MS, CENSORED_CREDIT, FOLLOW_INTERVAL_MS, censor_window_ms, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
+from .shares import (CENSOR_WINDOW_MS, FOLLOW_INTERVAL_MS, censor_window_ms, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
                      paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
 from .roster import Roster
@@ -1922,16 +1922,13 @@ class RankMachine:
             if not q:
                 del self._probe_sent[rank]
             self._probes_outstanding[rank] = len(q)
-        turnaround_ms = now_ms - sent[0]
         own_ms = self._own_bucket_ms.get((term, step)) if rank != self.id else None
-        if own_ms is not None and now_ms - own_ms <= censor_window_ms(own_ms - sent[0]):
-            # it may have waited behind this rank's own compute: at most what was measured
-            predicted = self.speeds.predicted_ms(rank, share)
-            turnaround_ms = CENSORED_CREDIT * (turnaround_ms if predicted is None
-                                               else min(turnaround_ms, predicted))
+        # it may have waited behind this rank's own compute: its turnaround is an upper bound
+        censored = own_ms is not None and now_ms - own_ms <= censor_window_ms(own_ms - sent[0])
+        if censored:
             self.counters["turnaround_censored"] += 1
         # per sample of the share, so the shares are planned in the round's own units
-        self.speeds.observe(rank, share, turnaround_ms)
+        self.speeds.observe(rank, share, now_ms - sent[0], censored=censored)
 
     def _quorum_reached(self, col: _Collection, now_ms: float) -> None:
         """Received buckets (own included) reached the quorum while collecting."""

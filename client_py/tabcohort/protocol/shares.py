@@ -123,12 +123,21 @@ class SpeedTable:
 
     speeds: dict[int, Speed] = field(default_factory=dict)
 
-    def observe(self, rank: int, samples: int, turnaround_ms: float) -> None:
-        """A bucket of ``samples`` samples arrived ``turnaround_ms`` after its round was sent."""
+    def observe(self, rank: int, samples: int, turnaround_ms: float, *, censored: bool = False) -> None:
+        """A bucket of ``samples`` samples arrived ``turnaround_ms`` after its round was sent.
+
+        ``censored``: it may have waited behind the leader's own compute (PROTOCOL.md "Shares"),
+        so ``turnaround_ms`` is an upper bound: counted as :data:`CENSORED_CREDIT` of the smaller
+        of it and the rank's prediction."""
         if samples <= 0 or not math.isfinite(turnaround_ms) or turnaround_ms < 0:
             return
         s, t = float(samples), max(0.01, float(turnaround_ms))
         sp = self.speeds.get(rank)
+        if censored:
+            if sp is not None:
+                fa, fb = sp.model()
+                t = min(t, fa + fb * s)
+            t *= CENSORED_CREDIT
         if sp is None:
             self.speeds[rank] = Speed(s, t, s * s, s * t)
             return
