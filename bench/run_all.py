@@ -75,7 +75,10 @@ ABOUT = {
                "\"Shares\"): cohort efficiency = applied samples/s of the cohort / the sum of its ranks' solo "
                "applied samples/s, each rank measured alone at the same global batch in the same run; a rank "
                "of speed v takes 0.5 ms + s / v ms for a share of s samples. Virtual time (the discrete-event "
-               "simulation) and wall clock (real machines and drivers on one asyncio loop); and digits "
+               "simulation), once more with ranks that read nothing while they compute (\"blocking compute\": "
+               "as native ranks and tabs on the python or js backend do, so a peer's bucket waits behind the "
+               "leader's own compute; the rows that show what those runtimes get), and wall clock (real "
+               "machines and drivers on one asyncio loop, the compute an awaited sleep); and digits "
                "accuracy, heterogeneous vs homogeneous at one global batch."),
     "yield": ("Yield between rounds", "a 4-rank in-process cohort with a tiny model: rounds/s with the "
               "driver's `call_soon` yield against the same cohort yielding through a 4 ms timer (what a "
