@@ -146,9 +146,22 @@ def _job_args(parser: argparse.ArgumentParser, default_help: str) -> None:
                         help="the built-in MLP job's hidden activation")
 
 
+def _job_options(pairs: list[tuple[str, Any]]) -> dict:
+    """``--job-option`` pairs as a dict; a ConfigError for a NAME given twice (the last one won,
+    unsaid: a new-user trial)."""
+    seen: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in seen:
+            shown = [v if isinstance(v, str) else json.dumps(v) for v in (seen[name], value)]
+            raise ConfigError("--job-option", f"{name}={shown[1]}", f"{name} is given twice (first {name}={shown[0]}): "
+                              "give each option once")
+        seen[name] = value
+    return seen
+
+
 def _check_job_args(a: argparse.Namespace) -> dict:
     """The job options of ``a``; a ConfigError for the built-in job's options given with
-    ``--job``, or ``--job-option`` without it."""
+    ``--job``, ``--job-option`` without it, or one option given twice."""
     if a.job is not None:
         for flag, val, default in (("--dataset", a.dataset, "digits"), ("--hidden", a.hidden, (32,)),
                                    ("--activation", a.activation, "relu")):
@@ -159,7 +172,7 @@ def _check_job_args(a: argparse.Namespace) -> dict:
         name, value = a.job_option[0]
         raise ConfigError("--job-option", f"{name}={value if isinstance(value, str) else json.dumps(value)}", "sets an option of a module job (--job); the built-in "
                           "MLP job's options are --dataset, --hidden, --activation and --seed")
-    return dict(a.job_option)
+    return _job_options(a.job_option)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -595,7 +608,7 @@ def _evaluate(a: argparse.Namespace) -> int:
         raise ConfigError("--job", a.job, f"its code is not the model's job {info.get('name')!r} (code sha256 "
                           f"{str(info.get('code_sha256'))[:16]}): another job, or another version of it")
     options = info.get("options")
-    given = dict(a.job_option)
+    given = _job_options(a.job_option)
     if given and not a.job:
         raise ConfigError("--job-option", next(iter(given)), "sets a LOCAL_OPTIONS entry of a module job (--job)")
     for k, v in given.items():
