@@ -46,7 +46,7 @@ from tabcohort.wire.limits import WireLimits
 from .config import JobConfig, ServerLimits, same_secret
 from .fairness import SERVER, FairQueue, TokenBucket
 from .guard import client_key
-from .schema import parse_control
+from .schema import check_control, parse_json
 
 #: WebSocket close codes (application range 4000-4999) with their reasons.
 CLOSE_BAD_REGISTER = 4000
@@ -122,6 +122,8 @@ class Peer:
         self.msg_bucket: TokenBucket | None = None
         self.byte_bucket: TokenBucket | None = None
         self.strikes: TokenBucket | None = None
+        #: the link's report budget (Room._report_due; new at each connect)
+        self.report_bucket: TokenBucket | None = None
         #: per sender: the frame id whose remaining chunks are dropped for this receiver
         #: (a chunk of it was shed: the rest cannot complete)
         self.skip: dict[int, int] = {}
@@ -173,6 +175,14 @@ class Peer:
     def charge(self, reason: str, n: int = 1) -> None:
         self.charged[reason] = self.charged.get(reason, 0) + n
 
+
+#: A link's state reports: at most this many per the job's ``report_interval_s`` (a rank sends
+#: one per interval), in bursts of ``REPORT_BURST`` (a final report right after a periodic one);
+#: the rest are dropped before they are checked (``report_rate_limited``). Why: the room keeps
+#: only a rank's latest report, and checking one of 64 KiB is the dearest control there is (with
+#: jsonschema 54-261 ms each; 40 sockets sending one a second stalled the server's loop).
+REPORTS_PER_INTERVAL = 2.0
+REPORT_BURST = 4.0
 
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
 #: not import the bus): the ranks of a restarted server come back within it, whatever the
@@ -337,6 +347,7 @@ class Room:
         # rate is closed; one that bursts over now and then only loses the excess)
         p.strikes = TokenBucket(lim.sender_max_msgs_per_s / 4,
                                 lim.sender_max_msgs_per_s * lim.rate_limit_close_s, now)
+        p.report_bucket = None      # (full again: a rank reports at once when it connects)
         p.skip.clear()
         p.write_since = None
         self.connected[p.id] = p
@@ -687,8 +698,15 @@ class Room:
             self.drop("control_too_big")
             p.charge("control_too_big")
             return
-        obj, why = parse_control(text)
-        if obj is None:
+        obj, why = parse_json(text)
+        if why is None and isinstance(obj, dict) and obj.get("type") == "report" and not self._report_due(p, now):
+            # (before the schema walk: the latest report is all the room keeps)
+            self.drop("report_rate_limited")
+            p.charge("report_rate_limited")
+            return
+        if why is None:
+            why = check_control(obj, max_ranks=self.limits.max_ranks_per_room)
+        if why is not None:
             self.drop(why)
             p.charge(why)
             return
@@ -728,6 +746,17 @@ class Room:
         if lead is not None:
             self.last_leader_id = lead.id
         self.check_stop(now)
+
+    def _report_due(self, p: Peer, now: float) -> bool:
+        """Spend one of ``p``'s report tokens: ``REPORTS_PER_INTERVAL`` per the job's
+        ``report_interval_s``, bursts of ``REPORT_BURST``. False: the report is dropped
+        (``report_rate_limited``) before it is checked, whatever the link's message budget."""
+        rate = REPORTS_PER_INTERVAL / self.job.report_interval_s
+        b = p.report_bucket
+        if b is None:
+            b = p.report_bucket = TokenBucket(rate, REPORT_BURST, now)
+        b.rate = rate               # (the room's job can change: the rate follows it)
+        return b.take(1, now)
 
     def may_upload(self, p: Peer) -> bool:
         """Whether ``p`` may store a checkpoint: it may lead and is the rank the room trusts

@@ -420,11 +420,40 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[Any, s
         return None, "bad_json"
 
 
-def check_control(obj: Any) -> str | None:
+#: The report fields keyed or listed by rank id (``%08x``): one entry per member at most, and a
+#: room has at most ``max_ranks_per_room`` (``links``: those plus the server's path).
+RANK_FIELDS = tuple(name for name, sch in REPORT_STATE["properties"].items()
+                    if sch.get("propertyNames") is RANK_HEX or sch.get("items") is RANK_HEX) + ("links",)
+
+
+def over_members(obj: dict, max_ranks: int) -> str | None:
+    """The drop reason when a control lists more ranks than a room of ``max_ranks`` holds:
+    ``bad_report.<field>`` for a per-rank map or list of a report (``links``: one more, the
+    server's path), ``bad_relay_peers`` for its ``ids``; ``None`` otherwise. Counts only (no
+    entry is read): checked before the schema, so a report's work is bounded by the room's size
+    and not only by the 64 KiB control limit (~5,000 ids)."""
+    t = obj.get("type")
+    if t == "report":
+        st = obj.get("state")
+        if isinstance(st, dict):
+            for f in RANK_FIELDS:
+                v = st.get(f)
+                if isinstance(v, (dict, list)) and len(v) > max_ranks + (f == "links"):
+                    return f"bad_report.{f}"
+    elif t == "relay_peers":
+        ids = obj.get("ids")
+        if isinstance(ids, list) and len(ids) > max_ranks:
+            return "bad_relay_peers"
+    return None
+
+
+def check_control(obj: Any, *, max_ranks: int | None = None) -> str | None:
     """The drop reason for a parsed control message, or ``None`` when it is valid.
 
     Reasons: ``bad_control`` (not an object, or an unknown ``type``), ``bad_<type>`` or
-    ``bad_report.<field>`` (a field of the wrong type, out of range or too long).
+    ``bad_report.<field>`` (a field of the wrong type, out of range or too long; with
+    ``max_ranks``, a per-rank map or list longer than a room of that many ranks holds:
+    :func:`over_members`).
     """
     if not isinstance(obj, dict):
         return "bad_control"
@@ -432,6 +461,8 @@ def check_control(obj: Any) -> str | None:
     check = _CHECKS.get(t) if isinstance(t, str) else None
     if check is None:
         return "bad_control"
+    if max_ranks is not None and (why := over_members(obj, max_ranks)) is not None:
+        return why
     err = check(obj)
     if err is None:
         return None
@@ -455,9 +486,10 @@ def check_server_control(obj: Any) -> str | None:
     return None if err is None else err.message
 
 
-def parse_control(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> tuple[dict | None, str | None]:
+def parse_control(text: str | bytes, *, max_depth: int = MAX_DEPTH,
+                  max_ranks: int | None = None) -> tuple[dict | None, str | None]:
     """:func:`parse_json` then :func:`check_control`: ``(obj, None)`` or ``(None, reason)``."""
     obj, why = parse_json(text, max_depth=max_depth)
     if why is None:
-        why = check_control(obj)
+        why = check_control(obj, max_ranks=max_ranks)
     return (obj, None) if why is None else (None, why)
