@@ -183,6 +183,10 @@ class Peer:
 #: jsonschema 54-261 ms each; 40 sockets sending one a second stalled the server's loop).
 REPORTS_PER_INTERVAL = 2.0
 REPORT_BURST = 4.0
+#: A control text longer than this spends the report budget before it is parsed (json.loads of
+#: 61 KB took 1-2 ms): only a report is that large (a ``signal``'s SDP is at most 16 KiB, a
+#: ``relay_peers`` of 1,024 seats about 11 KB). A smaller report spends it once parsed.
+LARGE_CONTROL_BYTES = 32768
 
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
 #: not import the bus): the ranks of a restarted server come back within it, whatever the
@@ -698,9 +702,16 @@ class Room:
             self.drop("control_too_big")
             p.charge("control_too_big")
             return
+        # a large control spends the report budget before it is parsed (only a report is that
+        # large); a smaller report once parsed, before the schema check
+        large = len(text) > LARGE_CONTROL_BYTES
+        if large and not self._report_due(p, now):
+            self.drop("report_rate_limited")
+            p.charge("report_rate_limited")
+            return
         obj, why = parse_json(text)
-        if why is None and isinstance(obj, dict) and obj.get("type") == "report" and not self._report_due(p, now):
-            # (before the schema walk: the latest report is all the room keeps)
+        if (not large and why is None and isinstance(obj, dict) and obj.get("type") == "report"
+                and not self._report_due(p, now)):
             self.drop("report_rate_limited")
             p.charge("report_rate_limited")
             return

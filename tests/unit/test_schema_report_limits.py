@@ -11,7 +11,8 @@ import pytest
 
 from tabcohort_server import schema
 from tabcohort_server.config import JobConfig, ServerLimits
-from tabcohort_server.rooms import REPORT_BURST, REPORTS_PER_INTERVAL, Room
+from tabcohort_server import rooms
+from tabcohort_server.rooms import LARGE_CONTROL_BYTES, REPORT_BURST, REPORTS_PER_INTERVAL, Room
 from tabcohort_server.schema import RANK_FIELDS, check_control, over_members, parse_control
 
 
@@ -103,3 +104,22 @@ def test_reports_from_a_room_of_its_size_pass_and_one_more_entry_is_dropped():
     assert r.drops == {} and len(p.report["shares"]) == 200
     r.control(p, json.dumps(report(step=2, shares={k: 1 for k in ids(201)})), now=1)
     assert r.drops == {"bad_report.shares": 1} and p.report["step"] == 1
+
+
+def test_a_large_control_over_the_report_rate_is_dropped_before_it_is_parsed(monkeypatch):
+    r, clock = make_room()
+    p = r.register(now=0)
+    parsed = []
+    real = rooms.parse_json
+    monkeypatch.setattr(rooms, "parse_json", lambda text: parsed.append(len(text)) or real(text))
+    big = json.dumps(report(step=1, pair_bytes={k: {"relay": 2**62} for k in ids(1000)}))
+    junk = json.dumps({"type": "nope", "x": "y" * LARGE_CONTROL_BYTES})     # large: spends it too
+    assert len(big) > LARGE_CONTROL_BYTES
+    for _ in range(10):
+        r.control(p, big, now=0.0)
+    r.control(p, junk, now=0.0)
+    assert len(parsed) == REPORT_BURST and r.drops == {"report_rate_limited": 11 - REPORT_BURST}
+    # small controls are parsed (a signal's SDP, a backlog), and a small report spends after
+    r.control(p, json.dumps({"type": "backlog", "bytes": 5}), now=0.0)
+    r.control(p, json.dumps(report(step=2)), now=0.0)
+    assert p.rx_backlog == 5 and p.report["step"] == 1 and r.drops["report_rate_limited"] == 12 - REPORT_BURST
