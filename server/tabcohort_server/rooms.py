@@ -46,7 +46,7 @@ from tabcohort.wire.limits import WireLimits
 from .config import JobConfig, ServerLimits, same_secret
 from .fairness import SERVER, FairQueue, TokenBucket
 from .guard import client_key
-from .schema import check_control, parse_json
+from .schema import check_control, parse_json, too_deep
 
 #: WebSocket close codes (application range 4000-4999) with their reasons.
 CLOSE_BAD_REGISTER = 4000
@@ -704,10 +704,12 @@ class Room:
             return
         # a large control spends the report budget before it is parsed (only a report is that
         # large); a smaller report once parsed, before the schema check
+        # (junk nested too deep is still called so: the scan costs a fraction of a parse)
         large = len(text) > LARGE_CONTROL_BYTES
         if large and not self._report_due(p, now):
-            self.drop("report_rate_limited")
-            p.charge("report_rate_limited")
+            why = "too_deep" if too_deep(text) else "report_rate_limited"
+            self.drop(why)
+            p.charge(why)
             return
         obj, why = parse_json(text)
         if (not large and why is None and isinstance(obj, dict) and obj.get("type") == "report"

@@ -123,3 +123,6 @@ def test_a_large_control_over_the_report_rate_is_dropped_before_it_is_parsed(mon
     r.control(p, json.dumps({"type": "backlog", "bytes": 5}), now=0.0)
     r.control(p, json.dumps(report(step=2)), now=0.0)
     assert p.rx_backlog == 5 and p.report["step"] == 1 and r.drops["report_rate_limited"] == 12 - REPORT_BURST
+    # junk nested too deep is called so, budget or not (a bracket scan, no parse)
+    r.control(p, "[" * 30000 + "]" * 30000, now=0.0)
+    assert r.drops["too_deep"] == 1 and len(parsed) == REPORT_BURST + 2
