@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from typing import Any, Callable
 
+import fastjsonschema
 from jsonschema import Draft202012Validator, validators
 
 from tabcohort._json import within_depth
@@ -177,219 +177,91 @@ _Validator = validators.extend(Draft202012Validator, type_checker=_BASE_TYPES.re
     "integer": lambda _c, x: _BASE_TYPES.is_type(x, "integer") and _finite(x)}))
 
 
-# ---------------------------------------------------------------------------- compiled checks
-# The controls a rank sends are checked by closures compiled once from the schemas above, not by
-# ``jsonschema``'s generic walk: that walk cost ~13 us per entry of a per-rank map, and one 61 KB
-# report (1,400 ``pair_bytes`` entries) held the event loop 54 ms, a 53 KB one (4,096 ``shares``)
-# 261 ms; 40 sockets sending one a second stalled the server and its honest ranks gave up.
-# Each schema compiles to a predicate (valid or not: C-level ``all(map(...))`` over a map's
-# keys and values, a type-exact fast path for the usual ints, floats and strings) and, for an
-# invalid control only, a walk that finds the path of the first error: the same keywords in the
-# same order as ``jsonschema``, so the drop reason is the one it gave
-# (tests/unit/test_schema_compiled.py compares them). A keyword with no compiled check fails at
-# import, never passes unchecked.
+# ---------------------------------------------------------------------------- fast checks
+# The controls a rank sends are checked with ``fastjsonschema`` (the same schemas, compiled once
+# to Python code), not ``jsonschema``'s generic walk: that walk cost ~13 us per entry of a
+# per-rank map, and one 61 KB report (1,400 ``pair_bytes`` entries) held the event loop 54 ms, a
+# 53 KB one (4,096 ``shares``) 261 ms; 40 sockets sending one a second stalled the server and its
+# honest ranks gave up. The schemas use draft 2020-12 keywords that draft 7 has too (checked at
+# import), and "number" and "integer" must be finite doubles here (:func:`_finite`), which
+# fastjsonschema's types are not: its copy of each schema bounds every number to the double range
+# (an integer no double holds fails it), and a document it accepts must also dump as JSON without
+# NaN or infinity. ``jsonschema`` stays the reference (tests/unit/test_schema_compiled.py).
 
-_Pred = Callable[[Any], bool]
-_Check = Callable[[Any], "tuple | None"]
-#: keywords whose subschemas put a key or an index on the error path
-_NESTING_KEYWORDS = ("properties", "additionalProperties", "items")
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
+#: the keywords the schemas may use: those fastjsonschema's draft 7 gives the same meaning
+_FAST_KEYWORDS = frozenset({"type", "properties", "additionalProperties", "items", "required", "enum", "const",
+                            "not", "pattern", "maxLength", "maxItems", "maxProperties", "propertyNames",
+                            "minimum", "maximum", "exclusiveMinimum"})
+_DOUBLE_MAX = sys.float_info.max
 
 
-def _is_int(x: Any) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, int):
-        return -_FLOAT_MAX <= x <= _FLOAT_MAX
-    return isinstance(x, float) and x.is_integer()   # (an infinity or NaN is not an integer)
-
-
-_TYPE_TESTS: dict[str, _Pred] = {
-    "null": lambda x: x is None, "boolean": lambda x: isinstance(x, bool),
-    "string": lambda x: isinstance(x, str), "object": lambda x: isinstance(x, dict),
-    "array": lambda x: isinstance(x, list), "number": _is_num, "integer": _is_int}
-
-
-def _type_pred(types: str | list) -> _Pred:
-    if isinstance(types, str):
-        return _TYPE_TESTS[types]
-    tests = tuple(_TYPE_TESTS[t] for t in types)
-    return lambda x: any(t(x) for t in tests)
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    """``jsonschema``'s equality for ``enum`` and ``const`` over the scalars they hold here (a
-    bool is never equal to a number)."""
-    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
-
-
-def _key_pred(schema: dict) -> _Pred:
-    """A ``propertyNames`` schema as one predicate: length, the precompiled pattern's
-    ``search`` (as ``jsonschema``'s), no line break. (A key that is not a string passes all
-    three, as in ``jsonschema``; only ``"type": "string"`` refuses it.)"""
-    if (not set(schema) <= {"pattern", "maxLength", "not", "type"} or schema.get("not", _NEWLINE) != _NEWLINE
-            or schema.get("type", "string") != "string"):
-        return _pred(schema)
-    m = schema.get("maxLength", math.inf)
-    search = re.compile(schema.get("pattern", "")).search
-    typed, no_nl = "type" in schema, "not" in schema
-
-    def ok(k: Any) -> bool:
-        if k.__class__ is not str and not isinstance(k, str):
-            return not typed
-        return len(k) <= m and search(k) is not None and not (no_nl and "\n" in k)
-    return ok
-
-
-def _leaf_test(k: str, v: Any, schema: dict) -> _Pred:
-    """One keyword that fails at the instance itself (no error path) as a predicate."""
-    if k == "type":
-        return _type_pred(v)
-    if k == "minimum":
-        return lambda x: not _is_num(x) or x >= v
-    if k == "maximum":
-        return lambda x: not _is_num(x) or x <= v
-    if k == "exclusiveMinimum":
-        return lambda x: not _is_num(x) or x > v
-    if k == "maxLength":
-        return lambda x: not isinstance(x, str) or len(x) <= v
-    if k == "pattern":
-        search = re.compile(v).search
-        return lambda x: not isinstance(x, str) or search(x) is not None
-    if k == "maxProperties":
-        return lambda x: not isinstance(x, dict) or len(x) <= v
-    if k == "maxItems":
-        return lambda x: not isinstance(x, list) or len(x) <= v
-    if k == "required":
-        req = tuple(v)
-        return lambda x: not isinstance(x, dict) or all(r in x for r in req)
-    if k == "enum":
-        vals = tuple(v)
-        return lambda x: any(_json_equal(e, x) for e in vals)
-    if k == "const":
-        return lambda x: _json_equal(v, x)
-    if k == "not":
-        p = _pred(v)
-        return lambda x: not p(x)
-    if k == "propertyNames":
-        kp = _key_pred(v)
-        return lambda x: not isinstance(x, dict) or all(map(kp, x))
-    if k == "properties":
-        subs = {name: _pred(sub) for name, sub in v.items()}
-
-        def props(x: Any) -> bool:
-            if isinstance(x, dict):
-                for name, val in x.items():
-                    p = subs.get(name)
-                    if p is not None and not p(val):
-                        return False
-            return True
-        return props
-    if k == "additionalProperties":
-        if not isinstance(v, dict):
-            raise ValueError("additionalProperties: only a schema has a compiled check")
-        sub, known = _pred(v), frozenset(schema.get("properties", ()))
-        if not known:
-            return lambda x: not isinstance(x, dict) or all(map(sub, x.values()))
-        return lambda x: not isinstance(x, dict) or all(sub(val) for name, val in x.items() if name not in known)
-    if k == "items":
-        if not isinstance(v, dict):
-            raise ValueError("items: only a schema has a compiled check")
-        sub = _pred(v)
-        return lambda x: not isinstance(x, list) or all(map(sub, x))
-    raise ValueError(f"schema keyword {k!r} has no compiled check")
-
-
-def _all(tests: list[_Pred]) -> _Pred:
-    n = len(tests)
-    if n == 0:
-        return lambda x: True
-    if n == 1:
-        return tests[0]
-    if n == 2:
-        a, b = tests
-        return lambda x: a(x) and b(x)
-    if n == 3:
-        a, b, c = tests
-        return lambda x: a(x) and b(x) and c(x)
-    if n == 4:
-        a, b, c, d = tests
-        return lambda x: a(x) and b(x) and c(x) and d(x)
-    ts = tuple(tests)
-    return lambda x: all(t(x) for t in ts)
-
-
-def _pred(schema: dict) -> _Pred:
-    """Whether an instance is valid against ``schema``. The usual leaves (an int in a range, a
-    finite float, a bounded string) take a type-exact fast path first; anything else (a float
-    that is an integer, ``None`` where it may be, a wrong type) is decided by the keywords."""
-    slow = _all([_leaf_test(k, v, schema) for k, v in schema.items()])
-    t, keys = schema.get("type"), set(schema)
-    types = {t} if isinstance(t, str) else set(t or ())
-    if "integer" in types and keys <= {"type", "minimum", "maximum"}:
-        lo, hi = schema.get("minimum", -_FLOAT_MAX), schema.get("maximum", _FLOAT_MAX)
-        lo, hi = max(lo, -_FLOAT_MAX), min(hi, _FLOAT_MAX)
-        return lambda x: (x.__class__ is int and lo <= x <= hi) or slow(x)
-    if "number" in types and keys <= {"type", "minimum", "maximum"}:
-        lo, hi = schema.get("minimum", -math.inf), schema.get("maximum", math.inf)
-        isfinite = math.isfinite
-        return lambda x: (x.__class__ is float and isfinite(x) and lo <= x <= hi) or slow(x)
-    if types == {"string"} and keys <= {"type", "maxLength"}:
-        m = schema.get("maxLength", math.inf)
-        return lambda x: (x.__class__ is str and len(x) <= m) or slow(x)
-    return slow
-
-
-def _compile(schema: dict) -> _Check:
-    """``schema`` as a check: ``None`` when an instance is valid, else the path (keys and list
-    indexes) of its first error, the error ``jsonschema``'s ``iter_errors`` yields first. The
-    predicate decides; the walk runs only for an invalid instance."""
-    ok = _pred(schema)
-    if not any(k in schema for k in _NESTING_KEYWORDS):
-        return lambda x: None if ok(x) else ()
-    # the walk: keywords in schema order, as jsonschema applies them
-    walk: list[tuple[str, Any]] = []
+def _bounded(schema: Any) -> Any:
+    """A copy of ``schema`` for fastjsonschema: every subschema that admits numbers is bounded to
+    the double range (unless it bounds them itself); a keyword outside :data:`_FAST_KEYWORDS`
+    is an error at import, never a rule left unchecked."""
+    if isinstance(schema, list):
+        return [_bounded(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    unknown = set(schema) - _FAST_KEYWORDS
+    if unknown:
+        raise ValueError(f"schema keywords without a fast check: {sorted(unknown)}")
+    out: dict[str, Any] = {}
     for k, v in schema.items():
         if k == "properties":
-            walk.append((k, {name: _compile(sub) for name, sub in v.items()}))
-        elif k in ("additionalProperties", "items"):
-            walk.append((k, _compile(v)))
+            out[k] = {name: _bounded(sub) for name, sub in v.items()}
+        elif k in ("additionalProperties", "items", "not", "propertyNames"):
+            out[k] = _bounded(v)
         else:
-            walk.append((k, _leaf_test(k, v, schema)))
-    known = frozenset(schema.get("properties", ()))
+            out[k] = v
+    types = schema.get("type", ())
+    types = {types} if isinstance(types, str) else set(types)
+    if types & {"number", "integer"}:
+        out.setdefault("minimum", -_DOUBLE_MAX)
+        out.setdefault("maximum", _DOUBLE_MAX)
+    return out
 
-    def first_error(x: Any) -> tuple | None:
-        for k, f in walk:
-            if k == "properties":
-                if isinstance(x, dict):
-                    for name, sub in f.items():
-                        if name in x and (e := sub(x[name])) is not None:
-                            return (name, *e)
-            elif k == "additionalProperties":
-                if isinstance(x, dict):
-                    # (jsonschema visits the extras in set order: any one of them can be the
-                    # first error, and each gives the same reason, the field the map is)
-                    for name, val in x.items():
-                        if name not in known and (e := f(val)) is not None:
-                            return (name, *e)
-            elif k == "items":
-                if isinstance(x, list):
-                    for i, val in enumerate(x):
-                        if (e := f(val)) is not None:
-                            return (i, *e)
-            elif not f(x):
-                return ()
-        return ()    # (the predicate said invalid: never reached while the two agree)
 
-    return lambda x: None if ok(x) else first_error(x)
+def _fast(schema: dict) -> Callable[[Any], tuple | None]:
+    """``schema`` as a check: ``None`` when an instance is valid, else the path of an error
+    (keys and list indexes below the instance). fastjsonschema stops at its first error, which
+    need not be the first that ``jsonschema`` would name: both are errors of the instance."""
+    validate = fastjsonschema.compile(_bounded(schema))
+
+    def check(x: Any) -> tuple | None:
+        try:
+            validate(x)
+        except fastjsonschema.JsonSchemaValueException as e:
+            return tuple(e.path[1:])
+        try:                        # finite: no NaN, no infinity (the range bounds pass NaN)
+            json.dumps(x, allow_nan=False)
+        except (ValueError, TypeError, RecursionError):
+            return _not_finite_at(x)
+        return None
+    return check
+
+
+def _not_finite_at(x: Any) -> tuple:
+    """The path down to the first value of ``x`` that does not dump as finite JSON (a fast check
+    passed it), by dumping each member in turn."""
+    path: list[Any] = []
+    while isinstance(x, (dict, list)):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        for k, v in items:
+            try:
+                json.dumps(v, allow_nan=False)
+            except (ValueError, TypeError, RecursionError):
+                path.append(k)
+                x = v
+                break
+        else:
+            break
+    return tuple(path)
 
 
 _REGISTER = _Validator(REGISTER)
-#: the compiled checks of the controls a rank sends (``CONTROL_SCHEMAS``)
-_CHECKS = {t: _compile(sch) for t, sch in CONTROL_SCHEMAS.items()}
+#: the fast checks of the controls a rank sends (``CONTROL_SCHEMAS``)
+_CHECKS = {t: _fast(sch) for t, sch in CONTROL_SCHEMAS.items()}
 _SERVER_VALIDATORS = {t: _Validator(s) for t, s in SERVER_CONTROL_SCHEMAS.items()}
 _VALIDATORS = {t: _Validator(s) for t, s in CONTROL_SCHEMAS.items()}
 for _v in _VALIDATORS.values():

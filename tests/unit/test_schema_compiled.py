@@ -1,6 +1,6 @@
-"""The compiled control checks (``tabcohort_server.schema``) against ``jsonschema`` on the same
-schemas: valid and invalid agree, and an invalid control gets the drop reason ``jsonschema``'s
-first error gives. Also: a report of thousands of per-rank entries is checked in milliseconds
+"""The fast control checks (``tabcohort_server.schema``: fastjsonschema) against ``jsonschema`` on
+the same schemas: valid and invalid agree, and an invalid control gets a drop reason one of
+``jsonschema``'s errors gives (each check stops at its own first error). Also: a report of thousands of per-rank entries is checked in milliseconds
 (a 61 KB report held the server's loop 54 ms, a 53 KB one 261 ms), and the nesting pre-check
 agrees with its per-character form."""
 
@@ -34,6 +34,25 @@ def reference(obj) -> str | None:
     return f"bad_report.{path[1]}" if t == "report" and len(path) >= 2 else f"bad_{t}"
 
 
+def reasons(obj) -> set[str]:
+    """Every drop reason one of jsonschema's errors of ``obj`` gives."""
+    t = obj.get("type") if isinstance(obj, dict) else None
+    v = schema._VALIDATORS.get(t) if isinstance(t, str) else None
+    if v is None:
+        return {"bad_control"}
+    out = set()
+    for err in v.iter_errors(obj):
+        path = [p for p in err.absolute_path if isinstance(p, str)]
+        out.add(f"bad_report.{path[1]}" if t == "report" and len(path) >= 2 else f"bad_{t}")
+    return out
+
+
+def agrees(obj) -> None:
+    got, want = check_control(obj), reference(obj)
+    assert (got is None) == (want is None), (got, want)
+    assert got is None or got in reasons(obj), (got, reasons(obj))
+
+
 FIELDS = sorted(schema.REPORT_STATE["properties"]) + ["unknown_field"]
 HEX = st.integers(0, 2**32 - 1).map(lambda i: f"{i:08x}")
 KEYS = (HEX | st.sampled_from(["server", "server\n", "a\n", "<b>", "x" * 65, "ok_reason", "0000000A", "", "1234567"])
@@ -49,7 +68,7 @@ VALUES = st.recursive(SCALARS, lambda c: st.lists(c, max_size=4) | st.dictionari
 @given(st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=6))
 def test_compiled_report_check_agrees_with_jsonschema(state):
     obj = {"type": "report", "state": state}
-    assert check_control(obj) == reference(obj)
+    agrees(obj)
 
 
 @settings(max_examples=400, deadline=None)
@@ -58,7 +77,7 @@ def test_compiled_report_check_agrees_with_jsonschema(state):
                        VALUES | st.sampled_from(["offer", "bye", "direct"]), max_size=4))
 def test_compiled_control_checks_agree_with_jsonschema(t, fields):
     obj = {"type": t, **fields}
-    assert check_control(obj) == reference(obj)
+    agrees(obj)
 
 
 @pytest.mark.parametrize("state", [
@@ -79,7 +98,7 @@ def test_compiled_control_checks_agree_with_jsonschema(t, fields):
 ])
 def test_large_and_edge_reports_agree_with_jsonschema(state):
     obj = {"type": "report", "state": state}
-    assert check_control(obj) == reference(obj)
+    agrees(obj)
 
 
 def test_a_report_of_thousands_of_per_rank_entries_costs_milliseconds():
