@@ -48,6 +48,12 @@ _PROBES_KEPT = 4
 _PROBES_SILENT = 3
 #: the state report's ``fault`` is cut to this many characters (PROTOCOL.md "State report")
 FAULT_MAX_CHARS = 240
+#: the most ranks a per-rank record of the state report names (``flaps``, ``held_ms``,
+#: ``applied``, ``clipped``): the ranks it holds now first, then the largest of the others. A
+#: leader of a room where thousands of tabs came and went kept every one of them, and its report
+#: outgrew the server's 64 KiB control limit and a room's seats (200 at the least), and was
+#: dropped whole ("Server controls")
+REPORT_RANKS_MAX = 200
 #: "Shares": the wait before a rank's next probe doubles per probe outstanding up to
 #: PROBE_INTERVAL_MS * 2 ** this (8 s)
 _PROBE_BACKOFF_MAX_EXP = 5
@@ -200,6 +206,16 @@ class Phase(enum.Enum):
     COLLECT = "collect"    # deadline: the collect window
     FAULT = "fault"        # deadline: one beat after a failed round
 
+
+
+def _per_rank(record: dict[int, Any], live: Any) -> dict[str, Any]:
+    """``record`` (rank id -> a number) for the state report, hex-keyed and sorted: at most
+    :data:`REPORT_RANKS_MAX` ranks, the ``live`` ones first, then the others with the largest
+    values."""
+    if len(record) <= REPORT_RANKS_MAX:
+        return {f"{k:08x}": v for k, v in sorted(record.items())}
+    keep = sorted(record, key=lambda k: (k not in live, -record[k], k))[:REPORT_RANKS_MAX]
+    return {f"{k:08x}": record[k] for k in sorted(keep)}
 
 class RankMachine:
     """One rank of the cohort protocol. Sans-I/O: no clock, no sockets, no asyncio.
@@ -959,7 +975,7 @@ class RankMachine:
             # dropped whole, and a job's exception message can be any length)
             "lr": self.lr, "fault": None if self.fault is None else self.fault[:FAULT_MAX_CHARS], "term": self.term,
             "members": len(self.members(now_ms)), "majority": self.has_majority(now_ms),
-            "flaps": {f"{k:08x}": v for k, v in sorted(self.flaps.items())},
+            "flaps": _per_rank(self.flaps, live),
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
@@ -969,11 +985,11 @@ class RankMachine:
                        for k, sp in sorted(self.speeds.speeds.items()) if self._shown_speed(k)},
             "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())
                             if self._shown_speed(k)},
-            "held_ms": {f"{k:08x}": round(v, 1) for k, v in sorted(self.held_ms.items())},
+            "held_ms": {k: round(v, 1) for k, v in _per_rank(self.held_ms, live).items()},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
-            "applied": {f"{k:08x}": v for k, v in sorted(self.applied_by.items())},
+            "applied": _per_rank(self.applied_by, live),
             "may_lead": self.may_lead, "aggregate": self.aggregate,
-            "clipped": {f"{k:08x}": v for k, v in sorted(self.clipped.items())},
+            "clipped": _per_rank(self.clipped, live),
             "quarantined": {f"{k:08x}": round(max(0.0, t - now_ms) / 1000.0, 1)
                             for k, t in sorted(self.quarantined.items())},
             "silent": sorted(f"{k:08x}" for k in self._silent),
