@@ -269,6 +269,12 @@ def test_a_job_option_of_another_type_than_its_default_is_refused_naming_it(tmp_
                        ("name", 3, "is a string .in JSON quotes, e.g. .*. in a shell."), ("on", 1, "is true or false")):
         with pytest.raises(ConfigError, match=f"the job's option {k} {what} .its default: "):
             load_job(path, options={k: v})
+    # (the hint about fractional numbers only for a number given to a whole-number option)
+    with pytest.raises(ConfigError, match=r"may be fractional says so in its default, e.g. 1.0"):
+        load_job(path, options={"hidden": 32.5})
+    with pytest.raises(ConfigError) as e:
+        load_job(path, options={"on": 1})
+    assert "fractional" not in e.value.reason
     ok = load_job(path, options={"hidden": 16, "scale": 2, "layers": [], "name": "b", "on": False, "extra": [1]})
     assert ok.options["hidden"] == 16 and ok.options["scale"] == 2
     if np is not None:   # (the Python API may be given a numpy number: refused by name, not a TypeError)

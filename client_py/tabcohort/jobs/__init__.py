@@ -332,9 +332,12 @@ def job_options(source: JobSource, module: Any, given: dict | None) -> tuple[dic
                 shown = json.dumps(v)
             except (TypeError, ValueError):   # (a caller of the Python API may pass any object)
                 shown = repr(v)
+            # (the hint about fractional numbers only where it applies: it ended every type error)
+            hint = ("; a job whose option may be fractional says so in its default, e.g. 1.0"
+                    if isinstance(defaults[k], int) and not isinstance(defaults[k], bool)
+                    and isinstance(v, (int, float)) and not isinstance(v, bool) else "")
             raise ConfigError("--job-option", f"{k}={shown}", f"the job's option {k} {why} (its default: "
-                              f"{defaults[k]!r}); a job whose option takes other values says so in its default, e.g. 1.0 "
-                              "for a number that may be fractional")
+                              f"{defaults[k]!r}){hint}")
     return {**defaults, **given}, local
 
 
