@@ -645,8 +645,14 @@ def _evaluate(a: argparse.Namespace) -> int:
         hint = (f"; if the model was trained with one of its LOCAL_OPTIONS ({', '.join(sorted(map(str, local)))}) "
                 f"set otherwise (e.g. another data file), give it with --job-option NAME=VALUE"
                 if isinstance(local, dict) and local and not given else "")
+        # (which part differs, where the model's job.json says: it named all three)
+        what = [name for name, mine, theirs in (
+            ("its data", loaded.data.sha256, info.get("data_sha256")),
+            ("its code", loaded.source.code_sha256, info.get("code_sha256"))) if theirs and mine != theirs]
+        differs = (f"{' and '.join(what)} differ{'s' if len(what) == 1 else ''} from the model's"
+                   if what else "other code, data or spec")
         raise ConfigError("--job", a.job or ref, f"its job hash {jh} is not the model's "
-                          f"{job['job_hash']} (other code, data or spec){hint}")
+                          f"{job['job_hash']} ({differs}){hint}")
     worker.set_params(params.data)
     loss, acc = float(worker.evaluate_loss()), float(worker.evaluate())
     if not 0.0 <= acc <= 1.0:

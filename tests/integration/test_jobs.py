@@ -685,6 +685,8 @@ def test_evaluate_takes_the_local_options_a_model_was_trained_with(cluster, tmp_
                               cwd=str(tmp_path))
     plain = evaluate()
     assert plain.returncode == 2 and "give it with --job-option NAME=VALUE" in plain.stderr, plain.stderr
+    # (and which part of the job differs: it named "other code, data or spec", a new-user trial)
+    assert "(its data differs from the model's)" in plain.stderr, plain.stderr
     ok = evaluate("--job-option", f"data_file={tmp_path / 'other.npz'}")
     assert ok.returncode == 0 and "held-out accuracy" in ok.stdout, ok.stderr
     changed = evaluate("--job-option", "scale=2.0")
