@@ -546,7 +546,7 @@ MUTATIONS: list[tuple[str, str, str, str, list[str]]] = [
      "int(shares.get(self.id, self.worker.batch)))", "self.worker.batch)",
      [f"{SH}::test_a_follower_computes_exactly_its_share_and_continues_the_cursor"]),
     ("shares: turnaround feeds the speed table", M,
-     '        self.speeds.observe(rank, share, now_ms - sent[0])\n', '',
+     '        self.speeds.observe(rank, share, now_ms - sent[0], censored=censored)\n', '',
      [f"{SH}::test_buckets_turnaround_feeds_the_speeds_and_the_shares_follow",
       f"{S}::test_a_tab_like_rank_never_slows_the_cohort"]),
     ("a leader at the job's step limit drives no further round; it stops and publishes (PROTOCOL-NOTES 13)", M,
