@@ -681,9 +681,15 @@ async def _send(request: web.Request, body: bytes, *, content_type: str,
     resp.content_length = len(body)
     await resp.prepare(request)
     view = memoryview(body)
-    for i in range(0, len(body), SEND_CHUNK_BYTES):
-        await resp.write(view[i:i + SEND_CHUNK_BYTES])      # (drains: over aiohttp's 64 KiB)
-    await resp.write_eof()
+    try:
+        for i in range(0, len(body), SEND_CHUNK_BYTES):
+            await resp.write(view[i:i + SEND_CHUNK_BYTES])      # (drains: over aiohttp's 64 KiB)
+        await resp.write_eof()
+    except ConnectionError:
+        # the client went away mid-body: nothing to answer, and no traceback (aiohttp logged
+        # one per dropped download once the write moved into the handler); counted as a client
+        # that left is (gone_before_handshake)
+        request.app[REFUSED]["download_abandoned"] += 1
     return resp
 
 

@@ -219,4 +219,19 @@ def test_clients_that_never_read_a_large_body_hold_a_bounded_part_of_the_server(
     finally:
         for s in socks:
             s.close()
+    # clients that read a little and go away: no traceback each (a log anyone could fill)
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /api/rooms/bigdata/job/data HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.recv(600)
+    from .conftest import wait_for
+    import re
+
+    def abandoned() -> float:
+        m = urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5).read().decode()
+        got = re.search(r'reason="download_abandoned"\} (\S+)', m)
+        return float(got.group(1)) if got else 0.0
+    wait_for(lambda: abandoned() >= 3, 20, "the abandoned downloads counted")
+    log = cluster.server.text()
+    assert "Error handling request" not in log and "Traceback" not in log, log[-3000:]
 

@@ -49,7 +49,8 @@ _PROBES_SILENT = 3
 #: the state report's ``fault`` is cut to this many characters (PROTOCOL.md "State report")
 FAULT_MAX_CHARS = 240
 #: the most ranks a per-rank record of the state report names (``flaps``, ``held_ms``,
-#: ``applied``, ``clipped``): the ranks it holds now first, then the largest of the others. A
+#: ``applied``, ``clipped``, ``speeds``, ``lateness_ms``): the ranks it holds now first, then the
+#: largest of the others. A
 #: leader of a room where thousands of tabs came and went kept every one of them, and its report
 #: outgrew the server's 64 KiB control limit and a room's seats (200 at the least), and was
 #: dropped whole ("Server controls")
@@ -210,8 +211,8 @@ class Phase(enum.Enum):
 
 def _per_rank(record: dict[int, Any], live: Any) -> dict[str, Any]:
     """``record`` (rank id -> a number) for the state report, hex-keyed and sorted: at most
-    :data:`REPORT_RANKS_MAX` ranks, the ``live`` ones first, then the others with the largest
-    values."""
+    :data:`REPORT_RANKS_MAX` ranks, those in ``live`` first (the rank itself, its live peers,
+    the ranks of its shares), then the others with the largest values."""
     if len(record) <= REPORT_RANKS_MAX:
         return {f"{k:08x}": v for k, v in sorted(record.items())}
     keep = sorted(record, key=lambda k: (k not in live, -record[k], k))[:REPORT_RANKS_MAX]
@@ -957,6 +958,8 @@ class RankMachine:
         pol = self.policy
         live = {m.id: m for m in self.roster.live(now_ms, pol.drop_ms)}
         leading = self.is_leader(now_ms) or self.looping
+        shown = [(k, sp) for k, sp in self.speeds.speeds.items() if self._shown_speed(k)]
+        kept = set(live) | {self.id} | set(self.shares)     # (what a bounded record keeps first)
         return {
             "id": self.id, "id_hex": f"{self.id:08x}", "leader": self.leader_id(now_ms),
             # whether that leader is still heard (a rank whose leader died kept naming it, and a
@@ -975,21 +978,20 @@ class RankMachine:
             # dropped whole, and a job's exception message can be any length)
             "lr": self.lr, "fault": None if self.fault is None else self.fault[:FAULT_MAX_CHARS], "term": self.term,
             "members": len(self.members(now_ms)), "majority": self.has_majority(now_ms),
-            "flaps": _per_rank(self.flaps, live),
+            "flaps": _per_rank(self.flaps, kept),
             "probation": sorted(f"{k:08x}" for k in self._probation), "diverged": self.diverged,
             "global_batch": self.global_batch, "samples_assigned": self.cursor, "epoch": self._epoch(),
             "shares": {f"{k:08x}": v for k, v in sorted(self.shares.items())},
             # (of this rank, its members and the last plan's ranks: the estimates of ranks that
             # left are kept for a rejoin, and were shown as if they still computed: a new-user trial)
-            "speeds": {f"{k:08x}": round(sp.samples_per_s * self.train.local_steps, 1)
-                       for k, sp in sorted(self.speeds.speeds.items()) if self._shown_speed(k)},
-            "lateness_ms": {f"{k:08x}": round(sp.lateness_ms(), 2) for k, sp in sorted(self.speeds.speeds.items())
-                            if self._shown_speed(k)},
-            "held_ms": {k: round(v, 1) for k, v in _per_rank(self.held_ms, live).items()},
+            "speeds": _per_rank({k: round(sp.samples_per_s * self.train.local_steps, 1) for k, sp in shown},
+                                kept),
+            "lateness_ms": _per_rank({k: round(sp.lateness_ms(), 2) for k, sp in shown}, kept),
+            "held_ms": {k: round(v, 1) for k, v in _per_rank(self.held_ms, kept).items()},
             "local_steps": self.train.local_steps, "outer_optimizer": self.train.outer_optimizer,
-            "applied": _per_rank(self.applied_by, live),
+            "applied": _per_rank(self.applied_by, kept),
             "may_lead": self.may_lead, "aggregate": self.aggregate,
-            "clipped": _per_rank(self.clipped, live),
+            "clipped": _per_rank(self.clipped, kept),
             "quarantined": {f"{k:08x}": round(max(0.0, t - now_ms) / 1000.0, 1)
                             for k, t in sorted(self.quarantined.items())},
             "silent": sorted(f"{k:08x}" for k in self._silent),
