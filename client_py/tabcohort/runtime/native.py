@@ -58,43 +58,69 @@ EMPTY_TOKEN_VARIABLE = ("is set but empty (e.g. the shell's \"$(cat ckpt/.traine
 _MAX_REDIRECTS = 4
 
 
+#: the ranks running in this process that asked to stop on a signal (:func:`stop_on_signals`),
+#: and the handlers that were installed before the first of them
+_STOPPING: list["_StopOnSignal"] = []
+_SAVED_HANDLERS: dict[int, Any] = {}
+
+
+class _StopOnSignal:
+    """One rank's ordered stop, asked for through its loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_stop: Callable[[str], None]) -> None:
+        self.loop, self.request_stop = loop, request_stop
+
+    def ask(self, name: str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.request_stop, f"signal {name}")
+        except RuntimeError:                     # (its loop has closed: nothing left to stop)
+            pass
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if getattr(_on_stop_signal, "seen", False):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+    _on_stop_signal.seen = True                  # type: ignore[attr-defined]
+    os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
+    for r in list(_STOPPING):
+        r.ask(name)
+
+
 def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str], None]) -> Callable[[], None]:
     """SIGINT and SIGTERM ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
-    ``loop`` once it turns. A second signal before the process ends stops it at once
-    (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM), raised where the main
-    thread is: a job whose compute never returns holds the loop, and the ordered stop with it,
-    so without this only SIGKILL ended such a rank. Python-level handlers (``signal.signal``), not
-    the loop's: those run only when the loop turns.
+    ``loop`` once it turns (for every rank of the process that asked). A second signal before
+    the process ends stops it at once (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for
+    SIGTERM), raised where the main thread is: a job whose compute never returns holds the loop,
+    and the ordered stop with it, so without this only SIGKILL ended such a rank. Python-level
+    handlers (``signal.signal``), not the loop's: those run only when the loop turns.
 
     Returns:
-        A function that puts the previous handlers back (a no-op off the main thread, where
-        none are installed).
+        A function that ends this rank's part; the handlers from before the first rank are back
+        once the last one's ends, in whatever order they end (a no-op off the main thread,
+        where none are installed).
     """
-    seen: list[str] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if seen:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        seen.append(name)
-        os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
-        try:
-            loop.call_soon_threadsafe(request_stop, f"signal {name}")
-        except RuntimeError:                     # (the loop has closed: nothing left to stop)
-            pass
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            previous[sig] = signal.signal(sig, on_signal)
-        except (ValueError, OSError):             # (not the main thread; a platform without it)
-            pass
+    me = _StopOnSignal(loop, request_stop)
+    if not _STOPPING:
+        _on_stop_signal.seen = False             # type: ignore[attr-defined]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                _SAVED_HANDLERS[sig] = signal.signal(sig, _on_stop_signal)
+            except (ValueError, OSError):         # (not the main thread; a platform without it)
+                pass
+    _STOPPING.append(me)
 
     def restore() -> None:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
+        if me in _STOPPING:
+            _STOPPING.remove(me)
+        if not _STOPPING:
+            for sig, h in list(_SAVED_HANDLERS.items()):
+                signal.signal(sig, h)
+            _SAVED_HANDLERS.clear()
     return restore
+
 
 @dataclass
 class RankConfig:
