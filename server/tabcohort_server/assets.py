@@ -131,7 +131,9 @@ class RoomAssets:
                 if py.bucket_len != self.worker.bucket_len:
                     raise JobError(f"bucket_len {py.bucket_len} on the python backend, "
                                    f"{self.worker.bucket_len} on {self.worker.backend}", ref)
-                compare_paths(loaded, self.worker, py, timeout_s=PROBE_TIMEOUT_S)
+                note = compare_paths(loaded, self.worker, py, timeout_s=PROBE_TIMEOUT_S)
+                if note is not None:
+                    log.warning("job %s: %s", ref, note)
                 backends.append("python")
                 if ref not in SHIPPED and self._needs_numpy(loaded, ref, batch, job.seed):
                     backends.remove("python")   # (the shipped jobs run the no-numpy test tier)

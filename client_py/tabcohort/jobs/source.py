@@ -3,6 +3,7 @@ server serves, unpacking a served bundle, importing it (README "Write your own j
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import traceback
 import zipfile
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import ConfigError
 
@@ -72,6 +73,29 @@ class JobSource:
             except ValueError as e:   # null bytes
                 raise JobError(f"{path}: {e}", self.ref) from None
 
+    @contextlib.contextmanager
+    def bundle_only(self) -> Iterator[None]:
+        """``sys.path`` without the job's own directory (the current one under ``python -m``)
+        while the job's code runs in a check: a rank imports it from its bundle alone, so a file
+        beside a one-file job that is not in the bundle must fail the check, not every rank
+        (imports inside the factory, ``grads`` or ``evaluate`` too)."""
+        saved = list(sys.path)
+        root = os.path.abspath(self.root)
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+        try:
+            yield
+        finally:
+            sys.path[:] = saved
+
+    def missing_file_hint(self, exc: BaseException) -> str:
+        """A hint when ``exc`` is a ModuleNotFoundError for a module beside the job, else ''."""
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        top = missing.split(".")[0] if missing else None
+        if top and (os.path.exists(os.path.join(self.root, top + ".py")) or os.path.isdir(os.path.join(self.root, top))):
+            return (f"; {top} is beside the job but not part of it: a job of several files is a package "
+                    f"(a directory with __init__.py; README 'Write your own job')")
+        return ""
+
     def import_module(self) -> Any:
         """Import the job's module from :attr:`root` (a fresh import: a cached module of the same
         name is replaced).
@@ -94,27 +118,14 @@ class JobSource:
         sys.modules[self.module] = mod
         _JOB_MODULES.add(self.module)
         files = {os.path.abspath(os.path.join(self.root, r)) for r in self.files}
-        # imported as a rank imports it, from its bundle alone: the job's own directory (the
-        # current one under `python -m`) off the path, so a file beside a one-file job that is
-        # not in its bundle fails here and not on every rank
-        saved = list(sys.path)
-        root = os.path.abspath(self.root)
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
         try:
-            spec.loader.exec_module(mod)
+            with self.bundle_only():
+                spec.loader.exec_module(mod)
         except Exception as e:
             del sys.modules[self.module]
-            hint = ""
-            missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
-            if missing and (os.path.exists(os.path.join(self.root, missing.split(".")[0] + ".py"))
-                            or os.path.isdir(os.path.join(self.root, missing.split(".")[0]))):
-                hint = (f"; {missing.split('.')[0]} is beside the job but not part of it: a job of "
-                        f"several files is a package (a directory with __init__.py; README "
-                        f"'Write your own job')")
+            hint = self.missing_file_hint(e)
             raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)}){hint}",
                            self.ref) from None
-        finally:
-            sys.path[:] = saved
         if not callable(getattr(mod, self.factory, None)):
             what = (f"has no function {self.factory}()" if not hasattr(mod, self.factory) else
                     f"has {self.factory}, a {type(getattr(mod, self.factory)).__name__}, not a function")

@@ -230,7 +230,9 @@ class InprocCohort:
             return
         np_w, py_w = (o, w) if other == "numpy" else (w, o)
         params = w.params()
-        compare_paths(job, np_w, py_w, timeout_s=bound_s)
+        note = compare_paths(job, np_w, py_w, timeout_s=bound_s)
+        if note is not None:
+            self.progress(f"warning: {note}")
         w.set_params(params)
 
     def _new_id(self) -> int:
