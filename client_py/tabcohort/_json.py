@@ -22,8 +22,9 @@ _STEP[ord("]")] = _STEP[ord("}")] = -1
 def within_depth(text: str, limit: int) -> bool:
     """True when JSON ``text`` nests arrays and objects at most ``limit`` deep (brackets inside
     strings, escapes included, do not count); linear in ``len(text)`` and done by C code (str
-    split, bytes.translate, itertools; a per-character Python loop took 8 ms of the server's
-    loop for a 61 KB control, this about 0.2 ms). Says nothing of whether ``text`` is valid JSON."""
+    split, bytes.translate, itertools; a Python loop over the regex's matches of every bracket
+    and quote took about 1.1 ms of the server's loop for a 61 KB control, this about 0.3 ms).
+    Says nothing of whether ``text`` is valid JSON."""
     if "\\" in text:
         bare = _STRING.sub("", text)
     else:   # no escapes: every other piece between quotes is a string's inside

@@ -645,12 +645,12 @@ def _evaluate(a: argparse.Namespace) -> int:
         hint = (f"; if the model was trained with one of its LOCAL_OPTIONS ({', '.join(sorted(map(str, local)))}) "
                 f"set otherwise (e.g. another data file), give it with --job-option NAME=VALUE"
                 if isinstance(local, dict) and local and not given else "")
-        # (which part differs, where the model's job.json says: it named all three)
-        what = [name for name, mine, theirs in (
-            ("its data", loaded.data.sha256, info.get("data_sha256")),
-            ("its code", loaded.source.code_sha256, info.get("code_sha256"))) if theirs and mine != theirs]
-        differs = (f"{' and '.join(what)} differ{'s' if len(what) == 1 else ''} from the model's"
-                   if what else "other code, data or spec")
+        # (which part differs, where the model's job.json says: it named all three; the code
+        # was compared above)
+        theirs = info.get("data_sha256")
+        differs = ("its data differs from the model's" if theirs and loaded.data.sha256 != theirs else
+                   "its spec differs: the model's layers or training settings" if theirs else
+                   "other data or spec")
         raise ConfigError("--job", a.job or ref, f"its job hash {jh} is not the model's "
                           f"{job['job_hash']} ({differs}){hint}")
     worker.set_params(params.data)

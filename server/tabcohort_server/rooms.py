@@ -247,7 +247,8 @@ class Room:
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
         #: resume secrets are HMAC(secret_key, room:id) when set (the app sets it; it persists in
         #: the checkpoint directory), so a restarted server re-seats a rank that resumes with its
-        #: id and secret although it never issued that id; ids released here are never re-seated.
+        #: id and secret although it never issued that id; ids released here are not re-seated
+        #: while the room remembers them (the newest RELEASED_IDS_KEPT; a restart forgets them all).
         self.secret_key: bytes | None = None
         #: released ids, oldest first, at most RELEASED_IDS_KEPT (an ordered set: every expired
         #: rank added one for good, 0.5 GB a day at the registration limit); a new rank never

@@ -30,10 +30,10 @@ class Synchronous(ToyWorker):
 
 
 class Yielding(ToyWorker):
-    """Takes as long, but awaits meanwhile (a device readback): the loop reads while it waits."""
+    """Takes longer, but awaits meanwhile (a device readback): the loop reads while it waits."""
 
     async def grads(self, offset, samples=None):
-        await asyncio.sleep(COMPUTE_S)
+        await asyncio.sleep(5 * COMPUTE_S)
         return self.grads_sync(offset, samples)
 
 
@@ -71,4 +71,5 @@ def test_a_compute_that_holds_the_loop_reports_how_long():
 
 def test_a_compute_that_awaits_reports_only_its_last_step():
     seen = held_ms_reported(Yielding)
-    assert all(v < 0.5 * COMPUTE_S * 1000 for v in seen), seen
+    # (its last step is a toy's grads: microseconds; the bound leaves a loaded machine 10 ms)
+    assert all(v < 2.5 * COMPUTE_S * 1000 for v in seen), seen
