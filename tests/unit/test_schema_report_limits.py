@@ -9,11 +9,12 @@ import json
 
 import pytest
 
-from tabcohort_server import schema
-from tabcohort_server.config import JobConfig, ServerLimits
-from tabcohort_server import rooms
-from tabcohort_server.rooms import LARGE_CONTROL_BYTES, REPORT_BURST, REPORTS_PER_INTERVAL, Room
-from tabcohort_server.schema import RANK_FIELDS, check_control, over_members, parse_control
+pytest.importorskip("tabcohort_server")   # (the server never runs in a tab)
+from tabcohort_server import schema  # noqa: E402
+from tabcohort_server import rooms  # noqa: E402
+from tabcohort_server.config import JobConfig, ServerLimits  # noqa: E402
+from tabcohort_server.rooms import LARGE_CONTROL_BYTES, REPORT_BURST, REPORTS_PER_INTERVAL, Room  # noqa: E402
+from tabcohort_server.schema import RANK_FIELDS, check_control, over_members, parse_control  # noqa: E402
 
 
 def ids(n: int) -> list[str]:
