@@ -31,3 +31,31 @@ def test_ranks_that_end_in_any_order_leave_the_handlers_they_found():
         return got
     assert asyncio.run(run()) == [("b", "signal SIGTERM")]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_repeat_within_the_grace_is_the_same_stop_and_one_after_it_stops_at_once(monkeypatch):
+    # scripts/demo.sh passes a terminal's Ctrl-C on to its ranks as SIGTERM milliseconds after
+    # the ranks got the SIGINT themselves: taken as "stop at once", it killed the leader before
+    # its final checkpoint upload (the demo's Ctrl-C test in CI)
+    from tabcohort.runtime import native
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        got: list = []
+        end = stop_on_signals(loop, got.append)
+        try:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)          # passed on at once: the same stop
+            for _ in range(100):
+                if got:
+                    break
+                await asyncio.sleep(0.01)
+            monkeypatch.setattr(native, "SIGNAL_REPEAT_GRACE_S", 0.0)
+            try:
+                signal.raise_signal(signal.SIGTERM)      # after the grace: at once
+            except SystemExit as exc:
+                got.append(exc.code)
+        finally:
+            end()
+        return got
+    assert asyncio.run(run()) == ["signal SIGINT", 143]
