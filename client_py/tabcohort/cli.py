@@ -474,7 +474,9 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
     # progress goes to stderr under --json, so stdout is exactly one JSON document
     out = sys.stderr if a.json else sys.stdout
-    print(f"tabcohort simulate: {_n(cfg.ranks, 'rank')}, {f'job {cfg.job}' if cfg.job else f'dataset {cfg.dataset}'}, global batch {cfg.resolved_global_batch}, "
+    opts = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in (job_options or {}).items())
+    what = f"job {cfg.job}{f' ({opts})' if opts else ''}" if cfg.job else f"dataset {cfg.dataset}"
+    print(f"tabcohort simulate: {_n(cfg.ranks, 'rank')}, {what}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     # (a refused or failed run's one JSON document is printed by main()'s handlers)

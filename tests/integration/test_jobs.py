@@ -427,6 +427,7 @@ def test_job_options_from_the_command_line_reach_the_job(tmp_path):
     r = subprocess.run(sim + ["--job-option", "acc=0.25"], capture_output=True, text=True, timeout=120,
                        env=_env(), cwd=str(ROOT))
     assert r.returncode == 0 and json.loads(r.stdout)["accuracy"] == 0.25, r.stderr
+    assert f"job {job} (acc=0.25), global batch" in r.stderr, r.stderr   # (the banner says what ran)
     r = subprocess.run(sim + ["--job-option", "acc=1e999"], capture_output=True, text=True, timeout=120,
                        env=_env(), cwd=str(ROOT))
     assert r.returncode == 2 and "--job-option='acc=1e999': 1e999 is not a finite number" in r.stderr, r.stderr
