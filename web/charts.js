@@ -43,7 +43,8 @@ export function makeChart(el, label, stroke, opts = {}) {
     resizeTimer = setTimeout(() => plot && plot.setSize({ width: width(), height: 200 }), 100);
   });
   const add = (x, y) => {
-    if (y === null || y === undefined || !Number.isFinite(y) || (log && y <= 0)) return false;
+    // (a report without a step pushed an undefined x that stayed first in the data for good)
+    if (!Number.isFinite(x) || y === null || y === undefined || !Number.isFinite(y) || (log && y <= 0)) return false;
     if (xs.length && x <= xs[xs.length - 1]) {
       if (x < xs[xs.length - 1]) { xs.length = 0; ys.length = 0; }  // a new run (restart)
       else return false;

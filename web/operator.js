@@ -73,12 +73,24 @@ async function init() {
     if (r.status === 403) { fail("The room token is wrong or missing."); return "stop"; }
     if (r.status === 429) { $("status").textContent = "Too many failed token checks from this address: retrying…"; return; }
     if (r.status === 404) { fail(`There is no room named “${room}”.`); return "stop"; }
-    const s = await r.json();
+    // anything else that is not the room's JSON (a cluster's 503 while the room changes nodes, a
+    // proxy's 502 page) is said and polled again: render() threw on it, and the view froze
+    let s = null;
+    try { s = r.ok ? await r.json() : null; } catch {}
+    if (!s || typeof s !== "object" || !Array.isArray(s.ranks) || !s.counters) {
+      $("status").textContent = `The server answered ${r.status} without the room's state; retrying…`;
+      return;
+    }
     op.polls++;
     op.last = s;
     render(s, q);
   };
-  const loop = async () => { if ((await poll()) !== "stop") setTimeout(loop, 1000); };
+  // one failed poll never ends the polling (an exception here stopped every later update)
+  const loop = async () => {
+    let next;
+    try { next = await poll(); } catch (e) { op.error = String(e); }
+    if (next !== "stop") setTimeout(loop, 1000);
+  };
   $("stop-room").addEventListener("click", () => stopRoom(room));
   // without the room token in the URL a download link alone would be refused (the checkpoint and
   // the model export alike): fetch it with the operator token instead and hand the browser the bytes

@@ -346,7 +346,9 @@ def check_control(obj: Any, *, max_ranks: int | None = None) -> str | None:
         return None
     path = [p for p in err if isinstance(p, str)]
     if t == "report" and len(path) >= 2:
-        return f"bad_report.{path[1]}"
+        # a reason is a counter key shown in the room's JSON and a /metrics label: only a field the
+        # schema names, never a key the rank chose (an unknown field holding 1e999 named it)
+        return f"bad_report.{path[1]}" if path[1] in REPORT_STATE["properties"] else "bad_report.unknown_field"
     return f"bad_{t}"
 
 

@@ -127,3 +127,13 @@ def test_a_large_control_over_the_report_rate_is_dropped_before_it_is_parsed(mon
     # junk nested too deep is called so, budget or not (a bracket scan, no parse)
     r.control(p, "[" * 30000 + "]" * 30000, now=0.0)
     assert r.drops["too_deep"] == 1 and len(parsed) == REPORT_BURST + 2
+
+
+@pytest.mark.parametrize("key", ["<img src=x onerror=alert(1)>", "zz_7", "x" * 64])
+def test_a_drop_reason_never_names_a_field_the_rank_chose(key):
+    # an unknown field is ignored, but a non-finite one fails the whole report: the reason (a
+    # counter key in the room's JSON and a /metrics label) names no key the rank chose, so a
+    # rank cannot grow the room's drops with a new key per report
+    text = '{"type": "report", "state": {"step": 1, ' + json.dumps(key) + ': 1e999}}'
+    assert parse_control(text)[1] == "bad_report.unknown_field"
+    assert parse_control('{"type": "report", "state": {"loss": 1e999}}')[1] == "bad_report.loss"
