@@ -106,11 +106,14 @@ def test_a_tab_that_cannot_import_the_job_says_so(cluster, tabs, tmp_path):
     before the download: test_a_tab_without_numpy_says_a_numpy_only_job_cannot_run_here...)"""
     job = tmp_path / "needs_aiohttp.py"
     job.write_text((ROOT / "examples" / "jobs" / "cnn_digits.py").read_text().replace(
-        "import math\n", "import math\nimport aiohttp  # a package a tab cannot import\n", 1))
+        "import math\n", "import math\ntry:\n    import aiohttp  # a package a tab cannot import\n"
+                         "except ImportError as e:  # (with a message of any length: the job author's)\n"
+                         "    raise ImportError(f'{e} ' + 'x' * 5000) from None\n", 1))
     url = cluster.serve("--job", str(job))
     tab = tabs(url, "?room=digits&numpy=off")
     err = wait_for(lambda: tab.tc("tc.errors.find(e => e.kind === 'job') || null"), 90, "the page's job error")
     assert "failed to load in this tab" in err["text"] and "aiohttp" in err["text"], err
+    assert len(err["text"]) <= 1000 and len(tab.page.text_content("#error")) < 1200, err   # cut for the page
     assert tab.tc("tc.job")["status"] == "failed"
     assert "failed to load" in tab.page.text_content("#job")
     assert "aiohttp" in tab.page.text_content("#error")

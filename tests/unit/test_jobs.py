@@ -405,6 +405,13 @@ def test_a_jobs_backends_spec_and_own_errors_are_checked(tmp_path):
     with pytest.raises(JobError, match="SPEC has a key 'options'"):
         load_job(_job(tmp_path, OPTIONS_JOB.replace('SPEC = {"name": "const"}', 'SPEC = {"name": "c", "options": 1}'),
                       name="specopt.py"))
+    # (a 300-character name: every hello failed to encode, every report was dropped as bad_report.model)
+    for name in ("x" * 65, "two\\nlines"):
+        with pytest.raises(JobError, match="must be at most 64 printable characters"):
+            load_job(_job(tmp_path, OPTIONS_JOB.replace('SPEC = {"name": "const"}', f'SPEC = {{"name": "{name}"}}'),
+                          name="longname.py"))
+    assert load_job(_job(tmp_path, OPTIONS_JOB.replace('SPEC = {"name": "const"}', f'SPEC = {{"name": "{"x" * 64}"}}'),
+                         name="okname.py")).name == "x" * 64
     own = OPTIONS_JOB.replace("def load_data(options):\n", "def load_data(options):\n"
                               "    from tabcohort.errors import ConfigError\n"
                               "    raise ConfigError('scale', options['scale'], 'must be positive')\n")

@@ -86,6 +86,12 @@ class JobData(dict):
         return d
 
 
+#: the longest job name (``SPEC["name"]``): every rank sends it as its ``model`` in each hello
+#: (at most 256 UTF-8 bytes: tabcohort.wire.frame) and report, and the page shows it; a longer
+#: one made every hello fail to encode and every report a drop
+JOB_NAME_MAX_CHARS = 64
+
+
 class LoadedJob:
     """An imported job: its source, module, data and spec; :meth:`make_worker` builds workers."""
 
@@ -107,6 +113,11 @@ class LoadedJob:
             raise JobError(f"SPEC and OPTIONS must be JSON-ready data ({e})", source.ref) from None
         self.spec = spec
         self.name = str(spec.get("name") or source.module)
+        if len(self.name) > JOB_NAME_MAX_CHARS or not self.name.isprintable():
+            raise JobError(f"SPEC[\"name\"] (the module's name when SPEC has none) must be at most "
+                           f"{JOB_NAME_MAX_CHARS} printable characters, got {len(self.name)}: "
+                           f"{self.name[:JOB_NAME_MAX_CHARS]!r}{'...' if len(self.name) > JOB_NAME_MAX_CHARS else ''}",
+                           source.ref)
         backends = getattr(module, "BACKENDS", None)
         if backends is not None and (not isinstance(backends, (tuple, list)) or not backends
                                      or not all(isinstance(b, str) for b in backends)):

@@ -36,6 +36,10 @@ from .session import (RankSession, check_topology, checkpoint_upload, finished_r
                       path_report)
 
 
+#: the longest error text the page is given (a job's exception message can be any length)
+ERROR_TEXT_MAX_CHARS = 1000
+
+
 class JobLoadError(TabcohortError):
     """The room's module job failed to download, import or build in this tab."""
 
@@ -116,7 +120,8 @@ class TabRun(RankSession):
         except (ConfigError, TabcohortError) as e:
             kind = "job" if isinstance(e, JobLoadError) else "token" if "token" in str(e) else "room" if "no such room" in str(e) else "unreachable" \
                 if "unreachable" in str(e) else "error"
-            self.ui("error", text=str(e), kind=kind)
+            # (cut: a job's exception text is the job author's, of any length; the page shows it)
+            self.ui("error", text=str(e)[:ERROR_TEXT_MAX_CHARS], kind=kind)
             return 2
 
     async def _run(self) -> int:
@@ -318,7 +323,7 @@ class TabRun(RankSession):
                                        f"{', '.join(info.get('backends') or [backend])}; using {backend}")
         except Exception as e:   # the job's own code may raise anything: say so, do not hang
             text = f"the job {info.get('name')!r} failed to load in this tab: {e}"
-            self.ui("job", status="failed", error=text[:1000], **shown)
+            self.ui("job", status="failed", error=text[:ERROR_TEXT_MAX_CHARS], **shown)
             raise JobLoadError(text) from None
         self.ui("job", status="ready", backend=worker.backend, **shown)
         self.progress(f"job {info['name']} ready: backend {worker.backend}"
