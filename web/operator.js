@@ -219,8 +219,13 @@ function render(s, q) {
     tr.lastChild.title = backend;
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
-    cell(text(p.precision ?? "–"));
-    cell(text(p.fault ?? "none"));
+    // (a rank's fault and precision are its own strings, up to 256 characters: clipped like the
+    // backend, whole in the tooltip)
+    for (const v of [text(p.precision ?? "–"), text(p.fault ?? "none")]) {
+      cell(v);
+      tr.lastChild.className = "clip";
+      tr.lastChild.title = v;
+    }
     cell(typeof r.report_age_s === "number" ? r.report_age_s.toFixed(1) + " s" : "–");
     cell(shareCell(r.id_hex));
     cell(num(Object.hasOwn(speeds, r.id_hex) ? speeds[r.id_hex] : null, 0));
