@@ -163,15 +163,29 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
     """The hostile-rank tests' clean run (``hostile_common.train`` without an attacker), trained
-    once for both files that compare against it (test_hostile_protocol, test_hostile_server)."""
+    once for both files that compare against it (test_hostile_protocol, test_hostile_server),
+    and once for all pytest-xdist workers: the first to need it trains it under a file lock in
+    their shared temporary directory and stores it there, the others read it (each worker
+    trained its own: 30 s more of one worker's time)."""
+    import fcntl
+    import pickle
     from .hostile_common import STEPS, train
-    c = Cluster(tmp_path_factory.mktemp("baseline"))
-    try:
-        run = train(c, c.tmp / "ck")
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.close()
-    assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
-    return run
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                         # (the workers' common directory)
+    stored = root / "hostile-baseline.pickle"
+    with open(root / "hostile-baseline.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)           # (released when the file closes)
+        if stored.exists():
+            return pickle.loads(stored.read_bytes())
+        c = Cluster(tmp_path_factory.mktemp("baseline"))
+        try:
+            run = train(c, c.tmp / "ck")
+        except BaseException:
+            print(c.logs())
+            raise
+        finally:
+            c.close()
+        assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
+        stored.write_bytes(pickle.dumps(run))
+        return run
