@@ -56,3 +56,29 @@ def test_a_stale_operator_token_is_said_and_the_view_goes_on_with_the_room_token
     assert "operator token this page had was refused" in op.page.inner_text("#error")
     assert op.page.evaluate("sessionStorage.getItem('tc-operator')") is None
     assert "Not available" not in op.page.inner_text("#status")
+
+
+def test_the_view_polls_on_after_answers_that_are_not_the_room_s_state(cluster, tabs):
+    # a review: one answer that was not the room's JSON (a cluster node's 503 while the room
+    # changes nodes, a proxy's HTML page) threw in the poll loop, and the view froze for good
+    url = cluster.serve()
+    link = next(line.split("operate: ", 1)[1] for line in cluster.server.text().splitlines() if "operate: " in line)
+    op = tabs(url, link[len(url) + 1:])
+    wait_for(lambda: op.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
+    bad = [(503, "application/json", '{"error": "no node owns the room right now; retry"}'),
+           (200, "text/html", "<html><body>a proxy's page</body></html>")]
+    said: list[str] = []
+
+    def answer(route) -> None:
+        if bad:
+            status, kind, body = bad.pop(0)
+            route.fulfill(status=status, content_type=kind, body=body)
+        else:
+            route.continue_()
+    op.page.route(lambda u: f"/api/rooms/{cluster.room}" in u and "/ws" not in u and "checkpoint" not in u, answer)
+    wait_for(lambda: (t := op.page.inner_text("#status")) and "retrying" in t and said.append(t) is None and not bad,
+             20, "both bad answers, said")
+    assert any("answered 503 without the room's state" in t for t in said), said
+    polls = op.page.evaluate("tcOperator.polls")
+    wait_for(lambda: op.page.evaluate("tcOperator.polls") >= polls + 2, 20, "polling to go on")
+    wait_for(lambda: "retrying" not in op.page.inner_text("#status"), 10, "the status once the room answers")
