@@ -865,8 +865,12 @@ def _serve_checked(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a, extra = parser.parse_known_args(argv)
+    try:   # (building the parser reads the package's metadata: a Ctrl-C there printed a traceback)
+        parser = build_parser()
+        a, extra = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        print("tabcohort: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     if extra:   # (named by the command's parser: "see tabcohort serve --help", not "tabcohort --help")
         parser.commands[a.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
