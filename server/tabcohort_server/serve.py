@@ -85,7 +85,9 @@ async def start_site(app, host: str, port: int):
 
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
-                      advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> None:
+                      advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> int:
+    """Serve until SIGINT or SIGTERM. Returns the exit status: 0, or 130 when a second signal
+    cut the ordered stop short (as a rank's forced stop exits)."""
     from aiohttp import web
 
     import json
@@ -226,6 +228,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         await stop.wait()
         if drain and drain[0]:
             await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
+        return 130 if force.is_set() else 0
     finally:
         progress("tabcohort serve: shutting down")
         if adv is not None:
@@ -407,9 +410,8 @@ def serve(config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
     _check_listen(host, port, config.checkpoint_dir)
     lock = lock_checkpoint_dir(config.checkpoint_dir) if config.checkpoint_dir and config.cluster is None else None
     try:
-        asyncio.run(serve_async(config, host=host, port=port, progress=progress, advertise=advertise,
-                                advertise_interfaces=advertise_interfaces))
+        return asyncio.run(serve_async(config, host=host, port=port, progress=progress, advertise=advertise,
+                                       advertise_interfaces=advertise_interfaces))
     finally:
         if lock is not None:
             lock.close()
-    return 0

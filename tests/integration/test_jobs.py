@@ -550,13 +550,8 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
     assert codes == [1, 1]
 
 
-@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path, sig, code):
-    # a new-user trial: a job whose grads() hung mid-run held the event loop, and with it the
-    # ordered stop the first Ctrl-C (or SIGTERM) asks for: only SIGKILL ended the rank. The first
-    # signal still asks for the ordered stop; a second one stops the rank at once
-    import os
-    import signal
+def _hanging_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A job whose grads() hangs from its 21st call on (after writing the returned marker file)."""
     marker = tmp_path / "hanging"
     job = tmp_path / "hangs_later.py"
     job.write_text(GOOD.replace('        return LOSS, array("f", [0.0] * GRAD_LEN)',
@@ -565,6 +560,36 @@ def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path
                                 f'            import pathlib, time; pathlib.Path({str(marker)!r}).write_text("")\n'
                                 '            time.sleep(600)\n'
                                 '        return LOSS, array("f", [0.0] * GRAD_LEN)'))
+    return job, marker
+
+
+def test_a_second_ctrl_c_on_serve_cuts_the_ordered_stop_short_and_says_so_in_its_exit_code(cluster, tmp_path):
+    # a new-user trial: the forced stop (a rank that cannot leave, Ctrl-C again) exited 0 though
+    # no final checkpoint was stored; a rank's forced stop exits 130, and now the server's too
+    import os
+    import signal
+    job, marker = _hanging_job(tmp_path)
+    cluster.serve("--job", str(job))
+    rank = cluster.rank("--trust-job")
+    try:
+        wait_for(lambda: marker.exists(), 60, "the job's grads to hang")
+        cluster.server.p.send_signal(signal.SIGINT)
+        wait_for(lambda: "waiting up to" in cluster.server.text(), 10, "the server's ordered stop")
+        cluster.server.p.send_signal(signal.SIGINT)
+        assert cluster.server.p.wait(15) == 130, cluster.server.text()[-2000:]
+        assert "1 rank still connected; stopping anyway" in cluster.server.text(), cluster.server.text()[-2000:]
+    finally:
+        os.kill(rank.p.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path, sig, code):
+    # a new-user trial: a job whose grads() hung mid-run held the event loop, and with it the
+    # ordered stop the first Ctrl-C (or SIGTERM) asks for: only SIGKILL ended the rank. The first
+    # signal still asks for the ordered stop; a second one stops the rank at once
+    import os
+    import signal
+    job, marker = _hanging_job(tmp_path)
     cluster.serve("--job", str(job))
     rank = cluster.rank("--trust-job")
     wait_for(lambda: marker.exists(), 60, "the job's grads to hang")
