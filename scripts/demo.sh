@@ -126,7 +126,7 @@ PY
     echo "[demo] resuming from $CKPT/digits.ckpt${resumed_step:+ (step $resumed_step)} (FRESH=1 starts from scratch)"
   fi
 fi
-pids=() rank_pids=() server_pid=
+pids=() rank_pids=() server_pid= up=0
 alive() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
 wait_bounded() {  # wait_bounded SECONDS PID...: until every PID exited, at most SECONDS
   local end=$(( $(date +%s) + $1 )); shift
@@ -147,7 +147,10 @@ else:
 PY
 }
 cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
-  trap - INT TERM EXIT
+  trap - TERM EXIT
+  # a second Ctrl-C reaches the server and the ranks too, which stop at once; the demo itself
+  # goes on to its summary (a second Ctrl-C killed it, and the checkpoint's line was lost)
+  trap '' INT
   echo "[demo] stopping: the ranks finish, the leader uploads the final checkpoint, then the server exits"
   # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored (a Ctrl-C at the
   # terminal reaches them anyway: they handle it as a stop); the ranks go first, the server waits
@@ -159,7 +162,14 @@ cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
     # the final checkpoint (SIGTERM would close their sockets at once). A terminal's Ctrl-C already
     # sent it one, and a second signal stops it at once: with tabs only (RANKS=0) that lost the
     # final checkpoint (a new-user trial). So it is signalled only when the demo ended otherwise.
-    [ "${1:-EXIT}" = INT ] || kill -INT "$server_pid" 2>/dev/null || true
+    # Before it answered, it had no handler yet (a background job of this script starts with
+    # SIGINT ignored): the terminal's Ctrl-C was lost on it, and no rank was started, so there
+    # is nothing to drain: SIGTERM at once (the demo waited 15 s, then said the server was ready).
+    if [ "$up" = 0 ]; then
+      kill -TERM "$server_pid" 2>/dev/null || true
+    else
+      [ "${1:-EXIT}" = INT ] || kill -INT "$server_pid" 2>/dev/null || true
+    fi
     wait_bounded 15 "$server_pid"
     kill -TERM "$server_pid" 2>/dev/null || true
     wait_bounded 5 "$server_pid"
@@ -167,6 +177,9 @@ cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   report_checkpoint
+  # (a trap's handler returns to where the script was: a Ctrl-C while it waited for the server
+  # went on to "the server did not start" and exit 1)
+  case ${1:-EXIT} in INT) exit 130 ;; TERM) exit 143 ;; esac
 }
 trap 'cleanup INT' INT
 trap 'cleanup TERM' TERM

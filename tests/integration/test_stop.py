@@ -170,3 +170,45 @@ def test_a_leader_that_left_a_room_training_on_is_not_said_to_have_stored_the_fi
     _say_final_checkpoint(room, {"step": 142411}, out.append)
     _say_final_checkpoint(room, {"step": 142412}, out.append)       # said once
     assert out[1:] == ["tabcohort serve: room digits: final checkpoint at step 142411"]
+
+
+def _serve_started(port: int) -> bool:
+    """Whether a `tabcohort serve --port PORT` process exists (read from /proc)."""
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and str(port).encode() in cmd:
+            return True
+    return False
+
+
+def test_ctrl_c_while_the_demo_starts_stops_it_at_once(tmp_path):
+    # a new-user trial: a Ctrl-C before the server answered was lost on it (a background job of
+    # the script starts with SIGINT ignored, and its own handler was not installed yet); the demo
+    # waited out its 15 s bound, the server printed its ready banner after "stopping"
+    port = _free_port()
+    env = _env() | {"PORT": str(port), "CKPT": str(tmp_path / "ckpt"), "INSTALL": "0", "PYTHON": sys.executable,
+                    "RANKS": "2"}
+    log = open(tmp_path / "demo.log", "wb")
+    demo = subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh")], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=str(ROOT), start_new_session=True)
+    text = lambda: (tmp_path / "demo.log").read_text(errors="replace")  # noqa: E731
+    try:
+        wait_for(lambda: _serve_started(port), 30, "the demo's server process")
+        early = "Open http://" not in text()
+        t0 = time.monotonic()
+        os.killpg(demo.pid, signal.SIGINT)
+        assert demo.wait(30) in (0, 130), text()[-3000:]
+        took_s = time.monotonic() - t0
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        log.close()
+    out = text()
+    assert "[demo] stopping" in out, out[-3000:]
+    if early:   # (the server had not answered yet: the case this is about)
+        assert took_s < 8, (took_s, out[-3000:])
+        assert "Open http://" not in out and "URL http" not in out.split("[demo] stopping", 1)[1], out[-3000:]
+    assert not _serve_started(port), "the demo left its server running"
