@@ -548,6 +548,10 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
         assert "job failed: the job's compute failed 3 times in a row: RuntimeError: boom in grads" in out, out[-2000:]
         assert re.search(r"raise_later\.py:\d+ in grads", out), out[-2000:]
     assert codes == [1, 1]
+    # ... and the operator sees why in each rank's last report (the operator view's Fault column)
+    faults = [r.get("fault") or "" for r in cluster.reports(connected_only=False)]
+    assert len(faults) == 2 and all(re.search(r"boom in grads \(at raise_later\.py:\d+ in grads\)", f)
+                                    for f in faults), faults
 
 
 def _hanging_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
