@@ -412,6 +412,10 @@ def test_a_jobs_backends_spec_and_own_errors_are_checked(tmp_path):
                           name="longname.py"))
     assert load_job(_job(tmp_path, OPTIONS_JOB.replace('SPEC = {"name": "const"}', f'SPEC = {{"name": "{"x" * 64}"}}'),
                          name="okname.py")).name == "x" * 64
+    # a job's own exception message of any length is quoted cut (serve printed 10 KB on one line)
+    with pytest.raises(JobError, match=r"x{500}\.\.\. \(9500 more characters\) \(.*longexc\.py:\d+\)") as e:
+        load_job(_job(tmp_path, "raise RuntimeError('x' * 10000)\n" + OPTIONS_JOB, name="longexc.py"))
+    assert len(str(e.value)) < 1000
     own = OPTIONS_JOB.replace("def load_data(options):\n", "def load_data(options):\n"
                               "    from tabcohort.errors import ConfigError\n"
                               "    raise ConfigError('scale', options['scale'], 'must be positive')\n")

@@ -48,7 +48,7 @@ from .._compat import np
 from ..errors import ConfigError
 from ..vec import all_finite, to_vector
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
-from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _where, find_source, load_bundle,
+from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _said, _where, find_source, load_bundle,
                      source_bundle)
 from .worker import JobWorker, loss_ceiling, resolve_backend
 
@@ -174,7 +174,7 @@ class LoadedJob:
         except ConfigError:   # the job names the setting itself (the built-in job: hidden, backend)
             raise
         except Exception as e:
-            raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {e} "
+            raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {_said(e)} "
                            f"({_where(e, files, self.factory)}){_no_data_hint(e, self.data)}"
                            f"{self.source.missing_file_hint(e)}", self.source.ref) from None
 
@@ -291,7 +291,7 @@ class _Pending:
             raise
         except Exception as e:
             files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
-            raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {e} ({_where(e, files)})"
+            raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
                            f"{_no_data_hint(e, self.job.data)}", src.ref) from None
         return self.wrap(got)
 
@@ -528,7 +528,7 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
     except ConfigError:   # the job names the setting itself (the built-in job: its dataset)
         raise
     except Exception as e:
-        raise JobError(f"load_data() raised {type(e).__name__}: {e} ({_where(e, files, fn)})", src.ref) from None
+        raise JobError(f"load_data() raised {type(e).__name__}: {_said(e)} ({_where(e, files, fn)})", src.ref) from None
     if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):
         raise JobError("load_data() must return a dict of identifier -> array", src.ref)
     try:
@@ -681,7 +681,7 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
         except JobError as e:        # the worker contract broken (a bad return): said as is
             raise JobError(e.reason, ref) from None
         except Exception as e:
-            raise JobError(f"the worker's {what} raised {type(e).__name__}: {e} ({_where(e, files)})"
+            raise JobError(f"the worker's {what} raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
                            f"{job.source.missing_file_hint(e)}", ref) from None
 
     p = call("params()", w.params)

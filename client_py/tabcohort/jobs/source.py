@@ -32,6 +32,19 @@ class JobError(ConfigError):
         super().__init__(variable, value, reason)
 
 
+#: the most characters of a job's own exception message an error quotes: the message is its
+#: author's, of any length (a 10 KB one was printed whole, on one line, by serve and simulate)
+EXCEPTION_TEXT_MAX_CHARS = 500
+
+
+def _said(exc: BaseException) -> str:
+    """``str(exc)``, cut to :data:`EXCEPTION_TEXT_MAX_CHARS` characters (saying how many more)."""
+    text = str(exc)
+    if len(text) <= EXCEPTION_TEXT_MAX_CHARS:
+        return text
+    return f"{text[:EXCEPTION_TEXT_MAX_CHARS]}... ({len(text) - EXCEPTION_TEXT_MAX_CHARS} more characters)"
+
+
 def _where(exc: BaseException, files: set[str], called: Any = None) -> str:
     """``file:line`` of the innermost frame of ``exc`` inside the job's files; when none is (the
     call itself failed, e.g. a factory without the ``options`` keyword), where ``called`` (the
@@ -124,7 +137,7 @@ class JobSource:
         except Exception as e:
             del sys.modules[self.module]
             hint = self.missing_file_hint(e)
-            raise JobError(f"importing the job raised {type(e).__name__}: {e} ({_where(e, files)}){hint}",
+            raise JobError(f"importing the job raised {type(e).__name__}: {_said(e)} ({_where(e, files)}){hint}",
                            self.ref) from None
         if not callable(getattr(mod, self.factory, None)):
             what = (f"has no function {self.factory}()" if not hasattr(mod, self.factory) else
