@@ -502,7 +502,10 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
         print(f"stopped: {why_no_step}")
     else:
         acc_s = f"{res.accuracy * 100:.2f} %" if res.accuracy is not None else "n/a (evaluate() outside [0, 1])"
-        print(f"done: {res.steps} steps in {res.seconds:.1f} s, test accuracy {acc_s}, "
+        # (the last training loss too: a job with its gradient's sign flipped ended on "test
+        # accuracy 6.50 %" with the rising loss nowhere on screen, in a run too short for progress)
+        loss_s = f"training loss {res.loss:.4g}, " if math.isfinite(res.loss) else ""
+        print(f"done: {res.steps} steps in {res.seconds:.1f} s, {loss_s}test accuracy {acc_s}, "
               f"{res.samples_per_s:.0f} samples/s, leaders {[f'{k:08x}' for k in res.leaders]}")
         if res.shares or res.speeds:
             print("last shares of the global batch (samples, the rank's measured samples/s): " + ", ".join(

@@ -64,6 +64,10 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         assert res["ok"] is True and res["bit_identical"] is True and res["steps"] >= 40
         assert "step" in r.stderr                      # progress went to stderr
         assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
+    r = simulate("--ranks", "2", "--dataset", "synthetic", "--steps", "40")
+    # the summary says the last training loss (a job with a flipped gradient showed only its accuracy)
+    assert r.returncode == 0 and re.search(r"done: \d+ steps in [\d.]+ s, training loss [\d.e+-]+, test accuracy",
+                                           r.stdout), r.stdout[-2000:]
 
 
 def test_a_run_whose_links_are_too_slow_for_its_rounds_says_why_its_ranks_differ():
