@@ -377,6 +377,8 @@ class RankDriver:
         if task.cancelled():
             return
         exc = task.exception()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return          # (the process is stopping at once: a second Ctrl-C, said by the CLI)
         if exc is not None:
             self._fault("".join(traceback.format_exception_only(type(exc), exc)).strip())
 
