@@ -127,6 +127,7 @@ def test_a_server_url_s_password_is_never_printed():
         p.wait(30)
         p.stdout.close()
     assert "waiting for the server at http://user:***@127.0.0.1:9" in line and ":pw@" not in line, line
+    assert "(Connect call failed" in line, line        # (the reason; it said "(ClientConnectorError)")
 
 
 @pytest.mark.integration

@@ -631,7 +631,10 @@ class RankRun(RankSession):
                     raise TabcohortError(f"server {self.cfg.shown_url} ({self._server_setting()}) unreachable for "
                                          f"{loop.time() - start:.0f} s: {why}; is it running, and is the URL "
                                          f"right?") from None
-                self.progress(f"waiting for the server at {self.cfg.shown_url} ({type(exc).__name__})")
+                # (the reason, not only the exception's class: "ClientConnectorError" said little)
+                os_error = getattr(exc, "os_error", None)
+                said = (getattr(os_error, "strerror", None) or type(exc).__name__) if os_error else type(exc).__name__
+                self.progress(f"waiting for the server at {self.cfg.shown_url} ({said})")
                 await asyncio.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
                 delay = min(delay * 2, 4.0)
 
