@@ -15,7 +15,8 @@ import pytest
 from .conftest import RoomRecorder, wait_for
 from .test_tab_frozen import open_ready_tab, report, tab_state
 
-pytestmark = pytest.mark.browser
+# (serial: it asserts beat and report gaps, which a test beside it on the other worker would move)
+pytestmark = [pytest.mark.browser, pytest.mark.serial]
 
 DROP_MS = 1600  # policy.drop for a cohort of 2 with the PROTOCOL.md defaults (max(drop, 4 beats))
 

@@ -17,7 +17,8 @@ import pytest
 
 from .conftest import RoomRecorder, wait_for, wait_tab
 
-pytestmark = pytest.mark.browser
+# (serial: it asserts a report gap, which a test beside it on the other worker would move)
+pytestmark = [pytest.mark.browser, pytest.mark.serial]
 
 WINDOW_S = 20.0
 #: the report period is 1 s and the tab's report loop wakes every 0.5 s: a gap is at most 1.5 s

@@ -19,7 +19,8 @@ import pytest
 from .conftest import wait_for, wait_tab
 from .cores import CoreSplit, browser_pids
 
-pytestmark = pytest.mark.browser
+# (serial: it asserts a rate ratio, which a test beside it on the other worker would move)
+pytestmark = [pytest.mark.browser, pytest.mark.serial]
 
 #: samples a round: a native numpy round on one core takes ~50 ms, so a tab's page-worker hops
 #: (~10 ms) and its lateness fit (at 20000, ~11 ms rounds, the tab was left out of many rounds)

@@ -187,5 +187,7 @@ def baseline(tmp_path_factory):
         finally:
             c.close()
         assert run["state"]["stop_reason"] == f"steps {STEPS} reached"
-        stored.write_bytes(pickle.dumps(run))
+        part = stored.with_suffix(".part")      # (whole or absent: a worker killed mid-write)
+        part.write_bytes(pickle.dumps(run))
+        os.replace(part, stored)
         return run

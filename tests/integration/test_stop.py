@@ -197,7 +197,6 @@ def test_ctrl_c_while_the_demo_starts_stops_it_at_once(tmp_path):
     text = lambda: (tmp_path / "demo.log").read_text(errors="replace")  # noqa: E731
     try:
         wait_for(lambda: _serve_started(port), 30, "the demo's server process")
-        early = "Open http://" not in text()
         t0 = time.monotonic()
         os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(30) in (0, 130), text()[-3000:]
@@ -208,7 +207,9 @@ def test_ctrl_c_while_the_demo_starts_stops_it_at_once(tmp_path):
         log.close()
     out = text()
     assert "[demo] stopping" in out, out[-3000:]
-    if early:   # (the server had not answered yet: the case this is about)
+    # (the demo prints its URL once the server answered: without it, the Ctrl-C came before, the
+    # case this is about; a slow test process can send it later, and the ordered stop follows)
+    if "Open http://" not in out:
         assert took_s < 8, (took_s, out[-3000:])
-        assert "Open http://" not in out and "URL http" not in out.split("[demo] stopping", 1)[1], out[-3000:]
+        assert "the server did not start" not in out, out[-3000:]
     assert not _serve_started(port), "the demo left its server running"

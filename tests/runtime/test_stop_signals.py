@@ -59,3 +59,19 @@ def test_a_repeat_within_the_grace_is_the_same_stop_and_one_after_it_stops_at_on
             end()
         return got
     assert asyncio.run(run()) == ["signal SIGINT", 143]
+
+    async def twice() -> list:
+        # a second Ctrl-C, however quick, is "at once" (README: "a second one stops it at once")
+        monkeypatch.setattr(native, "SIGNAL_REPEAT_GRACE_S", 60.0)
+        got: list = []
+        end = stop_on_signals(asyncio.get_running_loop(), got.append)
+        try:
+            signal.raise_signal(signal.SIGINT)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                got.append("at once")
+        finally:
+            end()
+        return got
+    assert asyncio.run(twice())[0] == "at once"

@@ -63,9 +63,10 @@ _MAX_REDIRECTS = 4
 _STOPPING: list["_StopOnSignal"] = []
 _SAVED_HANDLERS: dict[int, Any] = {}
 
-#: seconds after the first stop signal during which another is the same stop, not "at once": a
-#: terminal's Ctrl-C reaches the whole process group, so a script that started the rank (the
-#: demo) and passes the stop on delivers a second signal milliseconds after the first
+#: seconds after the first stop signal during which another signal *of the other kind* is the
+#: same stop, not "at once": a terminal's Ctrl-C (SIGINT) reaches the whole process group, so a
+#: script that started the rank (the demo) and passes the stop on (SIGTERM) delivers a second
+#: signal milliseconds after the first. A second Ctrl-C is always "at once", however quick.
 SIGNAL_REPEAT_GRACE_S = 1.0
 
 
@@ -84,14 +85,14 @@ class _StopOnSignal:
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
-    first_s = getattr(_on_stop_signal, "seen", None)
-    if first_s is not None:
-        if time.monotonic() - first_s < SIGNAL_REPEAT_GRACE_S:
+    first = getattr(_on_stop_signal, "seen", None)          # (when, which) of the first signal
+    if first is not None:
+        if signum != first[1] and time.monotonic() - first[0] < SIGNAL_REPEAT_GRACE_S:
             return                               # the same stop, passed on by a script
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
-    _on_stop_signal.seen = time.monotonic()      # type: ignore[attr-defined]
+    _on_stop_signal.seen = (time.monotonic(), signum)       # type: ignore[attr-defined]
     os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
     for r in list(_STOPPING):
         r.ask(name)
@@ -99,8 +100,9 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str], None]) -> Callable[[], None]:
     """SIGINT and SIGTERM ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
-    ``loop`` once it turns (for every rank of the process that asked). A second signal more than
-    :data:`SIGNAL_REPEAT_GRACE_S` after the first, before the process ends, stops it at once (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for
+    ``loop`` once it turns (for every rank of the process that asked). A second signal before
+    the process ends (the same signal again, or the other one more than
+    :data:`SIGNAL_REPEAT_GRACE_S` after the first) stops it at once (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for
     SIGTERM), raised where the main thread is: a job whose compute never returns holds the loop,
     and the ordered stop with it, so without this only SIGKILL ended such a rank. Python-level
     handlers (``signal.signal``), not the loop's: those run only when the loop turns.
