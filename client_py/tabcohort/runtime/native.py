@@ -102,10 +102,11 @@ def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str
     """SIGINT and SIGTERM ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
     ``loop`` once it turns (for every rank of the process that asked). A second signal before
     the process ends (the same signal again, or the other one more than
-    :data:`SIGNAL_REPEAT_GRACE_S` after the first) stops it at once (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for
-    SIGTERM), raised where the main thread is: a job whose compute never returns holds the loop,
-    and the ordered stop with it, so without this only SIGKILL ended such a rank. Python-level
-    handlers (``signal.signal``), not the loop's: those run only when the loop turns.
+    :data:`SIGNAL_REPEAT_GRACE_S` after the first) stops it at once (``KeyboardInterrupt`` for
+    SIGINT, ``SystemExit(143)`` for SIGTERM), raised where the main thread is: a job whose
+    compute never returns holds the loop, and the ordered stop with it, so without this only
+    SIGKILL ended such a rank. Python-level handlers (``signal.signal``), not the loop's: those
+    run only when the loop turns.
 
     Returns:
         A function that ends this rank's part; the handlers from before the first rank are back
@@ -634,8 +635,7 @@ class RankRun(RankSession):
                                          f"{loop.time() - start:.0f} s: {why}; is it running, and is the URL "
                                          f"right?") from None
                 # (the reason, not only the exception's class: "ClientConnectorError" said little)
-                os_error = getattr(exc, "os_error", None)
-                said = (getattr(os_error, "strerror", None) or type(exc).__name__) if os_error else type(exc).__name__
+                said = getattr(getattr(exc, "os_error", None), "strerror", None) or type(exc).__name__
                 self.progress(f"waiting for the server at {self.cfg.shown_url} ({said})")
                 await asyncio.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
                 delay = min(delay * 2, 4.0)
