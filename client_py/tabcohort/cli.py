@@ -136,14 +136,14 @@ def _job_args(parser: argparse.ArgumentParser, default_help: str) -> None:
                              "checked once at start; " + default_help)
     parser.add_argument("--job-option", type=_job_option, action="append", default=[], metavar="NAME=VALUE",
                         help="set one of the --job's OPTIONS (VALUE as JSON, else a string); repeatable")
-    parser.add_argument("--dataset", default="digits",
+    parser.add_argument("--dataset", default=None,
                         help="the built-in MLP job's data: digits (needs scikit-learn), synthetic, or a path "
-                             "to an .npz with X and y")
-    parser.add_argument("--hidden", type=_hidden, default=(32,),
+                             "to an .npz with X and y (default: digits)")
+    parser.add_argument("--hidden", type=_hidden, default=None,
                         help="the built-in MLP job's hidden widths, e.g. 32 or 64,32 (default: 32; "
                              "'' for none: softmax regression)")
-    parser.add_argument("--activation", default="relu", choices=("relu", "tanh"),
-                        help="the built-in MLP job's hidden activation")
+    parser.add_argument("--activation", default=None, choices=("relu", "tanh"),
+                        help="the built-in MLP job's hidden activation (default: relu)")
 
 
 def _job_options(pairs: list[tuple[str, Any]]) -> dict:
@@ -159,19 +159,29 @@ def _job_options(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
+#: the built-in MLP job's options when not given (None in the parser, so that one given with
+#: ``--job`` is refused even when it names the default: ``--job x.py --dataset digits``)
+BUILTIN_JOB_DEFAULTS = {"dataset": "digits", "hidden": (32,), "activation": "relu"}
+
+
 def _check_job_args(a: argparse.Namespace) -> dict:
-    """The job options of ``a``; a ConfigError for the built-in job's options given with
-    ``--job``, ``--job-option`` without it, or one option given twice."""
+    """The job options of ``a``, and the built-in job's defaults filled in; a ConfigError for
+    the built-in job's options given with ``--job``, ``--job-option`` without it, or one option
+    given twice."""
     if a.job is not None:
-        for flag, val, default in (("--dataset", a.dataset, "digits"), ("--hidden", a.hidden, (32,)),
-                                   ("--activation", a.activation, "relu")):
-            if val != default:
-                raise ConfigError(flag, val, "a module job (--job) brings its own model and data; --dataset, "
+        for name in BUILTIN_JOB_DEFAULTS:
+            val = getattr(a, name)
+            if val is not None:
+                raise ConfigError(f"--{name}", val if isinstance(val, str) else ",".join(map(str, val)),
+                                  "a module job (--job) brings its own model and data; --dataset, "
                                   "--hidden and --activation are the built-in MLP job's (use --job-option)")
     elif a.job_option:
         name, value = a.job_option[0]
         raise ConfigError("--job-option", f"{name}={value if isinstance(value, str) else json.dumps(value)}", "sets an option of a module job (--job); the built-in "
                           "MLP job's options are --dataset, --hidden, --activation and --seed")
+    for name, default in BUILTIN_JOB_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
     return _job_options(a.job_option)
 
 
@@ -179,6 +189,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a bad option reported like every other bad setting: one line naming it,
     exit code 2 (argparse documents overriding ``error``; its default printed the whole usage
     block above the one line that mattered)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        # an abbreviated option is refused, not guessed: ``--global 64`` would have meant
+        # ``--global-batch`` today and an error once another ``--global-...`` option exists
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: configuration error: {message} (see {self.prog} --help)\n")

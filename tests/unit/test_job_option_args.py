@@ -13,3 +13,22 @@ def test_a_job_option_given_twice_is_refused_naming_both_values(capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "--job-option='hidden=5': hidden is given twice (first hidden=3): give each option once" in err, err
+
+
+def test_a_built_in_job_option_with_job_is_refused_even_when_it_names_the_default(capsys):
+    # ``--dataset digits`` is the default: it was accepted with ``--job`` and then ignored
+    for flag, value in (("--dataset", "digits"), ("--hidden", "32"), ("--activation", "relu")):
+        rc = main(["simulate", "--job", "any_job.py", flag, value, "--steps", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert f"{flag}={value!r}" in err and "a module job (--job) brings its own model and data" in err, err
+
+
+def test_an_abbreviated_option_is_refused_not_guessed(capsys):
+    try:
+        rc = main(["simulate", "--global", "64", "--steps", "1"])
+    except SystemExit as e:   # (argparse's exit)
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "unrecognized arguments: --global" in err and "configuration error" in err, err
