@@ -86,8 +86,9 @@ async def start_site(app, host: str, port: int):
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
                       advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> int:
-    """Serve until SIGINT or SIGTERM. Returns the exit status: 0, or 130 when a second signal
-    cut the ordered stop short (as a rank's forced stop exits)."""
+    """Serve until SIGINT or SIGTERM. Returns the exit status: 0; 130 when a second signal cut
+    the ordered stop short (as a rank's forced stop exits); 1 when the ordered stop's
+    ``drain_timeout_s`` passed with ranks still connected (no final checkpoint from them)."""
     from aiohttp import web
 
     import json
@@ -227,7 +228,9 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     try:
         await stop.wait()
         if drain and drain[0]:
-            await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
+            if not await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force) \
+                    and not force.is_set():
+                return 1   # (a script that chains on serve's status must not take the stop as whole)
         return 130 if force.is_set() else 0
     finally:
         progress("tabcohort serve: shutting down")
@@ -305,7 +308,9 @@ async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], N
     while any(r.connected for r in rooms):
         if loop.time() >= end or (force is not None and force.is_set()):
             left = sum(len(r.connected) for r in rooms)
-            progress(f"tabcohort serve: {left} rank{'s' if left != 1 else ''} still connected; stopping anyway")
+            why = "" if force is not None and force.is_set() else f" after {timeout_s:g} s"
+            progress(f"tabcohort serve: {left} rank{'s' if left != 1 else ''} still connected; stopping anyway{why} "
+                     "(no final checkpoint from them)")
             return False
         await asyncio.sleep(0.05)
     for r in rooms:

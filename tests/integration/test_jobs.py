@@ -584,6 +584,24 @@ def test_a_second_ctrl_c_on_serve_cuts_the_ordered_stop_short_and_says_so_in_its
         os.kill(rank.p.pid, signal.SIGKILL)
 
 
+def test_an_ordered_stop_that_times_out_exits_1_and_says_the_final_checkpoint_is_missing(cluster, tmp_path):
+    # a reviewer's point: when the ordered stop's bound passed with a rank still connected (its
+    # job hangs, so it cannot upload), serve exited 0 as if the final checkpoint were stored
+    import os
+    import signal
+    job, marker = _hanging_job(tmp_path)
+    cluster.serve("--job", str(job))
+    rank = cluster.rank("--trust-job")
+    try:
+        wait_for(lambda: marker.exists(), 60, "the job's grads to hang")
+        cluster.server.p.send_signal(signal.SIGINT)
+        assert cluster.server.p.wait(30) == 1, cluster.server.text()[-2000:]
+        assert "1 rank still connected; stopping anyway after 10 s (no final checkpoint from them)" \
+            in cluster.server.text(), cluster.server.text()[-2000:]
+    finally:
+        os.kill(rank.p.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path, sig, code):
     # a new-user trial: a job whose grads() hung mid-run held the event loop, and with it the
