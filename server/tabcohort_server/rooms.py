@@ -135,6 +135,8 @@ class Peer:
         #: whose page cannot pause reading a socket, reports what its stalled worker holds);
         #: counted with the relay queue in the room's pressure, as unread socket bytes would be
         self.rx_backlog = 0
+        #: (text, when) of the fault last passed to the room's ``on_fault`` listeners
+        self.fault_said: tuple[str, float] | None = None
         self.load_version = 0      # bumps at every change of queued_bytes + rx_backlog (Room._loads)
         self.n_in = 0              # messages received from this rank (chunks + controls)
         self.n_out = 0             # messages written to this rank's socket
@@ -187,6 +189,11 @@ REPORT_BURST = 4.0
 #: 61 KB took 1-2 ms): only a report is that large (a ``signal``'s SDP is at most 16 KiB, a
 #: ``relay_peers`` of 1,024 seats about 11 KB). A smaller report spends it once parsed.
 LARGE_CONTROL_BYTES = 32768
+
+#: a rank's reported fault (its job failed, its updates diverged...) is passed to the room's
+#: ``on_fault`` listeners (``tabcohort serve`` prints a line) when it changes, at most once per
+#: this many seconds per rank: the operator view shows every report, the console a summary
+FAULT_SAY_INTERVAL_S = 10.0
 
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
 #: not import the bus): the ranks of a restarted server come back within it, whatever the
@@ -242,6 +249,10 @@ class Room:
         #: (``tabcohort serve`` prints it: the stop line said one would follow)
         self.on_final_checkpoint: list[Callable[[Room, dict], None]] = []
         self.final_checkpoint_said = False
+        #: called with the room, the rank's id and its reported fault (untrusted text, any
+        #: characters, at most the report schema's string length) when a rank's fault changes,
+        #: at most once per FAULT_SAY_INTERVAL_S per rank (``tabcohort serve`` prints a line)
+        self.on_fault: list[Callable[[Room, int, str], None]] = []
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
@@ -759,6 +770,12 @@ class Room:
         lead = self.leader_peer()
         if lead is not None:
             self.last_leader_id = lead.id
+        fault = rep.get("fault")
+        if fault and self.on_fault and (p.fault_said is None or (
+                fault != p.fault_said[0] and now - p.fault_said[1] >= FAULT_SAY_INTERVAL_S)):
+            p.fault_said = (fault, now)
+            for f in list(self.on_fault):   # (each catches its own errors, as on_stop's)
+                f(self, p.id, fault)
         self.check_stop(now)
 
     def _report_due(self, p: Peer, now: float) -> bool:

@@ -179,6 +179,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
             room.on_stop.append(lambda r: _say_stopped(r, progress))
         if room is not None:
             room.on_final_checkpoint.append(lambda r, m: _say_final_checkpoint(r, m, progress))
+            room.on_fault.append(lambda r, k, fault: _say_fault(r, k, fault, progress))
     if config.any_rank_may_lead:
         progress("roles: any rank may lead (--any-rank-may-lead: for trusted groups only)")
     else:
@@ -278,6 +279,24 @@ def _say_stopped(room: Any, progress: Callable[[str], None]) -> None:
     try:
         progress(line)
     except Exception:    # (an output gone away must not fail the report that stopped the room)
+        logging.getLogger("tabcohort.server").warning("%s", line)
+
+
+#: the most characters of a rank's fault the console shows (the operator view has all of it)
+FAULT_LINE_MAX_CHARS = 300
+
+
+def _say_fault(room: Any, rank_id: int, fault: str, progress: Callable[[str], None]) -> None:
+    """One line when a rank reports a new fault (its job failed, its updates diverged): the
+    console said nothing, and a newcomer whose job raised saw the ranks leave without a word
+    here. ``fault`` is the rank's untrusted text: control characters (a terminal's escape
+    sequences) become ``?``, and it is cut to :data:`FAULT_LINE_MAX_CHARS`."""
+    text = "".join(c if c.isprintable() else "?" for c in fault[:FAULT_LINE_MAX_CHARS])
+    more = " ..." if len(fault) > FAULT_LINE_MAX_CHARS else ""
+    line = f"tabcohort serve: room {room.name}: rank {rank_id:08x} reports a fault: {text}{more}"
+    try:
+        progress(line)
+    except Exception:    # (as _say_stopped: the report that carried it must not fail)
         logging.getLogger("tabcohort.server").warning("%s", line)
 
 

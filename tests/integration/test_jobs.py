@@ -550,6 +550,9 @@ def test_a_job_whose_grads_raise_every_time_ends_each_rank_with_the_job_s_line(c
     faults = [r.get("fault") or "" for r in cluster.reports(connected_only=False)]
     assert len(faults) == 2 and all(re.search(r"boom in grads \(at raise_later\.py:\d+ in grads\)", f)
                                     for f in faults), faults
+    # ... and the server's console says it too (it said nothing where the server runs)
+    assert re.search(r"room \S+: rank [0-9a-f]{8} reports a fault: .*boom in grads", cluster.server.text()), \
+        cluster.server.text()[-2000:]
 
 
 def _hanging_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
