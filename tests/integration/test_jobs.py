@@ -625,6 +625,9 @@ def test_a_second_signal_stops_a_rank_whose_job_hangs_in_grads(cluster, tmp_path
         assert "tabcohort rank: interrupted (Ctrl-C)" in rank.text(), rank.text()[-2000:]
         # (and no error-log line for it: "tabcohort.runtime ERROR rank ...: KeyboardInterrupt")
         assert "KeyboardInterrupt" not in rank.text(), rank.text()[-2000:]
+    # (and the bus's socket closed on the way out: "asyncio ERROR Unclosed client session" was
+    # the last line of every forced stop)
+    assert "Unclosed" not in rank.text(), rank.text()[-2000:]
 
 
 def test_a_job_whose_evaluate_starts_raising_ends_each_rank_with_the_job_s_line(cluster, tmp_path):

@@ -83,6 +83,10 @@ class _StopOnSignal:
             pass
 
 
+#: seconds a forced stop waits for the bus to close its socket (RankRun.run)
+BUS_CLOSE_BOUND_S = 1.0
+
+
 def _on_stop_signal(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
     first = getattr(_on_stop_signal, "seen", None)          # (when, which) of the first signal
@@ -650,6 +654,15 @@ class RankRun(RankSession):
         finally:
             if self._restore_signals is not None:
                 self._restore_signals()
+            if self.bus is not None:
+                # a forced stop (a second signal) leaves through here as the loop cancels this
+                # task: the bus's socket and its HTTP session were left open ("Unclosed client
+                # session" on the console). Closed here, bounded (the normal path closed it already:
+                # then this is a no-op)
+                try:
+                    await asyncio.wait_for(self.bus.aclose(), BUS_CLOSE_BOUND_S)
+                except (asyncio.TimeoutError, asyncio.CancelledError, OSError):
+                    pass
 
     async def _run(self) -> int:
         import aiohttp
