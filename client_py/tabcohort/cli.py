@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "evaluate(), so a slow one slows the room")
     v.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0 = off)")
     v.add_argument("--token", default=None, help="room token ranks and tabs must present (16+ characters); "
-                   "it lets one join and read the room, not stop it")
+                   "it lets one join and read the room, not stop it (default TABCOHORT_TOKEN, else none: "
+                   "an open room)")
     v.add_argument("--operator-token", default=None,
                    help="the operator's token (16+ characters) for stopping the room, the operator view's "
                         "actions and every room's data; default TABCOHORT_OPERATOR_TOKEN, else generated "
@@ -789,6 +790,11 @@ def _serve_checked(a: argparse.Namespace) -> int:
         raise ConfigError("--target-accuracy", a.target_accuracy, "needs evaluations: with --eval-every 0 the "
                           "leader never evaluates")
     train, lr = _train_from(a, 0.5)
+    if a.token is None and os.environ.get("TABCOHORT_TOKEN"):
+        # (rank and tab read it: exported once for both, serve ran an open room, unsaid)
+        from tabcohort_server.config import check_token
+        a.token = os.environ["TABCOHORT_TOKEN"]
+        check_token("TABCOHORT_TOKEN", a.token)
     job = JobConfig(dataset=a.dataset, hidden=a.hidden, activation=a.activation, job_options=job_options,
                     batch=a.batch, global_batch=a.global_batch, lr=lr, seed=a.seed,
                     local_steps=train.local_steps, inner_optimizer=train.inner_optimizer, inner_lr=train.inner_lr,

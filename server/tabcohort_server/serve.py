@@ -98,6 +98,11 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     from .app import ASSETS, OPERATOR_TOKEN, ROOMS, TRAINER_TOKEN, create_app
     from .static import missing_page_assets
 
+    for name, job in config.rooms.items():
+        if job.job:   # (it checked for up to two minutes with nothing said: a new-user trial)
+            from tabcohort.jobs import LOAD_DATA_TIMEOUT_S, PROBE_TIMEOUT_S
+            progress(f"tabcohort serve: checking the job {job.job} of room {name} (its import, load_data() "
+                     f"within {LOAD_DATA_TIMEOUT_S:g} s, a first bucket and evaluate() within {PROBE_TIMEOUT_S:g} s)...")
     app = create_app(config)  # ConfigError before listening
     runner, site, actual = await start_site(app, host, port)
     shown = f"[{host}]" if ":" in host else host
@@ -142,6 +147,10 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                                                    if job.token else ""))
         if name == next(iter(config.rooms)) and (missing := missing_page_assets()) is not None:
             progress(f"  warning: {missing}")        # (once: it is the server's, not a room's)
+        if name == next(iter(config.rooms)) and not config.checkpoint_dir:
+            # (a new-user trial: a restart lost 6,563 steps, and the ranks were refused, unwarned)
+            progress("  warning: no --checkpoint-dir: no checkpoint is kept; a restarted server starts its rooms "
+                     "from scratch and does not know their ranks (give --checkpoint-dir DIR to keep them)")
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from

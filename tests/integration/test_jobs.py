@@ -496,6 +496,13 @@ def test_serve_names_a_module_job_s_room_after_the_module(tmp_path):
     assert "--room cnn_digits --trainer-token" in said and "/?room=cnn_digits" in said, said
     assert f"room cnn_digits starts from scratch: {tmp_path} holds checkpoints of digits, not of cnn_digits; " \
            "--room digits resumes that room" in said, said
+    # the start-up check is said before it runs (up to two minutes said nothing: a new-user trial)
+    assert f"checking the job {CNN} of room cnn_digits (its import, load_data() within 600 s" in said, said
+    assert "no --checkpoint-dir" not in said, said
+    # a server that keeps nothing says so (a restart lost the training, unwarned)
+    said = _serve_says(["--job", CNN], "URL ")
+    assert "warning: no --checkpoint-dir: no checkpoint is kept; a restarted server starts its rooms from " \
+           "scratch" in said, said
 
 
 def _evaluate_failing_later() -> str:

@@ -45,3 +45,29 @@ def test_an_empty_trainer_token_variable_exits_2_before_any_network_activity(com
     assert main(command) == 2
     err = capsys.readouterr().err
     assert "configuration error: TABCOHORT_TRAINER_TOKEN='': is set but empty" in err, err
+
+
+def test_serve_takes_the_room_token_from_its_variable_as_a_rank_does(monkeypatch, capsys):
+    # (a new-user trial: TABCOHORT_TOKEN exported once for serve and rank; the rank sent it and
+    # serve ran an open room, unsaid)
+    pytest.importorskip("tabcohort_server")
+    import tabcohort_server.serve as serve_mod
+    from tabcohort.cli import main
+    monkeypatch.setenv("TABCOHORT_MALLOC_HOLD", "0")
+    _no_network(monkeypatch)
+    got = []
+    monkeypatch.setattr(serve_mod, "serve", lambda cfg, **kw: got.append(cfg) or 0)
+    monkeypatch.setenv("TABCOHORT_TOKEN", "a-room-token-of-some-length")
+    assert main(["serve", "--port", "0", "--dataset", "synthetic", "--room", "r"]) == 0
+    assert got[-1].rooms["r"].token == "a-room-token-of-some-length"
+    # the flag wins; empty means none (docker-compose.yml sets it so by default)
+    assert main(["serve", "--port", "0", "--dataset", "synthetic", "--room", "r", "--token", "another-long-room-token"]) == 0
+    assert got[-1].rooms["r"].token == "another-long-room-token"
+    monkeypatch.setenv("TABCOHORT_TOKEN", "")
+    assert main(["serve", "--port", "0", "--dataset", "synthetic", "--room", "r"]) == 0
+    assert got[-1].rooms["r"].token is None
+    # a bad one is named as the variable, before anything listens
+    monkeypatch.setenv("TABCOHORT_TOKEN", "short")
+    assert main(["serve", "--port", "0", "--dataset", "synthetic", "--room", "r"]) == 2
+    assert "configuration error: TABCOHORT_TOKEN=" in capsys.readouterr().err
+    assert len(got) == 3
