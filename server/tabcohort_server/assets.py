@@ -29,6 +29,15 @@ def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
     return npy_header_for(descr, shape)
 
 
+def job_check_bounds() -> tuple[float, float]:
+    """The start-up check's bounds, seconds: ``(load_data(), the first bucket and evaluate())``
+    (:data:`tabcohort.jobs.LOAD_DATA_TIMEOUT_S`, :data:`tabcohort.jobs.PROBE_TIMEOUT_S`), for
+    ``tabcohort serve``'s line before the check."""
+    from tabcohort.jobs import LOAD_DATA_TIMEOUT_S, PROBE_TIMEOUT_S
+
+    return LOAD_DATA_TIMEOUT_S, PROBE_TIMEOUT_S
+
+
 class RoomAssets:
     """What a room serves besides its bookkeeping: the job JSON, the job's code bundle and data.
 

@@ -100,9 +100,10 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
 
     for name, job in config.rooms.items():
         if job.job:   # (it checked for up to two minutes with nothing said: a new-user trial)
-            from tabcohort.jobs import LOAD_DATA_TIMEOUT_S, PROBE_TIMEOUT_S
+            from .assets import job_check_bounds
+            data_s, probe_s = job_check_bounds()
             progress(f"tabcohort serve: checking the job {job.job} of room {name} (its import, load_data() "
-                     f"within {LOAD_DATA_TIMEOUT_S:g} s, a first bucket and evaluate() within {PROBE_TIMEOUT_S:g} s)...")
+                     f"within {data_s:g} s, a first bucket and evaluate() within {probe_s:g} s)...")
     app = create_app(config)  # ConfigError before listening
     runner, site, actual = await start_site(app, host, port)
     shown = f"[{host}]" if ":" in host else host
