@@ -13,6 +13,9 @@ SIZES = (64, 32, 10)
 SPEC = {"name": "autograd-mlp-64x32x10", "sizes": list(SIZES)}
 SHAPES = [(a, b) for a, b in zip(SIZES, SIZES[1:])]
 BUCKET_LEN = sum(a * b + b for a, b in SHAPES)
+#: the factory's backends: numpy only (autograd differentiates numpy code); said here, so the
+#: server does not ask for a pure-Python worker and warn that the factory refused one
+BACKENDS = ("numpy",)
 
 
 def load_data():
