@@ -147,7 +147,14 @@ async function stopRoom(room) {
 function render(s, q) {
   const from = s.resumed_from && typeof s.resumed_from.id === "string" ? ` (${s.resumed_from.id})` : "";
   const resumed = Number.isInteger(s.resumed_from_step) ? ` Resuming from the checkpoint at step ${s.resumed_from_step}${from}.` : "";
-  $("status").textContent = (s.stopped ? `Stopped: ${s.stop_reason}.` : `Training (${s.topology} over ${s.link}).`) + resumed;
+  // what is true of the room now: it said "Training (star over ws)." with no rank connected
+  // (before any joined, after all left) and while none leads (a new-user trial)
+  const n = s.n_connected;
+  const now = s.stopped ? `Stopped: ${s.stop_reason}.`
+    : !n ? "Waiting for ranks: none connected."
+    : s.trusted_id === null || s.trusted_id === undefined ? `${n} rank${n === 1 ? "" : "s"} connected; no rank leads yet.`
+    : `Training (${s.topology} over ${s.link}).`;
+  $("status").textContent = now + resumed;
   $("r-n").textContent = `${s.n_connected} (+${s.n_reserved} reserved)`;
   $("r-leader").textContent = hex(s.leader);
   $("r-step").textContent = s.step;
