@@ -7,7 +7,10 @@ import { makeChart, fmtBytes, hex, num, sig } from "/web/charts.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
-const op = (window.tcOperator = { room: null, polls: 0, last: null, error: null });
+const op = (window.tcOperator = { room: null, polls: 0, last: null, error: null, released: new Map() });
+// ranks that left whose seats the server has released (it keeps a left rank's seat and last report
+// for serve's --grace, 30 s by default), kept in the table, newest last: at most this many
+const RELEASED_KEPT = 20;
 const lossChart = makeChart($("loss-chart"), "loss", "#0b5cad", { log: true });
 const accChart = makeChart($("acc-chart"), "accuracy", "#0a6b2d", { percent: true });
 // any value as a string, for a text node (objects as JSON, so nothing is ever parsed as markup)
@@ -201,14 +204,28 @@ function render(s, q) {
     return [base, ...extra.filter(Boolean)].join(", ");
   };
   $("r-batch").textContent = lead ? `${text(lr.global_batch ?? "–")} samples a round, epoch ${num(lr.epoch, 2)}` : "–";
+  // a rank that left (a tab whose job failed, a rank stopped) stays in the table, greyed and
+  // marked left, with its last report (its fault): once the server released its seat too, it
+  // dropped out of the table and the operator could not see why it had left (a new-user trial)
+  const inState = new Set(s.ranks.map((r) => r.id_hex));
+  for (const r of op.shown || []) {
+    if (inState.has(r.id_hex)) continue;
+    op.released.delete(r.id_hex);
+    op.released.set(r.id_hex, { ...r, connected: false, released: true, report_age_s: null });
+  }
+  for (const k of inState) op.released.delete(k);
+  while (op.released.size > RELEASED_KEPT) op.released.delete(op.released.keys().next().value);
+  op.shown = s.ranks;
+  const listed = [...s.ranks.filter((r) => r.connected), ...s.ranks.filter((r) => !r.connected), ...op.released.values()];
   // every value here comes from a rank's report (untrusted): text nodes only, never markup
-  const rows = s.ranks.map((r) => {
+  const rows = listed.map((r) => {
     const p = r.report || {};
     const tr = document.createElement("tr");
+    if (!r.connected) tr.className = "left";
     const cell = (v) => { const td = document.createElement("td"); td.append(v); tr.append(td); };
     cell(text(r.id_hex));
     cell(p.kind === "tab" ? "tab (browser)" : p.kind === "native" ? "native" : "–");
-    cell(r.connected ? "yes" : "no");
+    cell(r.connected ? "yes" : r.released ? "left (seat released)" : "left");
     // what it does (its report) and the role the server bound to its link (never its own claim)
     const bound = ` (${r.may_lead ? "may lead" : "contributes"})`;
     if (p.is_leader) {
@@ -227,8 +244,9 @@ function render(s, q) {
     cell(num(p.steps_per_s, 1));
     cell(`${fmtBytes(p.wire_bytes_per_s)}/s`);
     // (a rank's fault and precision are its own strings, up to 256 characters: clipped like the
-    // backend, whole in the tooltip)
-    for (const v of [text(p.precision ?? "–"), text(p.fault ?? "none")]) {
+    // backend, whole in the tooltip; without the operator token the server sends no fault of a
+    // rank the room does not trust: "–", not "none")
+    for (const v of [text(p.precision ?? "–"), Object.hasOwn(p, "fault") ? text(p.fault ?? "none") : "–"]) {
       cell(v);
       tr.lastChild.className = "clip";
       tr.lastChild.title = v;

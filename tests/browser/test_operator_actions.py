@@ -151,3 +151,39 @@ def test_the_status_says_when_no_rank_is_connected_or_leads(cluster, tabs):
     wait_for(lambda: "Waiting for ranks: none connected" in status(), 10, "the status after the rank left")
     assert "Training" not in status()
     assert not op.console_errors, op.console_errors
+
+
+def test_a_rank_that_left_stays_in_the_table_marked_left_with_its_fault(cluster, tabs):
+    # a new-user trial: a tab whose job failed left, and its row (with the fault that said why)
+    # dropped out of the Ranks table once the server released its seat (after --grace)
+    url = cluster.serve("--grace", "1")
+    op = operator_view(cluster, tabs, url)
+    public = tabs(url, f"operator?room={cluster.room}")     # no operator token: no fault is sent
+    fault = "job failed: ValueError: <b>bad shape</b> " + "x" * 200   # (as text, clipped)
+    gone = ReportingRank(url, cluster.room, fault=fault)
+    stays = ReportingRank(url, cluster.room)
+
+    def row(page, rank_id: int) -> dict | None:
+        return page.evaluate("""(hid) => { const rows = [...document.querySelectorAll('#ranks tbody tr')];
+            const tr = rows.find(r => r.cells[0].textContent === hid);
+            return tr ? {left: tr.classList.contains('left'), at: rows.indexOf(tr), title: tr.cells[11].title,
+                         cells: [...tr.cells].map(c => c.textContent)} : null; }""", f"{rank_id:08x}")
+
+    r = wait_for(lambda: (r := row(op.page, gone.id)) and r["cells"][11] == fault and r, 10, "the rank's fault")
+    assert r["cells"][2] == "yes" and not r["left"], r
+    p = wait_for(lambda: row(public.page, gone.id), 10, "the rank in the view without the operator token")
+    assert p["cells"][11] == "–", p   # not sent to it: not "none"
+    gone.leave()
+    r = wait_for(lambda: (r := row(op.page, gone.id)) and r["cells"][2] == "left" and r, 10, "the rank marked left")
+    assert r["left"] and r["cells"][11] == fault and r["title"] == fault, r
+    assert r["at"] == 1, r    # after the connected rank
+    # the server releases its seat after --grace; the view keeps the row, marked so
+    wait_for(lambda: all(x["id"] != gone.id for x in cluster.state()["ranks"]), 10, "the server to release the seat")
+    r = wait_for(lambda: (r := row(op.page, gone.id)) and r["cells"][2] == "left (seat released)" and r, 10,
+                 "the released rank's row")
+    assert r["left"] and r["cells"][11] == fault and r["title"] == fault and r["cells"][12] == "–", r
+    assert row(op.page, stays.id)["cells"][2] == "yes"
+    assert op.page.evaluate("document.querySelectorAll('#ranks tbody b, #ranks tbody img').length") == 0
+    stays.leave()
+    for t in (op, public):
+        assert not t.console_errors, t.console_errors
