@@ -19,6 +19,25 @@ function fail(kind, text) {
   e.textContent = text;
   status("Not running.");
 }
+// an unknown room: say so and name the rooms the server lists (GET /api/rooms, token rooms too,
+// as the CLI's "its rooms: ..." does), the first 10 as links; text only, never markup. It named none
+// and the user had to guess (a new-user trial)
+async function failNoRoom(room) {
+  const rooms = await getJSON("/api/rooms");
+  const list = rooms.body && Array.isArray(rooms.body.rooms) ? rooms.body.rooms : [];
+  const names = list.map((r) => r && r.room).filter((n) => typeof n === "string").map((n) => n.slice(0, 64));
+  const shown = names.slice(0, 10), more = names.length > shown.length ? ", …" : "";
+  const said = `There is no room named “${room}” on this server.`;
+  if (!shown.length) return fail("room", said);
+  fail("room", `${said} Rooms here: ${shown.join(", ")}${more}.`);
+  const links = shown.flatMap((n, i) => {
+    const a = document.createElement("a");
+    a.href = `/?room=${encodeURIComponent(n)}`;
+    a.textContent = n;
+    return i ? [", ", a] : [a];
+  });
+  $("error").replaceChildren(`${said} Rooms here: `, ...links, `${more}.`);
+}
 function note(text) { const li = document.createElement("li"); li.textContent = text; $("notes").append(li); }
 
 async function getJSON(url) {
@@ -95,7 +114,7 @@ async function main() {
   const check = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
   if (check.unreachable) return fail("unreachable", "The server is unreachable.");
   if (check.status === 403) return fail("token", "The room token is wrong or missing: ask the operator for the room link.");
-  if (check.status === 404) return fail("room", `There is no room named “${room}” on this server.`);
+  if (check.status === 404) return failNoRoom(room);
   if (check.body && check.body.stopped === true) {
     // a finished room (README "Resuming"): nothing to train, so no Python runtime is booted and
     // nothing is fetched; the page says so and links the final model (text only, never markup)
