@@ -151,6 +151,21 @@ def test_a_data_hash_the_job_declares_is_checked(tmp_path):
     assert load_job(_job(tmp_path, JOB + f"\nDATA_SHA256 = {want!r}\n")).data.sha256 == want
 
 
+@pytest.mark.parametrize("returns,said", [
+    ("{'x': 'hello'}", "load_data(): 'x': expected a numpy array or an NdArray, got str"),
+    ("{'x y/..': NdArray('<f4', (1,), array('f', [1.0]))}", "its key 'x y/..' is not an identifier"),
+    ("None", "load_data() must return a dict of identifier -> array, not NoneType"),
+])
+def test_a_bad_load_data_entry_is_named(tmp_path, returns, said):
+    # (a new-user trial: a dict of many entries said only the bad one's type, and a bad key the
+    # same text as returning None)
+    src = JOB + ("\n\ndef load_data():\n    from array import array\n    from tabcohort.jobs.arrays import NdArray\n"
+                 f"    return {returns}\n")
+    with pytest.raises(JobError) as e:
+        load_job(_job(tmp_path, src))
+    assert said in str(e.value), e.value
+
+
 def test_a_native_rank_runs_a_served_job_only_when_told(tmp_path):
     src = find_source(_job(tmp_path))
     info = {"name": "const", "code_sha256": src.code_sha256, "code_bytes": len(src.bundle)}

@@ -529,8 +529,12 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
         raise
     except Exception as e:
         raise JobError(f"load_data() raised {type(e).__name__}: {_said(e)} ({_where(e, files, fn)})", src.ref) from None
-    if not isinstance(arrays, dict) or not all(isinstance(k, str) and k.isidentifier() for k in arrays):
-        raise JobError("load_data() must return a dict of identifier -> array", src.ref)
+    if not isinstance(arrays, dict):
+        raise JobError(f"load_data() must return a dict of identifier -> array, not {type(arrays).__name__}", src.ref)
+    bad = [k for k in arrays if not (isinstance(k, str) and k.isidentifier())]
+    if bad:
+        raise JobError(f"load_data() must return a dict of identifier -> array: its key {str(bad[0])[:80]!r} is "
+                       "not an identifier (letters, digits and _, not starting with a digit)", src.ref)
     try:
         raw = write_npz(arrays)
     except ArrayFormatError as e:

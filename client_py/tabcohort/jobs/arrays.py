@@ -162,7 +162,11 @@ def write_npz(arrays: Mapping[str, Any], extra: Iterable[tuple[str, bytes]] = ()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
         for name in sorted(arrays):
-            z.writestr(zipfile.ZipInfo(f"{name}.npy", _ZIP_DATE), npy_bytes(NdArray.of(arrays[name])))
+            try:
+                member = npy_bytes(NdArray.of(arrays[name]))
+            except ArrayFormatError as e:   # (which entry: a dict of many said only its type)
+                raise ArrayFormatError(f"{name!r}: {e}") from None
+            z.writestr(zipfile.ZipInfo(f"{name}.npy", _ZIP_DATE), member)
         for name, data in extra:
             z.writestr(zipfile.ZipInfo(name, _ZIP_DATE), data)
     return buf.getvalue()
