@@ -53,6 +53,9 @@ def test_three_ranks_train_survive_leader_kill_sync_joiner_end_bit_identical(clu
     print(f"handover: new leader {new_id:08x} first round {handover:.2f} s after the kill "
           f"(bound {HANDOVER_BOUND_S:.1f} s)")
     assert handover <= HANDOVER_BOUND_S
+    # ... and a survivor's console says so (a new-user trial: only the leader column changed)
+    wait_for(lambda: any(f"(leader changed: was {lead['id']:08x})" in p.text() for p in survivors), 10,
+             "a survivor's line saying the leader changed")
 
     # a 4th rank mid-run is synced by the next round: ready, following the new leader
     step_at_join = cluster.state()["step"]

@@ -120,3 +120,20 @@ def test_a_stop_line_behind_the_room_s_step_limit_says_so():
     assert behind_step_limit(10, 10, "server: steps 10 reached") == ""
     assert behind_step_limit(7, 10, "server: stopped by the operator") == ""
     assert behind_step_limit(7, None, "server: steps 10 reached") == ""
+
+
+def test_a_takeover_and_a_server_back_are_said_once_on_the_line_after_them():
+    # a new-user trial: "leader 39c374b2" became "leader 7e35d528 (me)" with no word, and the
+    # unreachable note just went away when the server was back
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"step": 7, "cohort": 2, "loss": 0.5, "steps_per_s": 0.0, "ready": True, "running": True, "id": 0xB}
+    for st in ({"leader": None}, {"leader": 0xA}, {"leader": 0xA, "server_connected": False},
+               {"leader": 0xA, "server_connected": True}, {"leader": 0xB}, {"leader": None}, {"leader": 0xB}):
+        run._print(1.0, {**base, **st})
+    changed = [i for i, line in enumerate(out) if "leader changed" in line]
+    back = [i for i, line in enumerate(out) if "reachable again" in line]
+    assert changed == [4] and "(leader changed: was 0000000a)" in out[4], out   # (not None -> A, nor B -> None -> B)
+    assert back == [3], out

@@ -517,6 +517,8 @@ class RankRun(RankSession):
         self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._no_share_said = False                   # why a follower has no share: said once
         self._cohort_seen: int | None = None          # the cohort on the last line while running
+        self._lead_shown: int | None = None           # the leader the last line named
+        self._unreachable_shown = False               # the last line said the server is unreachable
         self._no_share_lines = 0                      # progress lines in a row with no share, running
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._printed_at = -math.inf
@@ -866,13 +868,21 @@ class RankRun(RankSession):
             self._cohort_seen = cohort
         elif self._cohort_seen is not None:
             cohort = self._cohort_seen
+        # a takeover and a server back are said, not only seen in the columns (a new-user trial:
+        # "leader 39c374b2" became "leader 7e35d528 (me)" and the unreachable note just went away)
+        was, self._lead_shown = self._lead_shown, lead if lead is not None else self._lead_shown
+        changed = f"  (leader changed: was {was:08x})" if was is not None and lead is not None and lead != was else ""
+        unreachable = st.get("server_connected") is False
+        back = "  (the server is reachable again)" if self._unreachable_shown and not unreachable else ""
+        self._unreachable_shown = unreachable
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if me else '     '}"
                       f"  cohort {cohort}{_share_text(st)}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st, me=me)}  {st['steps_per_s']:6.1f} steps/s"
+                      + changed + back
                       + ("  (server unreachable: reconnecting; the rank stops if it is not back within "
-                         "the reconnect bound, README \"Resuming\")" if st.get("server_connected") is False else "")
+                         "the reconnect bound, README \"Resuming\")" if unreachable else "")
                       + self._no_share_note(st)
                       + (f"  DIVERGED x{new_div} since the last line ({n_div} in all): {st.get('fault')}"
                          if new_div > 0 else "")
