@@ -146,8 +146,13 @@ else:
           f"accuracy {'n/a' if acc is None else f'{acc * 100:.1f} %'}, in {ck.path_for(sys.argv[1], 'digits')}")
 PY
 }
-cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
-  trap - TERM EXIT
+cleanup() {   # cleanup INT|TERM|HUP|PIPE|EXIT: what ended the demo
+  trap - TERM HUP EXIT
+  # its output closed (`demo.sh | head`, a closed terminal): what it writes now is lost, and the
+  # server and ranks must still be stopped (a SIGPIPE killed the demo and left its server running)
+  trap '' PIPE
+  set +e   # (an echo that fails on a closed output must not end the cleanup: set -e did)
+  [ "${1:-EXIT}" = PIPE ] && exec > /dev/null   # (nobody reads it now)
   # a second Ctrl-C reaches the server and the ranks too, which stop at once; the demo itself
   # goes on to its summary (a second Ctrl-C killed it, and the checkpoint's line was lost)
   trap '' INT
@@ -179,10 +184,12 @@ cleanup() {   # cleanup INT|TERM|EXIT: what ended the demo
   report_checkpoint
   # (a trap's handler returns to where the script was: a Ctrl-C while it waited for the server
   # went on to "the server did not start" and exit 1)
-  case ${1:-EXIT} in INT) exit 130 ;; TERM) exit 143 ;; esac
+  case ${1:-EXIT} in INT) exit 130 ;; TERM) exit 143 ;; HUP) exit 129 ;; PIPE) exit 141 ;; esac
 }
 trap 'cleanup INT' INT
 trap 'cleanup TERM' TERM
+trap 'cleanup HUP' HUP
+trap 'cleanup PIPE' PIPE
 trap 'cleanup EXIT' EXIT
 prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT

@@ -213,3 +213,24 @@ def test_ctrl_c_while_the_demo_starts_stops_it_at_once(tmp_path):
         assert took_s < 8, (took_s, out[-3000:])
         assert "the server did not start" not in out, out[-3000:]
     assert not _serve_started(port), "the demo left its server running"
+
+
+def test_a_demo_whose_output_is_closed_stops_its_server_and_ranks(tmp_path):
+    # a new-user trial: `demo.sh | head -n 6` ended the demo on SIGPIPE and left its server
+    # running (the next run found the port in use and the checkpoint directory locked)
+    port = _free_port()
+    env = _env() | {"PORT": str(port), "CKPT": str(tmp_path / "ckpt"), "INSTALL": "0", "PYTHON": sys.executable,
+                    "RANKS": "2"}
+    demo = subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh")], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
+    try:
+        lines = [demo.stdout.readline() for _ in range(3)]    # the reader reads a few lines, then goes
+        demo.stdout.close()
+        assert all(lines), lines
+        assert demo.wait(60) == 141
+        wait_for(lambda: not _serve_started(port), 30, "the demo's server to be stopped")
+    finally:
+        try:   # (the whole group: what a failed run left behind too)
+            os.killpg(demo.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
