@@ -191,7 +191,9 @@ trap 'cleanup TERM' TERM
 trap 'cleanup HUP' HUP
 trap 'cleanup PIPE' PIPE
 trap 'cleanup EXIT' EXIT
-prefix() { ( trap '' INT TERM; exec sed -u "s/^/[$1] /" ); }
+# (a reader that went away, `demo.sh | head`: sed fails on its output, and the rest of the
+# server's and ranks' output is drained, so their writes do not fail and their stop stays ordered)
+prefix() { ( trap '' INT TERM PIPE; sed -u "s/^/[$1] /" 2> /dev/null || true; exec cat > /dev/null ); }
 lead=()   # roles: the demo's native ranks carry the trainer token the server keeps in $CKPT
 [ "$RANKS" = 0 ] && lead=(--any-rank-may-lead)   # tabs only: any rank may lead (a trusted group)
 # the operator token for this run (the view's link below carries it; serve would otherwise make one)
@@ -222,8 +224,12 @@ for i in $(seq 1 "$RANKS"); do
   pids+=($!)
   rank_pids+=($!)
 done
-shown="$url/"
-[ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT/ (this machine: $url/)"
+q=""   # a room token from the environment (serve reads it): the tab's link carries it
+if [ -n "${TABCOHORT_TOKEN:-}" ]; then
+  q="?room=digits&token=$("$PY" -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$TABCOHORT_TOKEN")"
+fi
+shown="$url/$q"
+[ "$HOST" = 0.0.0.0 ] && shown="http://$(hostname -I 2>/dev/null | awk '{print $1}'):$PORT/$q (this machine: $url/$q)"
 echo
 echo "  Open $shown in a browser to join the cohort from a tab."
 echo "  Operator view: $url/operator?room=digits#operator=$op_token"

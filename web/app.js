@@ -32,7 +32,9 @@ async function failNoRoom(room) {
   fail("room", `${said} Rooms here: ${shown.join(", ")}${more}.`);
   const links = shown.flatMap((n, i) => {
     const a = document.createElement("a");
-    a.href = `/?room=${encodeURIComponent(n)}`;
+    const q = new URLSearchParams(location.search);   // (the token, link, backend... kept)
+    q.set("room", n);
+    a.href = `/?${q}`;
     a.textContent = n;
     return i ? [", ", a] : [a];
   });

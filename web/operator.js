@@ -225,10 +225,14 @@ function render(s, q) {
     const cell = (v) => { const td = document.createElement("td"); td.append(v); tr.append(td); };
     cell(text(r.id_hex));
     cell(p.kind === "tab" ? "tab (browser)" : p.kind === "native" ? "native" : "–");
-    cell(r.connected ? "yes" : r.released ? "left (seat released)" : "left");
-    // what it does (its report) and the role the server bound to its link (never its own claim)
+    // (a seat the server still holds may come back: a rank reconnecting within --grace, or one a
+    // restarted server waits for; a released one is gone)
+    cell(r.connected ? "yes" : r.released ? "left (seat released)" : "no (seat held)");
+    // what it does (its report) and the role the server bound to its link (never its own claim);
+    // a leader that is not connected leads no more, whatever its last report said
     const bound = ` (${r.may_lead ? "may lead" : "contributes"})`;
-    if (p.is_leader) {
+    if (p.is_leader && !r.connected) cell("led before it left" + bound);
+    else if (p.is_leader) {
       const sp = document.createElement("span"); sp.className = "leader"; sp.textContent = "leader";
       const td = document.createElement("td"); td.append(sp, bound); tr.append(td);
     } else cell((p.ready ? "follower" : p.running ? "joining" : "–") + bound);

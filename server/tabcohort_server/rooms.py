@@ -135,8 +135,10 @@ class Peer:
         #: whose page cannot pause reading a socket, reports what its stalled worker holds);
         #: counted with the relay queue in the room's pressure, as unread socket bytes would be
         self.rx_backlog = 0
-        #: (text, when) of the fault last passed to the room's ``on_fault`` listeners
+        #: (text, when) of the fault last passed to the room's ``on_fault`` listeners, and the
+        #: latest one reported since that is not said yet (held back by FAULT_SAY_INTERVAL_S)
         self.fault_said: tuple[str, float] | None = None
+        self.fault_unsaid: str | None = None
         self.load_version = 0      # bumps at every change of queued_bytes + rx_backlog (Room._loads)
         self.n_in = 0              # messages received from this rank (chunks + controls)
         self.n_out = 0             # messages written to this rank's socket
@@ -192,7 +194,8 @@ LARGE_CONTROL_BYTES = 32768
 
 #: a rank's reported fault (its job failed, its updates diverged...) is passed to the room's
 #: ``on_fault`` listeners (``tabcohort serve`` prints a line) when it changes, at most once per
-#: this many seconds per rank: the operator view shows every report, the console a summary
+#: this many seconds per rank (the latest one held back is said once the interval passed, or as
+#: the rank leaves): the operator view shows every report, the console a summary
 FAULT_SAY_INTERVAL_S = 10.0
 
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
@@ -438,7 +441,19 @@ class Room:
         if p.connected and self.connected.get(p.id) is p:
             self._disconnect(p, now)
 
+    def _say_fault(self, p: Peer, now: float) -> None:
+        """Pass ``p``'s latest fault not yet said to the ``on_fault`` listeners."""
+        fault, p.fault_unsaid = p.fault_unsaid, None
+        if fault is None:
+            return
+        p.fault_said = (fault, now)
+        for f in list(self.on_fault):   # (each catches its own errors, as on_stop's)
+            f(self, p.id, fault)
+
     def _disconnect(self, p: Peer, now: float, reason: tuple[int, str] | None = None) -> None:
+        # a fault held back by the interval is said as the rank leaves: often the one it left for
+        # (a job that failed right after another fault was said)
+        self._say_fault(p, now)
         p.connected = False
         p.disconnected_at = now
         self.connected.pop(p.id, None)
@@ -771,11 +786,10 @@ class Room:
         if lead is not None:
             self.last_leader_id = lead.id
         fault = rep.get("fault")
-        if fault and self.on_fault and (p.fault_said is None or (
-                fault != p.fault_said[0] and now - p.fault_said[1] >= FAULT_SAY_INTERVAL_S)):
-            p.fault_said = (fault, now)
-            for f in list(self.on_fault):   # (each catches its own errors, as on_stop's)
-                f(self, p.id, fault)
+        if fault and (p.fault_said is None or fault != p.fault_said[0]):
+            p.fault_unsaid = fault
+        if p.fault_unsaid is not None and (p.fault_said is None or now - p.fault_said[1] >= FAULT_SAY_INTERVAL_S):
+            self._say_fault(p, now)
         self.check_stop(now)
 
     def _report_due(self, p: Peer, now: float) -> bool:

@@ -88,7 +88,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
                       advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> int:
     """Serve until SIGINT or SIGTERM. Returns the exit status: 0; 130 when a second signal cut
     the ordered stop short (as a rank's forced stop exits); 1 when the ordered stop's
-    ``drain_timeout_s`` passed with ranks still connected (no final checkpoint from them)."""
+    ``drain_timeout_s`` passed with ranks still connected and a room without its final
+    checkpoint."""
     from aiohttp import web
 
     import json
@@ -239,8 +240,8 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     try:
         await stop.wait()
         if drain and drain[0]:
-            if not await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force) \
-                    and not force.is_set():
+            missing = await drain_rooms(app, timeout_s=drain_timeout_s, progress=progress, force=force)
+            if missing and not force.is_set():
                 return 1   # (a script that chains on serve's status must not take the stop as whole)
         return 130 if force.is_set() else 0
     finally:
@@ -311,19 +312,21 @@ def _say_fault(room: Any, rank_id: int, fault: str, progress: Callable[[str], No
 
 
 async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], None],
-                      force: asyncio.Event | None = None) -> bool:
+                      force: asyncio.Event | None = None) -> list[str]:
     """An ordered stop: tell every room with connected ranks to stop (the ``stop`` control,
     PROTOCOL.md "Controls": the leader publishes and uploads its final checkpoint), then wait
     until those ranks have left, at most ``timeout_s`` seconds (or until ``force`` is set).
 
     Returns:
-        True if every rank left in time (so the final checkpoints are stored), else False.
+        The names of the rooms whose ranks did not all leave in time and that hold no final
+        checkpoint (empty: every room stopped whole; a follower tab slow to leave after its
+        leader's final upload is not a missing checkpoint).
     """
     from .app import ROOMS
 
     rooms = [r for r in app[ROOMS].rooms.values() if r.connected]
     if not rooms:
-        return True
+        return []
     n = sum(len(r.connected) for r in rooms)
     progress(f"tabcohort serve: stopping {n} connected rank{'s' if n != 1 else ''}; waiting up to "
              f"{timeout_s:g} s for the final checkpoint (Ctrl-C again to stop at once)")
@@ -337,17 +340,19 @@ async def drain_rooms(app: Any, *, timeout_s: float, progress: Callable[[str], N
     while any(r.connected for r in rooms):
         if loop.time() >= end or (force is not None and force.is_set()):
             left = sum(len(r.connected) for r in rooms)
+            missing = [r.name for r in rooms if r.connected and not (r.checkpoint or {}).get("final")]
             why = "" if force is not None and force.is_set() else f" after {timeout_s:g} s"
             progress(f"tabcohort serve: {left} rank{'s' if left != 1 else ''} still connected; stopping anyway{why} "
-                     "(no final checkpoint from them)")
-            return False
+                     + (f"(no final checkpoint of room {', '.join(missing)})" if missing else
+                        "(the final checkpoint is stored)"))
+            return missing
         await asyncio.sleep(0.05)
     for r in rooms:
         ck = r.checkpoint
         if ck is not None and not (ck.get("final") and r.final_checkpoint_said):
             progress(f"tabcohort serve: room {r.name}: {'final' if ck.get('final') else 'last'} checkpoint "
                      f"at step {ck.get('step')}")
-    return True
+    return []
 
 
 def _check_listen(host: str, port: int, checkpoint_dir: str | None) -> None:

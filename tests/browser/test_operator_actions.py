@@ -174,7 +174,7 @@ def test_a_rank_that_left_stays_in_the_table_marked_left_with_its_fault(cluster,
     p = wait_for(lambda: row(public.page, gone.id), 10, "the rank in the view without the operator token")
     assert p["cells"][11] == "–", p   # not sent to it: not "none"
     gone.leave()
-    r = wait_for(lambda: (r := row(op.page, gone.id)) and r["cells"][2] == "left" and r, 10, "the rank marked left")
+    r = wait_for(lambda: (r := row(op.page, gone.id)) and r["cells"][2] == "no (seat held)" and r, 10, "the rank marked left")
     assert r["left"] and r["cells"][11] == fault and r["title"] == fault, r
     assert r["at"] == 1, r    # after the connected rank
     # the server releases its seat after --grace; the view keeps the row, marked so

@@ -576,8 +576,8 @@ def _hanging_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 
 
 @pytest.mark.parametrize("again,code,said", [
-    (True, 130, "1 rank still connected; stopping anyway (no final checkpoint from them)"),
-    (False, 1, "1 rank still connected; stopping anyway after 10 s (no final checkpoint from them)")])
+    (True, 130, "1 rank still connected; stopping anyway (no final checkpoint of room digits)"),
+    (False, 1, "1 rank still connected; stopping anyway after 10 s (no final checkpoint of room digits)")])
 def test_an_ordered_stop_cut_short_says_so_in_serve_s_exit_code(cluster, tmp_path, again, code, said):
     # new-user trials and a reviewer: serve's ordered stop cut short by a rank that cannot leave
     # (its job hangs, so it cannot upload) exited 0, as if the final checkpoint were stored:

@@ -35,6 +35,16 @@ def test_a_new_fault_is_said_once_and_a_changing_one_at_most_once_per_interval()
     assert said[-1] == (q.id, "evaluate() raised")              # (per rank)
     r.control(p, report(step=9, fault="diverged at step 9"), now=1.0 + FAULT_SAY_INTERVAL_S)
     assert said[-1] == (p.id, "diverged at step 9") and len(said) == 3
+    # one held back by the interval is said as the rank leaves (a reviewer's point: a job that
+    # failed right after another fault left with the fault it left for never said)
+    r.control(p, report(step=10, fault="job failed: boom in grads"), now=2.0 + FAULT_SAY_INTERVAL_S)
+    assert len(said) == 3
+    r.disconnect(p, now=3.0 + FAULT_SAY_INTERVAL_S)
+    assert said[-1] == (p.id, "job failed: boom in grads") and len(said) == 4
+    # ... or at the next report once the interval passed, though the same text is reported again
+    r.control(q, report(step=5, fault="evaluate() raised again"), now=4.0)
+    r.control(q, report(step=6, fault="evaluate() raised again"), now=3.0 + FAULT_SAY_INTERVAL_S)
+    assert said[-1] == (q.id, "evaluate() raised again") and len(said) == 5
 
 
 def test_the_line_names_room_and_rank_and_shows_no_control_characters():

@@ -155,6 +155,7 @@ def test_a_data_hash_the_job_declares_is_checked(tmp_path):
     ("{'x': 'hello'}", "load_data(): 'x': expected a numpy array or an NdArray, got str"),
     ("{'x y/..': NdArray('<f4', (1,), array('f', [1.0]))}", "its key 'x y/..' is not an identifier"),
     ("None", "load_data() must return a dict of identifier -> array, not NoneType"),
+    ("{0: NdArray('<f4', (1,), array('f', [1.0]))}", "its key of type int is not a string"),
 ])
 def test_a_bad_load_data_entry_is_named(tmp_path, returns, said):
     # (a new-user trial: a dict of many entries said only the bad one's type, and a bad key the

@@ -137,3 +137,7 @@ def test_a_takeover_and_a_server_back_are_said_once_on_the_line_after_them():
     back = [i for i, line in enumerate(out) if "reachable again" in line]
     assert changed == [4] and "(leader changed: was 0000000a)" in out[4], out   # (not None -> A, nor B -> None -> B)
     assert back == [3], out
+    # a stop line after the server was lost says nothing of it coming back (the bus gave up)
+    run._print(1.0, {**base, "leader": 0xB, "server_connected": False})
+    run._print(1.0, {**base, "leader": 0xB, "server_connected": True, "running": False})
+    assert "reachable again" not in out[-1], out[-1]

@@ -533,8 +533,10 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
         raise JobError(f"load_data() must return a dict of identifier -> array, not {type(arrays).__name__}", src.ref)
     bad = [k for k in arrays if not (isinstance(k, str) and k.isidentifier())]
     if bad:
-        raise JobError(f"load_data() must return a dict of identifier -> array: its key {str(bad[0])[:80]!r} is "
-                       "not an identifier (letters, digits and _, not starting with a digit)", src.ref)
+        k = bad[0]
+        what = (f"its key {k[:80]!r} is not an identifier (letters, digits and _, not starting with a digit)"
+                if isinstance(k, str) else f"its key of type {type(k).__name__} is not a string")
+        raise JobError(f"load_data() must return a dict of identifier -> array: {what}", src.ref)
     try:
         raw = write_npz(arrays)
     except ArrayFormatError as e:

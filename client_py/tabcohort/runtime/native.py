@@ -873,7 +873,9 @@ class RankRun(RankSession):
         was, self._lead_shown = self._lead_shown, lead if lead is not None else self._lead_shown
         changed = f"  (leader changed: was {was:08x})" if was is not None and lead is not None and lead != was else ""
         unreachable = st.get("server_connected") is False
-        back = "  (the server is reachable again)" if self._unreachable_shown and not unreachable else ""
+        # (not on a stop line: a bus that gave up reconnecting counts as "connected" there)
+        back = ("  (the server is reachable again)" if self._unreachable_shown and not unreachable
+                and st.get("running", True) else "")
         self._unreachable_shown = unreachable
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
                       f"{' (me)' if me else '     '}"
