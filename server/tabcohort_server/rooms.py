@@ -198,6 +198,12 @@ LARGE_CONTROL_BYTES = 32768
 #: the rank leaves): the operator view shows every report, the console a summary
 FAULT_SAY_INTERVAL_S = 10.0
 
+#: and at most this many fault lines a minute per room, in bursts of FAULT_LINES_BURST (a room
+#: of hundreds of seats, any of which may report a fault, must not flood the console): the
+#: ones over it are counted (``Room.faults_unsaid``) and the next line says how many
+FAULT_LINES_PER_MINUTE = 20.0
+FAULT_LINES_BURST = 10.0
+
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
 #: not import the bus): the ranks of a restarted server come back within it, whatever the
 #: server's own ``resume_grace_s``, so its roll call is partial at least this long
@@ -256,6 +262,10 @@ class Room:
         #: characters, at most the report schema's string length) when a rank's fault changes,
         #: at most once per FAULT_SAY_INTERVAL_S per rank (``tabcohort serve`` prints a line)
         self.on_fault: list[Callable[[Room, int, str], None]] = []
+        self._fault_lines: TokenBucket | None = None
+        #: faults not said over the room's line budget since the last one said (a listener
+        #: reads it with the next one and sets it back to 0)
+        self.faults_unsaid = 0
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
@@ -447,6 +457,11 @@ class Room:
         if fault is None:
             return
         p.fault_said = (fault, now)
+        if self._fault_lines is None:
+            self._fault_lines = TokenBucket(FAULT_LINES_PER_MINUTE / 60.0, FAULT_LINES_BURST, now)
+        if not self._fault_lines.take(1, now):
+            self.faults_unsaid += 1
+            return
         for f in list(self.on_fault):   # (each catches its own errors, as on_stop's)
             f(self, p.id, fault)
 

@@ -304,7 +304,9 @@ def _say_fault(room: Any, rank_id: int, fault: str, progress: Callable[[str], No
     sequences) become ``?``, and it is cut to :data:`FAULT_LINE_MAX_CHARS`."""
     text = "".join(c if c.isprintable() else "?" for c in fault[:FAULT_LINE_MAX_CHARS])
     more = " ..." if len(fault) > FAULT_LINE_MAX_CHARS else ""
-    line = f"tabcohort serve: room {room.name}: rank {rank_id:08x} reports a fault: {text}{more}"
+    unsaid, room.faults_unsaid = room.faults_unsaid, 0
+    also = f" ({unsaid} more since the last line not shown: the operator view has them)" if unsaid else ""
+    line = f"tabcohort serve: room {room.name}: rank {rank_id:08x} reports a fault: {text}{more}{also}"
     try:
         progress(line)
     except Exception:    # (as _say_stopped: the report that carried it must not fail)

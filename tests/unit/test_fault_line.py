@@ -67,3 +67,19 @@ def test_an_output_that_fails_does_not_fail_the_report():
     p = r.register(now=0)
     r.control(p, report(step=2, fault="job failed: boom"), now=1.0)
     assert p.report["fault"] == "job failed: boom"
+
+
+def test_a_room_of_many_faulty_seats_says_a_bounded_number_of_lines_and_counts_the_rest():
+    from tabcohort_server.rooms import FAULT_LINES_BURST, FAULT_LINES_PER_MINUTE
+    r = Room("digits", JobConfig(dataset="synthetic", report_interval_s=0.1), ServerLimits(), clock=lambda: 0.0)
+    lines: list[str] = []
+    r.on_fault.append(lambda room, k, fault: _say_fault(room, k, fault, lines.append))
+    seats = [r.register(now=0) for _ in range(50)]
+    for p in seats:
+        r.control(p, report(step=1, fault="job failed: the same bug everywhere"), now=1.0)
+    assert len(lines) == FAULT_LINES_BURST and r.faults_unsaid == 50 - FAULT_LINES_BURST
+    r.control(seats[0], report(step=2, fault="job failed: another"), now=1.0 + 60.0 / FAULT_LINES_PER_MINUTE
+              + FAULT_SAY_INTERVAL_S)
+    assert lines[-1].endswith(f"({50 - int(FAULT_LINES_BURST)} more since the last line not shown: the operator "
+                              "view has them)"), lines[-1]
+    assert r.faults_unsaid == 0
