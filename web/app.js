@@ -128,6 +128,9 @@ async function main() {
       (typeof ck.accuracy === "number" ? `, held-out accuracy ${(ck.accuracy * 100).toFixed(1)} %` : "") : "";
     status(`This room has finished${why ? ` (${why})` : ""}${at}: there is nothing to train here.`);
     $("start").disabled = $("stop").disabled = true;
+    // what would train it again (a new-user trial: the page of a diverged room gave no next step)
+    note("To train again, the operator serves the room again on a fresh --checkpoint-dir (or with a higher --steps)" +
+      (why.startsWith("diverged") ? ", with a smaller --lr or the job fixed." : "."));
     if (ck) {
       const li = document.createElement("li");
       const a = document.createElement("a");

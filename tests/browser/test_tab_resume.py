@@ -59,6 +59,9 @@ def test_a_tab_alone_resumes_the_room_at_its_checkpoint_step_and_accuracy(tmp_pa
         assert tab.tc("!!tc.worker") is False                     # no Python runtime booted for it
         link = tab.page.locator("#notes a")
         assert link.count() == 1 and link.get_attribute("href").endswith("/model"), link.count()
+        # ... and what would train it again (the page gave no next step)
+        assert "To train again, the operator serves the room again on a fresh --checkpoint-dir" \
+            in tab.page.locator("#notes").text_content()
         assert tab.tc("tc.phase") == "stopped" and not tab.tc("tc.errors.filter(e => e.kind !== 'stderr')")
         print(f"\nreloaded on the finished room: said so {t_finished:.1f} s after the reload")
     finally:
