@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your local copy of the room's module job, run instead of the server's (its code "
                         "hash must match the room's; TABCOHORT_JOB)")
     r.add_argument("--print-every", type=float, default=1.0, metavar="S",
-                   help="print a progress line at most every S seconds")
+                   help="print a progress line every S seconds (0: with each state report)")
     d = r.add_argument_group("LAN discovery (needs zeroconf: pip install 'tabcohort[lan]')")
     d.add_argument("--discover", action="store_const", const="1", default=None,
                    help="find the server by an mDNS browse instead of --server (TABCOHORT_DISCOVER=1)")

@@ -12,6 +12,7 @@ JSON; nothing sleeps to wait.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -155,3 +156,45 @@ def test_frozen_leader_is_replaced_by_the_majority_and_adopts_its_lineage(cluste
 @pytest.mark.parametrize("freeze_leader", [False, True], ids=["follower", "leader"])
 def test_a_link_frozen_25_s_heals_the_same_way(cluster, freeze_leader):
     _run_freeze(cluster, freeze_leader=freeze_leader, freeze_s=25.0)
+
+
+def _progress(p: Proc) -> list[tuple[int, str, int]]:
+    """(step, leader id hex, cohort) of each progress line ``p`` printed."""
+    return [(int(m[1]), m[2], int(m[3])) for m in
+            re.finditer(r"step +(\d+) +leader ([0-9a-f]{8}|-)[^\n]*?cohort (\d+)", p.text())]
+
+
+def test_a_rank_that_takes_over_reports_at_once_and_stores_the_final_checkpoint(cluster, tmp_path):
+    """docs/PROTOCOL.md "Roles": a rank that begins to lead reports at once, not at its next
+    report interval. Reports here come once an hour, so only that rule tells the server who
+    leads: the first leader, then the rank that takes over when it is frozen. The operator stops
+    the room before anyone's periodic report: the new leader's final checkpoint is stored (it was
+    refused, 403, when the room still trusted the frozen rank it had taken over from)."""
+    cluster.serve("--report-interval", "3600", "--checkpoint-dir", str(tmp_path / "ck"))
+    ranks = [cluster.rank("--print-every", "0.3") for _ in range(3)]
+    first = wait_for(lambda: (r := [x for x in cluster.reports() if x.get("is_leader")]) and r[0], 60,
+                     "the first leader's report (sent when it began to lead)")
+    victim = next(p for p in ranks if p.p.pid == first["pid"])
+    others = [p for p in ranks if p is not victim]
+    # both others follow it in a cohort of 3 (their own lines: they send no report for an hour)
+    wait_for(lambda: all((pl := _progress(p)) and pl[-1][1] == f"{first['id']:08x}" and pl[-1][2] == 3
+                         and pl[-1][0] > 0 for p in others), 60, "a cohort of 3 under the first leader")
+    _freeze(victim)
+    try:
+        st = wait_for(lambda: (s := cluster.state())["trusted_id"] not in (None, first["id"]) and s, 20,
+                      "the server to see the rank that took over")
+        new = next(r for r in cluster.reports() if r["id"] == st["trusted_id"])
+        assert new["is_leader"] and new["term"] > first["term"] and new["pid"] != victim.p.pid, new
+        cluster.post(f"/api/rooms/{cluster.room}/stop")
+        ck = wait_for(lambda: (c := cluster.state()["checkpoint"]) and c["final"] and c, 20,
+                      "the new leader's final checkpoint")
+    finally:
+        _thaw(victim)
+    finals = wait_for(lambda: (fs := [r for r in cluster.reports(connected_only=False)
+                                      if r.get("final") and r["pid"] != victim.p.pid]) and len(fs) == 2 and fs,
+                      30, "the final reports of the 2 ranks that trained on")
+    assert ck["step"] >= new["step"] and ck["digest"].startswith(finals[0]["digest"][:16]), (ck, finals)
+    assert len({r["digest"] for r in finals}) == 1, finals
+    assert "403" not in cluster.server.text() and all("403" not in p.text() for p in others), cluster.logs()
+    for p in others:
+        assert p.p.wait(30) == 0, p.text()[-3000:]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 from .._urls import redact_url
 from ..errors import ConfigError, TabcohortError
-from .session import (RankSession, check_topology, checkpoint_upload, finished_room_message,
+from .session import (LEAD_CHECK_S, RankSession, check_topology, checkpoint_upload, finished_room_message,
                       make_module_worker, parse_room_summary, path_report, trusted_job_source)
 
 LINKS = ("ws", "rtc")
@@ -512,7 +512,7 @@ class RankRun(RankSession):
         super().__init__()
         self.cfg = cfg
         self.progress = progress or (lambda line: None)
-        self.print_every_s = float(print_every_s)   # progress lines at most this often (0: every report)
+        self.print_every_s = float(print_every_s)   # a progress line this often (0: with every report)
         self._printed: tuple = ()                     # step, leader, diverged, fault of the last line
         self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._no_share_said = False                   # why a follower has no share: said once
@@ -729,16 +729,27 @@ class RankRun(RankSession):
                 t0 = time.monotonic()
                 next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                 period = job["report_interval_s"]
+                next_report = time.monotonic() + period
                 while not self.stop_event.is_set():
                     try:
-                        await asyncio.wait_for(self.stop_event.wait(), period)
+                        await asyncio.wait_for(self.stop_event.wait(), min(period, LEAD_CHECK_S))
                     except asyncio.TimeoutError:
                         pass
-                    st = self._state(driver, digest)
-                    bus.send_control({"type": "report", "state": st})
-                    if time.monotonic() - self._printed_at >= self.print_every_s:
-                        self._printed_at = time.monotonic()
-                        self._print(time.monotonic() - t0, st)
+                    now = time.monotonic()
+                    # (a rank that began to lead reports at once: docs/PROTOCOL.md "Roles")
+                    report_due = now >= next_report or self.lead_began(machine, driver)
+                    # progress lines keep their own period: a room reporting every 30 s left a
+                    # rank's console silent as long
+                    print_due = (now - self._printed_at >= self.print_every_s if self.print_every_s > 0
+                                 else report_due)
+                    if report_due or print_due:
+                        st = self._state(driver, digest)
+                        if report_due:
+                            next_report = now + period
+                            bus.send_control({"type": "report", "state": st})
+                        if print_due:
+                            self._printed_at = now
+                            self._print(now - t0, st)
                     if getattr(worker, "slow_call", None) and not self._slow_call_said:
                         from ..jobs.worker import slow_call_note
                         self._slow_call_said = True
@@ -1025,7 +1036,7 @@ async def run_rank(cfg: RankConfig, *, progress: Callable[[str], None] | None = 
     """Run one native rank until the room stops, the rank is signalled, or its link fails.
 
     Args:
-        print_every_s: a progress line at most every this many seconds (0: at every report).
+        print_every_s: a progress line every this many seconds (0: with every state report).
     """
     return await RankRun(cfg, progress=progress, print_every_s=print_every_s).run()
 

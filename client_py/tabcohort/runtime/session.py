@@ -197,6 +197,8 @@ STOP_SKEW_S = 1.0
 #: how long a follower of a room the server stopped waits for the leader's final publication
 #: while the leader's rounds keep coming (``leave``); 5 s when they stop coming
 ROOM_STOP_PUBLISH_WAIT_S = 30.0
+#: how often (s) a rank's report loop looks whether it began to lead (:meth:`RankSession.lead_began`)
+LEAD_CHECK_S = 0.05
 
 
 def _at_or_above(key: tuple, than: tuple) -> bool:
@@ -374,6 +376,7 @@ class RankSession:
         #: last ``welcome`` that named it
         self.job_hash: str | None = None
         self.room_job_hash: str | None = None
+        self._lead_seen = False   # (lead_began: whether this rank led at its last look)
 
     def seat(self, bus: Any, worker: Any, job: dict, jh: str) -> tuple[Any, Any]:
         """The machine and driver for one seat on ``bus`` (connected), at :attr:`start_step`."""
@@ -433,6 +436,17 @@ class RankSession:
         """The learning rate a seat starts with: the operator's (``POST .../lr``, told in the
         room's ``welcome``) once set, else the job's."""
         return self.operator_lr if self.operator_lr is not None else job["lr"]
+
+    def lead_began(self, machine: Any, driver: Any) -> bool:
+        """Whether ``machine`` began to lead since the last look: its report is then due at
+        once, not at the next ``report_interval_s``. The room trusts, uploads from and stops on
+        the rank that last reported it leads (docs/PROTOCOL.md, "Roles"); a rank that
+        took over and reached ``--steps`` within one interval never said it led, and its final
+        checkpoint was refused (403) in favour of the rank it took over from."""
+        leading = bool(machine.looping or machine.is_leader(driver.now_ms()))
+        began = leading and not self._lead_seen
+        self._lead_seen = leading
+        return began
 
     def rejoined(self, machine: Any) -> None:
         """The server refused this seat's resume: the next seat starts where this one was."""
