@@ -569,13 +569,13 @@ def _rank(a: argparse.Namespace) -> int:
                                    "trust_job": a.trust_job, "job": a.job})
     cfg.validate()  # ConfigError before any network activity (getaddrinfo only)
     if cfg.discover:
-        cfg.discover_server(progress=lambda line: print(line, flush=True))
+        cfg.discover_server(progress=say)
     if not (a.print_every >= 0):
         raise ConfigError("--print-every", a.print_every, "must be seconds >= 0")
     from .bus.room import CLOSE_BAD_TOKEN, LinkFailed
     from .runtime.native import TRAINER_TOKEN_REFUSED
     try:
-        return asyncio.run(run_rank(cfg, progress=lambda line: print(line, flush=True), print_every_s=a.print_every))
+        return asyncio.run(run_rank(cfg, progress=say, print_every_s=a.print_every))
     except LinkFailed as e:   # the room token was checked over HTTP first: this is the trainer credential
         if e.code == CLOSE_BAD_TOKEN and cfg.trainer_token and "trainer" in e.reason:
             raise ConfigError(cfg._name("trainer_token"), "<hidden>", TRAINER_TOKEN_REFUSED) from None
@@ -885,8 +885,25 @@ def _serve_checked(a: argparse.Namespace) -> int:
             import zeroconf  # noqa: F401
         except ImportError as exc:
             raise ConfigError("--advertise", True, f"needs the zeroconf package (pip install 'tabcohort[lan]'): {exc}")
-    return serve(cfg, host=a.host, port=a.port, progress=lambda line: print(line, flush=True),
+    return serve(cfg, host=a.host, port=a.port, progress=say,
                  advertise=a.advertise, advertise_interfaces=ifaces)
+
+
+def say(line: str) -> None:
+    """Print one progress line of a long-running command (``rank``, ``serve``). An output that
+    is gone (the terminal hung up: EIO; the pipe's reader left: EPIPE) ends the printing, not
+    the command: its standard output then goes to the null device, so neither a later line nor
+    the flush at exit raises, and the ordered stop that the hangup asked for (SIGHUP) runs to
+    its final checkpoint."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        try:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, sys.stdout.fileno())
+            os.close(fd)
+        except (OSError, ValueError):
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -86,7 +86,7 @@ async def start_site(app, host: str, port: int):
 async def serve_async(config: ServerConfig, *, host: str, port: int,
                       progress: Callable[[str], None] = print, advertise: bool = False,
                       advertise_interfaces: list[str] | None = None, drain_timeout_s: float = 10.0) -> int:
-    """Serve until SIGINT or SIGTERM. Returns the exit status: 0; 130 when a second signal cut
+    """Serve until SIGINT, SIGTERM or SIGHUP (SIGHUP as SIGINT). Returns the exit status: 0; 130 when a second signal cut
     the ordered stop short (as a rank's forced stop exits); 1 when the ordered stop's
     ``drain_timeout_s`` passed with ranks still connected and a room without its final
     checkpoint."""
@@ -220,7 +220,9 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     # SIGINT (Ctrl-C: the operator ends the run) stops the rooms in order: the ranks are told to
     # stop, and the server waits (bounded) for the final checkpoint. SIGTERM (a service manager's
     # restart or shutdown: docker stop, systemd) only closes the sockets (GOING_AWAY): the ranks
-    # train on and resume their ids when a server on the same --checkpoint-dir is back.
+    # train on and resume their ids when a server on the same --checkpoint-dir is back. SIGHUP
+    # (the terminal closed: an ssh session dropped) is Ctrl-C's ordered stop: no one restarts
+    # this server, and without it the final checkpoints were lost.
     stop = asyncio.Event()
     force = asyncio.Event()
     drain = []
@@ -228,11 +230,12 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            force.set()                              # a second signal: stop at once
+            if sig != getattr(signal, "SIGHUP", None):   # (a hangup comes from the kernel and the
+                force.set()                          # shell both) a second signal: stop at once
             return
-        drain.append(sig == signal.SIGINT)
+        drain.append(sig != signal.SIGTERM)
         stop.set()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())):
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover

@@ -1,5 +1,5 @@
 """How a run ends, as a user sees it: `--steps` is an exact limit, and a stop (Ctrl-C on
-scripts/demo.sh, SIGINT to `tabcohort serve`) is ordered: the ranks stop, the leader uploads the
+scripts/demo.sh, SIGINT to `tabcohort serve`, a terminal that hangs up) is ordered: the ranks stop, the leader uploads the
 final checkpoint, then the server exits. (SIGTERM, a restart, leaves the ranks training:
 tests/integration/test_robustness.py.)"""
 
@@ -234,3 +234,85 @@ def test_a_demo_whose_output_is_closed_stops_its_server_and_ranks(tmp_path):
             os.killpg(demo.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class _Terminal:
+    """A process whose controlling terminal is a pseudo-terminal this test holds (as a command
+    typed in an ssh session); :meth:`hang_up` closes it, as a dropped session does: the kernel
+    sends the process SIGHUP, and its writes to the terminal fail from then on."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        import fcntl
+        import termios
+        import threading
+        self.master, slave = os.openpty()
+        self.p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", *args], stdin=slave, stdout=slave,
+                                  stderr=slave, env={**_env(), **(env or {})}, cwd=str(ROOT), start_new_session=True,
+                                  preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.out = bytearray()
+        self._open = True
+        self._reader = threading.Thread(target=self._read, daemon=True)   # (a full terminal blocks its writer)
+        self._reader.start()
+
+    def _read(self) -> None:
+        import select
+        while self._open:
+            if select.select([self.master], [], [], 0.05)[0]:
+                try:
+                    self.out += os.read(self.master, 65536)
+                except OSError:
+                    return
+
+    def text(self) -> str:
+        return self.out.decode(errors="replace")
+
+    def hang_up(self) -> None:
+        self._open = False
+        self._reader.join(5)
+        os.close(self.master)
+
+
+def test_a_hung_up_terminal_stops_the_server_in_order_and_keeps_the_final_checkpoint(cluster):
+    """SIGHUP (an ssh session that dropped) is Ctrl-C's ordered stop for `serve`: the ranks stop,
+    the final checkpoint is stored, the server exits 0, though it can no longer print (it died
+    at once, and the training's end was lost)."""
+    ckdir = cluster.tmp / "ckpt"
+    term = _Terminal(["serve", "--port", "0", "--room", cluster.room, "--operator-token", cluster.operator_token,
+                      "--trainer-token", cluster.trainer_token, "--checkpoint-dir", str(ckdir)])
+    try:
+        cluster.url = wait_for(lambda: (m := re.search(r"^URL (\S+)", term.text(), re.M)) and m[1], 30,
+                               "the server URL on its terminal")
+        ranks = [cluster.rank(), cluster.rank()]
+        wait_for(lambda: (s := cluster.state())["step"] >= 30 and s["n_connected"] == 2, 60, "2 ranks training")
+        term.hang_up()
+        for p in ranks:
+            assert p.p.wait(30) == 0, p.text()[-3000:]
+            assert "server: the server is shutting down" in p.text()
+        assert term.p.wait(30) == 0, term.text()
+    finally:
+        if term.p.poll() is None:
+            term.p.kill()
+    meta = _ckpt(ckdir)
+    assert meta is not None and meta["final"] is True, meta
+    assert meta["step"] == max(_stopped_step(p.text()) for p in ranks), meta
+
+
+def test_a_hung_up_terminal_stops_a_leading_rank_in_order(cluster):
+    """SIGHUP is a rank's ordered stop too: a leader alone publishes and uploads its last model,
+    and exits 0, printing nothing more (it died mid-round, its training since the last periodic
+    checkpoint lost)."""
+    cluster.serve("--checkpoint-interval", "3600")
+    term = _Terminal(["rank", "--server", cluster.url, "--room", cluster.room],
+                     env={"TABCOHORT_TRAINER_TOKEN": cluster.trainer_token})
+    try:
+        wait_for(lambda: cluster.state()["step"] >= 30, 60, "the rank training")
+        assert cluster.state()["checkpoint"] is None
+        term.hang_up()
+        assert term.p.wait(30) == 0, term.text()
+    finally:
+        if term.p.poll() is None:
+            term.p.kill()
+    ck = wait_for(lambda: cluster.state()["checkpoint"], 10, "the rank's last checkpoint")
+    assert ck["step"] >= 30, ck
+    assert "uploaded by its leader as it left" in cluster.server.text() or "final checkpoint" in cluster.server.text()

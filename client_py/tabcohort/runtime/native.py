@@ -83,6 +83,11 @@ class _StopOnSignal:
             pass
 
 
+#: the signals that ask a rank for the ordered stop: Ctrl-C, a service manager's stop, and the
+#: terminal's hangup (an ssh session that dropped: without it the rank died mid-round, and a
+#: leader took its final checkpoint with it)
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
+
 #: seconds a forced stop waits for the bus to close its socket (RankRun.run)
 BUS_CLOSE_BOUND_S = 1.0
 
@@ -93,21 +98,26 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     if first is not None:
         if signum != first[1] and time.monotonic() - first[0] < SIGNAL_REPEAT_GRACE_S:
             return                               # the same stop, passed on by a script
+        if signum == signal.SIGHUP:              # (a hangup reaches a rank from the kernel and
+            return                               # its shell both: never a person's "again")
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
     _on_stop_signal.seen = (time.monotonic(), signum)       # type: ignore[attr-defined]
-    os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
+    try:
+        os.write(2, f"tabcohort rank: {name}: stopping in order (again to stop at once)\n".encode())
+    except OSError:                              # (a hung-up terminal: the stop goes on unsaid)
+        pass
     for r in list(_STOPPING):
         r.ask(name)
 
 
 def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str], None]) -> Callable[[], None]:
-    """SIGINT and SIGTERM ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
+    """SIGINT, SIGTERM and SIGHUP ask for the ordered stop: ``request_stop("signal SIGINT")`` runs in
     ``loop`` once it turns (for every rank of the process that asked). A second signal before
     the process ends (the same signal again, or the other one more than
     :data:`SIGNAL_REPEAT_GRACE_S` after the first) stops it at once (``KeyboardInterrupt`` for
-    SIGINT, ``SystemExit(143)`` for SIGTERM), raised where the main thread is: a job whose
+    SIGINT, ``SystemExit(143)`` for SIGTERM; a repeated SIGHUP is the same stop), raised where the main thread is: a job whose
     compute never returns holds the loop, and the ordered stop with it, so without this only
     SIGKILL ended such a rank. Python-level handlers (``signal.signal``), not the loop's: those
     run only when the loop turns.
@@ -120,7 +130,7 @@ def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str
     me = _StopOnSignal(loop, request_stop)
     if not _STOPPING:
         _on_stop_signal.seen = None              # type: ignore[attr-defined]
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             try:
                 _SAVED_HANDLERS[sig] = signal.signal(sig, _on_stop_signal)
             except (ValueError, OSError):         # (not the main thread; a platform without it)
@@ -648,7 +658,7 @@ class RankRun(RankSession):
 
     async def run(self) -> int:
         """Join the room and train until stopped; returns the exit status (0, or 1 on a
-        failure). SIGINT and SIGTERM ask for the ordered stop once the rank has a seat
+        failure). SIGINT, SIGTERM and SIGHUP ask for the ordered stop once the rank has a seat
         (:func:`stop_on_signals`), and the process's own handlers are back when this returns."""
         self._restore_signals: Callable[[], None] | None = None
         try:
