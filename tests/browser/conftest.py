@@ -189,3 +189,62 @@ class RoomRecorder:
                 if r["id"] == rank_id and r["report"]:
                     out.append((t, r["report"].get(key), r["report_age_s"], r["connected"]))
         return out
+
+
+class ReportingRank:
+    """A rank built from our own bus, without the trainer credential (it may only contribute), in a
+    thread of its own: once joined (the constructor waits for it) it sends a state report (with
+    ``fault``, as a tab whose job failed does) every 0.3 s until ``leave()``. A subclass may say more:
+    ``greet`` once on joining, ``say`` each time, ``state`` for what the report holds."""
+
+    def __init__(self, url: str, room: str, fault: str | None = None) -> None:
+        import asyncio
+        import threading
+
+        self.url, self.room, self.fault = url, room, fault
+        self.id: int | None = None
+        self.error: BaseException | None = None
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.id or self.error, 20, "the rank to join")
+        assert self.error is None, self.error
+
+    def _main(self) -> None:
+        try:
+            self.loop.run_until_complete(self._run())
+        except BaseException as e:  # reported by the test
+            self.error = e
+
+    async def _run(self) -> None:
+        import asyncio
+
+        from tabcohort.bus.aio import star_bus, ws_url
+
+        bus = star_bus(ws_url(self.url, self.room))
+        await bus.connect()
+        self.id = bus.id
+        self.greet(bus)
+        while not self.stop.is_set():
+            self.say(bus)
+            try:
+                await asyncio.wait_for(self.stop.wait(), 0.3)
+            except asyncio.TimeoutError:
+                pass
+        await bus.aclose()
+
+    def greet(self, bus: Any) -> None:
+        """What the rank says once, on joining: nothing here."""
+
+    def say(self, bus: Any) -> None:
+        """What the rank says every 0.3 s: its state report."""
+        bus.send_control({"type": "report", "state": self.state(bus.id)})
+
+    def state(self, rank_id: int) -> dict:
+        return {"id": rank_id, "ready": False, "running": False, "step": 0, "fault": self.fault, "kind": "tab"}
+
+    def leave(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+        assert self.error is None, self.error

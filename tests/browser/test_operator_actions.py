@@ -4,12 +4,9 @@ room, and the page says so."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
-from .conftest import wait_for
+from .conftest import ReportingRank, wait_for
 
 pytestmark = pytest.mark.browser
 
@@ -85,48 +82,6 @@ def test_the_view_polls_on_after_answers_that_are_not_the_room_s_state(cluster, 
     polls = op.page.evaluate("tcOperator.polls")
     wait_for(lambda: op.page.evaluate("tcOperator.polls") >= polls + 2, 20, "polling to go on")
     wait_for(lambda: "retrying" not in op.page.inner_text("#status"), 10, "the status once the room answers")
-
-
-class ReportingRank:
-    """A rank built from our own bus, without the trainer credential (it may only contribute):
-    it sends a state report (with ``fault``, as a tab whose job failed does) until ``leave()``."""
-
-    def __init__(self, url: str, room: str, fault: str | None = None) -> None:
-        self.url, self.room, self.fault = url, room, fault
-        self.id: int | None = None
-        self.error: BaseException | None = None
-        self.loop = asyncio.new_event_loop()
-        self.stop = asyncio.Event()
-        self.thread = threading.Thread(target=self._main, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.id or self.error, 20, "the rank to join")
-        assert self.error is None, self.error
-
-    def _main(self) -> None:
-        try:
-            self.loop.run_until_complete(self._run())
-        except BaseException as e:  # reported by the test
-            self.error = e
-
-    async def _run(self) -> None:
-        from tabcohort.bus.aio import star_bus, ws_url
-
-        bus = star_bus(ws_url(self.url, self.room))
-        await bus.connect()
-        self.id = bus.id
-        while not self.stop.is_set():
-            bus.send_control({"type": "report", "state": {"id": bus.id, "ready": False, "running": False,
-                                                          "step": 0, "fault": self.fault, "kind": "tab"}})
-            try:
-                await asyncio.wait_for(self.stop.wait(), 0.3)
-            except asyncio.TimeoutError:
-                pass
-        await bus.aclose()
-
-    def leave(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
-        assert self.error is None, self.error
 
 
 def operator_view(cluster, tabs, url: str):

@@ -6,14 +6,12 @@ which Pyodide still boots (the tab joins)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import urllib.request
 
 import pytest
 
-from .conftest import wait_for, wait_tab
+from .conftest import ReportingRank, wait_for, wait_tab
 
 pytestmark = pytest.mark.browser
 
@@ -24,50 +22,29 @@ def payload(field: str) -> str:
     return f"<img src=/xss-{field} onerror=\"fetch('/xss-run');__xss=1\">"
 
 
-class HostileRank:
-    """A rank built from our own bus whose strings are all markup (hello, beats, report)."""
+class HostileRank(ReportingRank):
+    """A reporting rank whose strings are all markup (hello, beats, report)."""
 
     def __init__(self, url: str, room: str) -> None:
-        self.url, self.room = url, room
-        self.loop = asyncio.new_event_loop()
-        self.stop = asyncio.Event()
-        self.bus = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, daemon=True)
-        self.thread.start()
+        with urllib.request.urlopen(f"{url}/api/rooms/{room}/job", timeout=5) as r:
+            self.job = json.load(r)
+        super().__init__(url, room)
 
-    def _main(self) -> None:
-        try:
-            self.loop.run_until_complete(self._run())
-        except BaseException as e:  # reported by the test
-            self.error = e
-
-    async def _run(self) -> None:
+    def greet(self, bus) -> None:
         from tabcohort import PROTOCOL_VERSION
-        from tabcohort.bus.aio import star_bus, ws_url
 
-        with urllib.request.urlopen(f"{self.url}/api/rooms/{self.room}/job", timeout=5) as r:
-            job = json.load(r)
-        bus = self.bus = star_bus(ws_url(self.url, self.room))
-        await bus.connect()
-        bus.post({"t": "hello", "version": PROTOCOL_VERSION, "job": job["job_hash"], "batch": 8, "ready": False,
+        bus.post({"t": "hello", "version": PROTOCOL_VERSION, "job": self.job["job_hash"], "batch": 8, "ready": False,
                   "running": False, "step": 0, "model": payload("model"), "backend": payload("backend")})
-        report = {"id": bus.id, "ready": False, "running": True, "step": 1, "cohort": 1, "batch": 8,
-                  "model": payload("rm"), "backend": payload("rb"),
-                  "precision": payload("precision"), "fault": payload("fault"), "transport": payload("t")}
-        while not self.stop.is_set():
-            bus.post({"t": "beat", "term": 1, "batch": 8, "ready": False, "running": False, "step": 0,
-                      "backend": payload("backend")})
-            bus.send_control({"type": "report", "state": report})
-            try:
-                await asyncio.wait_for(self.stop.wait(), 0.3)
-            except asyncio.TimeoutError:
-                pass
-        await bus.aclose()
 
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
+    def say(self, bus) -> None:
+        bus.post({"t": "beat", "term": 1, "batch": 8, "ready": False, "running": False, "step": 0,
+                  "backend": payload("backend")})
+        super().say(bus)
+
+    def state(self, rank_id: int) -> dict:
+        return {"id": rank_id, "ready": False, "running": True, "step": 1, "cohort": 1, "batch": 8,
+                "model": payload("rm"), "backend": payload("rb"),
+                "precision": payload("precision"), "fault": payload("fault"), "transport": payload("t")}
 
 
 def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster, tabs):
@@ -82,14 +59,12 @@ def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster,
         t.page.on("request", lambda r: requests.append(r.url))
         t.page.on("console", lambda m: "Content Security Policy" in m.text and violations.append(m.text))
     wait_for(lambda: tab.tc("tc.joinedAt"), 90, "the tab to boot Pyodide under the CSP and join")
-    hostile = HostileRank(url, cluster.room)
+    hostile = HostileRank(url, cluster.room)     # (joined once made)
     try:
-        wait_for(lambda: hostile.bus is not None and hostile.bus.id or hostile.error, 20, "the hostile rank")
-        assert hostile.error is None, hostile.error
-        hid = f"{hostile.bus.id:08x}"
-        st = wait_tab(tab, lambda s: any(p["id"] == hostile.bus.id for p in s["peers"]), 30,
+        hid = f"{hostile.id:08x}"
+        st = wait_tab(tab, lambda s: any(p["id"] == hostile.id for p in s["peers"]), 30,
                       "the tab to see the hostile rank")
-        assert [p["backend"] for p in st["peers"] if p["id"] == hostile.bus.id] == [payload("backend")]
+        assert [p["backend"] for p in st["peers"] if p["id"] == hostile.id] == [payload("backend")]
         # the tab's peer table shows the backend string as typed
         cell = wait_for(lambda: tab.page.evaluate(
             """(hid) => { const tr = [...document.querySelectorAll('#peers tbody tr')]
@@ -124,7 +99,7 @@ def test_markup_from_a_rank_is_shown_as_text_and_never_runs_in_any_page(cluster,
         assert not violations, violations   # nothing even tried to run
         assert hostile.error is None, hostile.error
     finally:
-        hostile.close()
+        hostile.leave()
 
 
 def test_every_page_and_asset_carries_a_csp_that_blocks_inline_script(cluster, tabs):
