@@ -204,6 +204,12 @@ FAULT_SAY_INTERVAL_S = 10.0
 FAULT_LINES_PER_MINUTE = 20.0
 FAULT_LINES_BURST = 10.0
 
+#: a room's join and leave lines (``Room.on_membership``): at most this many a minute, in bursts
+#: of MEMBERSHIP_LINES_BURST (hundreds of tabs opening one page must not flood the console;
+#: the rest are counted in ``Room.membership_unsaid`` and the next line says how many)
+MEMBERSHIP_LINES_PER_MINUTE = 20.0
+MEMBERSHIP_LINES_BURST = 10.0
+
 #: the ranks' reconnect bound, seconds (``tabcohort.bus.room.RECONNECT_MAX_S``; the server does
 #: not import the bus): the ranks of a restarted server come back within it, whatever the
 #: server's own ``resume_grace_s``, so its roll call is partial at least this long
@@ -266,6 +272,15 @@ class Room:
         #: faults not said over the room's line budget since the last one said (a listener
         #: reads it with the next one and sets it back to 0)
         self.faults_unsaid = 0
+        #: called with the room, the rank and ``"joined"``, ``"resumed"`` or ``"left"`` when a
+        #: rank takes a seat, takes its seat again or its link closes (not when a newer link of
+        #: its own replaced it), within MEMBERSHIP_LINES_PER_MINUTE (``tabcohort serve`` prints
+        #: a line: a newcomer's console said nothing while ranks came and went)
+        self.on_membership: list[Callable[[Room, Peer, str], None]] = []
+        self._membership_lines: TokenBucket | None = None
+        #: joins and leaves not said over that budget since the last one said (a listener reads
+        #: it with the next one and sets it back to 0)
+        self.membership_unsaid = 0
         self.checkpoint: dict | None = None     # meta of the latest checkpoint
         self.resumed_from_step: int | None = None   # the checkpoint's step when the server started on it
         self.resumed_from: dict | None = None       # that checkpoint's {id, step, accuracy}
@@ -382,7 +397,21 @@ class Room:
         self.connected[p.id] = p
         if self.started_at is None:
             self.started_at = now
+        self._say_membership(p, "resumed" if resume_id is not None else "joined", now)
         return p
+
+    def _say_membership(self, p: Peer, event: str, now: float) -> None:
+        """Pass a join, resume or leave to the ``on_membership`` listeners, within the room's
+        line budget (the rest counted in :attr:`membership_unsaid`)."""
+        if not self.on_membership:
+            return
+        if self._membership_lines is None:
+            self._membership_lines = TokenBucket(MEMBERSHIP_LINES_PER_MINUTE / 60.0, MEMBERSHIP_LINES_BURST, now)
+        if not self._membership_lines.take(1, now):
+            self.membership_unsaid += 1
+            return
+        for f in list(self.on_membership):   # (each catches its own errors, as on_stop's)
+            f(self, p, event)
 
     def _secret(self, k: int) -> str:
         if self.secret_key is None:
@@ -483,6 +512,8 @@ class Room:
             kick(*reason)
         self.announce(p, False)
         self._update_pressure()
+        if reason is None or reason[0] != CLOSE_REPLACED:   # (replaced: its new link says "resumed")
+            self._say_membership(p, "left", now)
 
     def evict_all(self, code: int, reason: str, now: float) -> int:
         """Close every connected rank's link with ``(code, reason)`` (their ids stay reserved);

@@ -191,6 +191,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         if room is not None:
             room.on_final_checkpoint.append(lambda r, m: _say_final_checkpoint(r, m, progress))
             room.on_fault.append(lambda r, k, fault: _say_fault(r, k, fault, progress))
+            room.on_membership.append(lambda r, p, event: _say_membership(r, p, event, progress))
     if config.any_rank_may_lead:
         progress("roles: any rank may lead (--any-rank-may-lead: for trusted groups only)")
     else:
@@ -313,6 +314,27 @@ def _say_fault(room: Any, rank_id: int, fault: str, progress: Callable[[str], No
     try:
         progress(line)
     except Exception:    # (as _say_stopped: the report that carried it must not fail)
+        logging.getLogger("tabcohort.server").warning("%s", line)
+
+
+def _say_membership(room: Any, p: Any, event: str, progress: Callable[[str], None]) -> None:
+    """One line when a rank joins a room, takes its seat again or leaves, with the room's count
+    of connected ranks (``Room.on_membership``; the operator view has each rank's report)."""
+    n = len(room.connected)
+    unsaid, room.membership_unsaid = room.membership_unsaid, 0
+    also = f"; {unsaid} more joins and leaves since the last line not shown" if unsaid else ""
+    if event == "joined":
+        what = f"joined ({'may lead' if p.may_lead else 'contributes buckets'}; {n} connected{also})"
+    elif event == "resumed":
+        what = f"is back on its seat ({n} connected{also})"
+    else:
+        held = (f"; its seat is held {room.limits.resume_grace_s:g} s for it to resume"
+                if not room.stopped else "")
+        what = f"left ({n} connected{held}{also})"
+    line = f"tabcohort serve: room {room.name}: rank {p.id:08x} {what}"
+    try:
+        progress(line)
+    except Exception:    # (as _say_fault: the registration or close that said it must not fail)
         logging.getLogger("tabcohort.server").warning("%s", line)
 
 

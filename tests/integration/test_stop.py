@@ -111,6 +111,9 @@ def test_sigint_to_the_server_alone_stops_its_ranks_first_and_keeps_their_final_
     assert meta is not None and meta["final"] is True, meta
     assert meta["step"] == max(_stopped_step(p.text()) for p in ranks), meta
     assert f"final checkpoint at step {meta['step']}" in cluster.server.text()
+    # the console said the ranks came and went (it said nothing: a new-user trial)
+    text = cluster.server.text()
+    assert "joined (may lead; 2 connected)" in text and re.search(r"rank [0-9a-f]{8} left \(0 connected\)", text), text
 
 
 def test_the_demo_refuses_a_port_something_else_listens_on(tmp_path):
