@@ -116,7 +116,10 @@ class RoomAssets:
             options = canonical(options)
         loaded = load_job(ref, options=options, timeout_s=PROBE_TIMEOUT_S)
         batch = job.batch or job.global_batch
-        self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S)
+        notes: list[str] = []
+        self.worker = probe(loaded, batch=batch, seed=job.seed, timeout_s=PROBE_TIMEOUT_S, notes=notes)
+        for note in notes:
+            log.warning("job %s: %s", ref, note)
         from tabcohort.protocol.optim import TrainConfig
         train = TrainConfig.from_job(job)
         # (before the pure-Python path's check, which takes minutes on a model too large to send)

@@ -845,3 +845,16 @@ def test_serve_announces_a_job_whose_python_path_imports_numpy_as_numpy_only(tmp
         assert 'declare BACKENDS = ("numpy",)' in warned[0] and "No module named 'numpy'" in warned[0], warned
         for src in (JOB, "try:\n    import numpy\nexcept ImportError:\n    numpy = None\n" + JOB):
             assert served(src, "plain.py") == (["numpy", "python"], None, []), src
+
+
+def test_a_gradient_of_zeros_only_on_the_probe_batch_is_noted(tmp_path):
+    # (a placeholder gradient, or one computed and not returned, trained nothing with the loss
+    # flat and nothing said: serve now warns at start)
+    zeros = JOB.replace('return 0.5, array("f", [1.0, 1.0, float(offset)])', 'return 0.5, array("f", [0.0] * 3)')
+    assert zeros != JOB
+    notes: list[str] = []
+    probe(load_job(_job(tmp_path, zeros, name="zeros.py")), batch=4, seed=0, notes=notes)
+    assert len(notes) == 1 and "a gradient of zeros only" in notes[0] and "will not move" in notes[0], notes
+    notes.clear()
+    probe(load_job(_job(tmp_path)), batch=4, seed=0, notes=notes)
+    assert notes == []

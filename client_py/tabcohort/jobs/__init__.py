@@ -592,7 +592,8 @@ def check_round_fits(job: LoadedJob, bucket_len: int, state_len: int = 0) -> Non
 
 
 def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
-          worker: JobWorker | None = None, timeout_s: float | None = None) -> JobWorker:
+          worker: JobWorker | None = None, timeout_s: float | None = None,
+          notes: list[str] | None = None) -> JobWorker:
     """The checks before any rank joins: build a worker (or take ``worker``), check
     ``bucket_len`` against ``params()``, compute one bucket of ``min(batch, PROBE_SAMPLES)``
     samples at offset 0 (its loss finite, its gradient ``bucket_len`` long and finite), evaluate
@@ -602,6 +603,8 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
         timeout_s: with a number, the checks run on a daemon thread and a check still running
             after that many seconds fails them (:func:`run_bounded`). ``None``: inline,
             unbounded (Pyodide has no threads).
+        notes: given a list, what is suspect but not wrong is appended to it (a gradient of
+            zeros only on the probe batch: the parameters would never move).
 
     Raises:
         JobError: naming the check that failed, or the one still running at the timeout.
@@ -610,7 +613,7 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
 
     def checks() -> JobWorker:
         with job.source.bundle_only():
-            return _probe(job, batch, seed, backend, worker, doing)
+            return _probe(job, batch, seed, backend, worker, doing, notes)
     return run_bounded(checks, timeout_s=timeout_s, doing=doing, ref=job.source.ref)
 
 
@@ -673,8 +676,15 @@ def compare_paths(job: LoadedJob, numpy_worker: JobWorker, python_worker: JobWor
     return run_bounded(check, timeout_s=timeout_s, doing=doing, ref=job.source.ref)
 
 
+def _all_zero(g: Any) -> bool:
+    """Whether every value of the float vector ``g`` (numpy or ``array('f')``) is zero."""
+    if hasattr(g, "any") and callable(g.any):
+        return not bool(g.any())
+    return not any(g)
+
+
 def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorker | None,
-           doing: list[str]) -> JobWorker:
+           doing: list[str], notes: list[str] | None = None) -> JobWorker:
     """:func:`probe`'s checks; ``doing[0]`` names the call in progress."""
     w = worker if worker is not None else job.make_worker(batch=batch, seed=seed, backend=backend)
     ref = job.source.ref
@@ -701,6 +711,12 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
     if not math.isfinite(loss) or not all_finite(g):
         raise JobError(f"grads(0) on a probe batch is not finite (loss {loss!r}"
                        f"{'' if all_finite(g) else ', gradient has NaN or infinity'})", ref)
+    if notes is not None and len(g) and _all_zero(g):
+        # (a placeholder gradient, or one computed and not returned, trained nothing with the
+        # loss flat and nothing said; a model at a true stationary point at its start is rare)
+        notes.append(f"grads(0) returned a gradient of zeros only on a probe batch of "
+                     f"{max(1, min(w.batch, PROBE_SAMPLES))} samples ({w.backend} path): the parameters will not "
+                     f"move. Is the gradient computed from params() and returned?")
     acc = call("evaluate()", w.evaluate)
     if not 0.0 <= acc <= 1.0:
         raise JobError(f"evaluate() must return held-out accuracy in [0, 1], got {acc!r}", ref)
