@@ -906,6 +906,26 @@ def say(line: str) -> None:
             pass
 
 
+class _LogLine(logging.Formatter):
+    """A log record as one of the command's own lines: ``tabcohort serve: warning: ...``
+    (timestamped ``tabcohort.server WARNING`` lines among the plain progress lines read as
+    another program's: a new-user trial)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord(record.__dict__)
+        record.levelname = record.levelname.lower()
+        return super().format(record)
+
+
+def _log_lines(command: str | None, *, verbose: bool) -> None:
+    """Log records to stderr: warnings and errors as the command's lines; with ``--verbose``
+    every record, with its time and logger (for a bug report)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s") if verbose
+                         else _LogLine(f"tabcohort {command or ''}: %(levelname)s: %(message)s".replace(" :", ":")))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:   # (building the parser reads the package's metadata: a Ctrl-C there printed a traceback)
         parser = build_parser()
@@ -915,8 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if extra:   # (named by the command's parser: "see tabcohort serve --help", not "tabcohort --help")
         parser.commands[a.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_lines(a.command, verbose=a.verbose)
     try:
         if a.command in ("simulate", "rank", "serve"):
             hold_allocator()

@@ -141,3 +141,21 @@ def test_a_takeover_and_a_server_back_are_said_once_on_the_line_after_them():
     run._print(1.0, {**base, "leader": 0xB, "server_connected": False})
     run._print(1.0, {**base, "leader": 0xB, "server_connected": True, "running": False})
     assert "reachable again" not in out[-1], out[-1]
+
+
+def test_log_records_are_the_commands_own_lines_and_timestamped_only_when_verbose():
+    # (timestamped "tabcohort.bus.star WARNING ..." lines among the progress lines read as
+    # another program's: a new-user trial)
+    import subprocess
+    import sys
+    if sys.platform == "emscripten":
+        import pytest
+        pytest.skip("a subprocess: native tiers only")
+    code = ("import logging, sys; from tabcohort.cli import _log_lines; _log_lines('rank', verbose=sys.argv[1] == 'v'); "
+            "logging.getLogger('tabcohort.bus.star').warning('peer 0000000a uses the relay'); "
+            "logging.getLogger('tabcohort.bus.star').debug('a detail')")
+    quiet = subprocess.run([sys.executable, "-c", code, "q"], capture_output=True, text=True, timeout=60)
+    assert quiet.stderr == "tabcohort rank: warning: peer 0000000a uses the relay\n", quiet.stderr
+    verbose = subprocess.run([sys.executable, "-c", code, "v"], capture_output=True, text=True, timeout=60)
+    lines = verbose.stderr.splitlines()
+    assert len(lines) == 2 and "tabcohort.bus.star WARNING peer 0000000a" in lines[0] and "a detail" in lines[1], lines
