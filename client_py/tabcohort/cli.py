@@ -891,19 +891,27 @@ def _serve_checked(a: argparse.Namespace) -> int:
 
 def say(line: str) -> None:
     """Print one progress line of a long-running command (``rank``, ``serve``). An output that
-    is gone (the terminal hung up: EIO; the pipe's reader left: EPIPE) ends the printing, not
-    the command: its standard output then goes to the null device, so neither a later line nor
-    the flush at exit raises, and the ordered stop that the hangup asked for (SIGHUP) runs to
-    its final checkpoint."""
+    is gone (the terminal hung up: EIO; the pipe's reader left: EPIPE, as ``| head`` does) asks
+    for the ordered stop, as a hangup does (SIGHUP; nothing under ``nohup``, which ignores it),
+    and the printing ends: standard output goes to the null device, so neither a later line nor
+    the flush at exit raises, and the stop runs to its final checkpoint. Any other error (a full
+    disk) is raised as before."""
+    import errno
+    import signal
     try:
         print(line, flush=True)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.EIO, errno.EPIPE):
+            raise
         try:
             fd = os.open(os.devnull, os.O_WRONLY)
             os.dup2(fd, sys.stdout.fileno())
             os.close(fd)
         except (OSError, ValueError):
             pass
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is not None and signal.getsignal(hup) not in (signal.SIG_IGN, signal.SIG_DFL):
+            os.kill(os.getpid(), hup)   # (a handler is installed: the ordered stop; else it runs on)
 
 
 class _LogLine(logging.Formatter):

@@ -32,6 +32,7 @@ import json
 import math
 import random
 import hashlib
+import logging
 import heapq
 import hmac
 import struct
@@ -410,8 +411,11 @@ class Room:
         if not self._membership_lines.take(1, now):
             self.membership_unsaid += 1
             return
-        for f in list(self.on_membership):   # (each catches its own errors, as on_stop's)
-            f(self, p, event)
+        for f in list(self.on_membership):
+            try:
+                f(self, p, event)
+            except Exception:   # (a registration must not fail after its seat was taken)
+                logging.getLogger("tabcohort.server").exception("room %s: a membership listener failed", self.name)
 
     def _secret(self, k: int) -> str:
         if self.secret_key is None:

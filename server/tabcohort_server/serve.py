@@ -9,9 +9,15 @@ import errno
 import logging
 import os
 import signal
+import time
 from typing import Any, Callable
 
 from .config import ServerConfig
+
+#: seconds after the first stop signal during which a signal *of another kind* is the same stop,
+#: not "at once" (as a rank's: tabcohort.runtime.native.SIGNAL_REPEAT_GRACE_S): a terminal's
+#: hangup reaches the demo script and the server together, and the script passes it on (SIGINT)
+SIGNAL_REPEAT_GRACE_S = 1.0
 
 
 class MalformedRequests(logging.Filter):
@@ -229,14 +235,24 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     drain = []
     loop = asyncio.get_running_loop()
 
+    hup = getattr(signal, "SIGHUP", None)
+    first: list[tuple[float, signal.Signals]] = []
+
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            if sig != getattr(signal, "SIGHUP", None):   # (a hangup comes from the kernel and the
-                force.set()                          # shell both) a second signal: stop at once
+            # a second signal stops at once, but a hangup (it comes from the kernel and the shell
+            # both), or another kind within SIGNAL_REPEAT_GRACE_S (a script passing the stop on:
+            # the demo's trap sends SIGINT after the terminal's SIGHUP) is the same stop
+            if sig != hup and not (sig != first[0][1] and time.monotonic() - first[0][0] < SIGNAL_REPEAT_GRACE_S):
+                force.set()
             return
+        first.append((time.monotonic(), sig))
         drain.append(sig != signal.SIGTERM)
         stop.set()
-    for sig in (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())):
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN:   # (nohup: the hangup is to pass)
+        sigs.append(hup)
+    for sig in sigs:
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover

@@ -68,7 +68,7 @@ def test_ranks_keep_one_lineage_across_server_restarts(cluster, tmp_path):
     assert all(f for f in finals) and len({f[-1] for f in finals}) == 1, finals
 
 
-#: the ranks' report period (serve --report-interval, its default): a progress line per report
+#: the ranks' report period (serve --report-interval, its default), and their progress lines'
 REPORT_S = 1.0
 #: progress lines after the loss was seen that span at least 2 s (past policy.drop, 1.6 s)
 LINES_PAST_DROP = math.ceil(2.0 / REPORT_S) + 1
@@ -81,7 +81,7 @@ def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
     # no other rank received until their beats were policy.drop (1.6 s) old: thousands of steps
     # ahead of its followers (about 5,400 measured); now it stops within the round in flight
     cluster.serve("--report-interval", str(REPORT_S))
-    ranks = [cluster.rank("--no-direct", "--print-every", "0.2") for _ in range(3)]
+    ranks = [cluster.rank("--no-direct", "--print-every", str(REPORT_S)) for _ in range(3)]
     wait_for(lambda: len(cluster.reports()) == 3 and all(r.get("cohort") == 3 for r in cluster.reports()),
              60, "a cohort of 3")
     wait_for(lambda: all(len(_steps(r.text())) >= 3 for r in ranks), 30, "progress lines")
@@ -89,8 +89,8 @@ def test_a_leader_whose_only_link_closed_commits_nothing_alone(cluster):
     marks = wait_for(lambda: all("link lost" in r.text() for r in ranks) and [len(_steps(r.text())) for r in ranks],
                      30, "every rank to lose its link")
     # 2 s of progress lines after the loss: past policy.drop, when the old leader stopped at last
-    # (a rank prints at most one line per report, whatever its --print-every: the wait was for 10
-    # lines, 10 s at one report a second; the line after 2 s is the first past 2 s)
+    # (a line every REPORT_S: the wait was once for 10 lines, 10 s; the line after 2 s is the
+    # first past 2 s)
     wait_for(lambda: all(len(_steps(r.text())) >= m + LINES_PAST_DROP for r, m in zip(ranks, marks)), 30,
              "progress lines while the server is away")
     leader = [r for r in ranks if "(me)" in r.text().rsplit("link lost", 1)[0]]

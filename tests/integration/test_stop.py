@@ -289,6 +289,9 @@ def test_a_hung_up_terminal_stops_the_server_in_order_and_keeps_the_final_checkp
         ranks = [cluster.rank(), cluster.rank()]
         wait_for(lambda: (s := cluster.state())["step"] >= 30 and s["n_connected"] == 2, 60, "2 ranks training")
         term.hang_up()
+        # the demo's trap passes the hangup on as SIGINT at once: the same stop, not "at once"
+        # (it stopped the server before the final checkpoint: a review)
+        term.p.send_signal(signal.SIGINT)
         for p in ranks:
             assert p.p.wait(30) == 0, p.text()[-3000:]
             assert "server: the server is shutting down" in p.text()
@@ -319,3 +322,23 @@ def test_a_hung_up_terminal_stops_a_leading_rank_in_order(cluster):
     ck = wait_for(lambda: cluster.state()["checkpoint"], 10, "the rank's last checkpoint")
     assert ck["step"] >= 30, ck
     assert "uploaded by its leader as it left" in cluster.server.text() or "final checkpoint" in cluster.server.text()
+
+
+def test_a_rank_whose_output_is_closed_stops_in_order(cluster):
+    """`tabcohort rank ... | head`: the reader leaves (EPIPE on the next line) and the rank takes
+    it as a hangup, the ordered stop: a leader uploads its last model and exits 0 (a printing
+    error crashed it mid-round, a traceback and the training since the last checkpoint lost)."""
+    cluster.serve("--checkpoint-interval", "3600")
+    p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "rank", "--server", cluster.url, "--room", cluster.room,
+                          "--print-every", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env={**_env(), "TABCOHORT_TRAINER_TOKEN": cluster.trainer_token}, cwd=str(ROOT))
+    try:
+        wait_for(lambda: cluster.state()["step"] >= 30, 60, "the rank training")
+        p.stdout.readline()
+        p.stdout.close()                                  # (as head does after its lines)
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    ck = wait_for(lambda: cluster.state()["checkpoint"], 10, "the rank's last checkpoint")
+    assert ck["step"] >= 30, ck

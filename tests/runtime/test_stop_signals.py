@@ -75,3 +75,36 @@ def test_a_repeat_within_the_grace_is_the_same_stop_and_one_after_it_stops_at_on
             end()
         return got
     assert asyncio.run(twice())[0] == "at once"
+
+
+def test_a_hangup_is_the_ordered_stop_unless_ignored_and_a_repeated_one_is_the_same_stop():
+    # a closed terminal (an ssh session that dropped) killed the rank mid-round, and a leader's
+    # final checkpoint with it; under nohup (SIGHUP ignored) the hangup is meant to pass
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        got: list = []
+        end = stop_on_signals(loop, got.append)
+        try:
+            signal.raise_signal(signal.SIGHUP)
+            signal.raise_signal(signal.SIGHUP)           # (the kernel's and the shell's): no SystemExit
+            for _ in range(100):
+                if got:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            end()
+        return got
+    before = signal.getsignal(signal.SIGHUP)
+    assert asyncio.run(run()) == ["signal SIGHUP"]
+    assert signal.getsignal(signal.SIGHUP) is before
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        async def under_nohup() -> object:
+            end = stop_on_signals(asyncio.get_running_loop(), lambda why: None)
+            try:
+                return signal.getsignal(signal.SIGHUP)
+            finally:
+                end()
+        assert asyncio.run(under_nohup()) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -1,6 +1,6 @@
 """A rank that begins to lead reports at once (docs/PROTOCOL.md, "Roles"): the runtimes' report
-loops ask :meth:`RankSession.lead_began` every ``LEAD_CHECK_S`` and send the report when it says
-so, not at the next ``report_interval_s``. The end-to-end case (a takeover, then the final
+loops ask :meth:`RankSession.lead_began` at each turn (natively every ``LEAD_CHECK_S``, a tab at
+each page update) and send the report when it says so, not at the next ``report_interval_s``. The end-to-end case (a takeover, then the final
 checkpoint stored) is tests/integration/test_partition_heal.py."""
 
 from __future__ import annotations

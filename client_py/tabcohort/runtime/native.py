@@ -98,8 +98,8 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     if first is not None:
         if signum != first[1] and time.monotonic() - first[0] < SIGNAL_REPEAT_GRACE_S:
             return                               # the same stop, passed on by a script
-        if signum == signal.SIGHUP:              # (a hangup reaches a rank from the kernel and
-            return                               # its shell both: never a person's "again")
+        if signum == getattr(signal, "SIGHUP", None):   # (a hangup reaches a rank from the kernel
+            return                               # and its shell both: never a person's "again")
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
@@ -131,6 +131,8 @@ def stop_on_signals(loop: asyncio.AbstractEventLoop, request_stop: Callable[[str
     if not _STOPPING:
         _on_stop_signal.seen = None              # type: ignore[attr-defined]
         for sig in STOP_SIGNALS:
+            if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN:
+                continue                         # (started under nohup: the hangup is meant to pass)
             try:
                 _SAVED_HANDLERS[sig] = signal.signal(sig, _on_stop_signal)
             except (ValueError, OSError):         # (not the main thread; a platform without it)
@@ -740,6 +742,10 @@ class RankRun(RankSession):
                 next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                 period = job["report_interval_s"]
                 next_report = time.monotonic() + period
+                # (the first line after one period, as the first report: a line at once showed
+                # "leader -" and, on a contributor, the false "waiting for a rank that may lead")
+                if self.print_every_s > 0:
+                    self._printed_at = time.monotonic()
                 while not self.stop_event.is_set():
                     try:
                         await asyncio.wait_for(self.stop_event.wait(), min(period, LEAD_CHECK_S))
@@ -747,13 +753,15 @@ class RankRun(RankSession):
                         pass
                     now = time.monotonic()
                     # (a rank that began to lead reports at once: docs/PROTOCOL.md "Roles")
-                    report_due = now >= next_report or self.lead_began(machine, driver)
+                    began = self.lead_began(machine, driver)
+                    report_due = now >= next_report or began
                     # progress lines keep their own period: a room reporting every 30 s left a
                     # rank's console silent as long
                     print_due = (now - self._printed_at >= self.print_every_s if self.print_every_s > 0
                                  else report_due)
                     if report_due or print_due:
-                        st = self._state(driver, digest)
+                        # (the parameters' digest, a hash of every value, only for a report)
+                        st = self._state(driver, digest if report_due else None)
                         if report_due:
                             next_report = now + period
                             bus.send_control({"type": "report", "state": st})
@@ -850,10 +858,10 @@ class RankRun(RankSession):
             return star_bus(url, **common)
         return star_bus(url, link="rtc", **rtc, **common)
 
-    def _state(self, driver: Any, digest: Callable[[Any], str]) -> dict:
+    def _state(self, driver: Any, digest: Callable[[Any], str] | None) -> dict:
         st = driver.state()
         st.pop("peers", None)
-        st["digest"] = digest(driver.worker.params())
+        st["digest"] = None if digest is None else digest(driver.worker.params())
         st["pid"] = os.getpid()
         st["kind"] = "native"
         st["leaders"] = self.leaders

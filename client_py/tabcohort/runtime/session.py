@@ -386,6 +386,7 @@ class RankSession:
 
         may_lead, peer_roles = bus_role(bus)
         self.job_hash = jh
+        self._lead_seen = False     # (a new seat's machine: its lead, when it begins, is reported)
         if self.room_job_hash is not None and self.room_job_hash != jh:
             # (the first welcome comes while the bus connects, before this: a server restarted
             # with another job between this rank's job fetch and its link)
@@ -439,7 +440,8 @@ class RankSession:
 
     def lead_began(self, machine: Any, driver: Any) -> bool:
         """Whether ``machine`` began to lead since the last look: its report is then due at
-        once, not at the next ``report_interval_s``. The room trusts, uploads from and stops on
+        once (natively within :data:`LEAD_CHECK_S`; a tab at its next page update, at most 0.5 s
+        apart), not at the next ``report_interval_s``. The room trusts, uploads from and stops on
         the rank that last reported it leads (docs/PROTOCOL.md, "Roles"); a rank that
         took over and reached ``--steps`` within one interval never said it led, and its final
         checkpoint was refused (403) in favour of the rank it took over from."""

@@ -225,7 +225,8 @@ class TabRun(RankSession):
                         break
                     st = self._state(digest)
                     self.ui("state", state=st)
-                    if time.monotonic() >= next_report or self.lead_began(machine, driver):
+                    began = self.lead_began(machine, driver)   # (its report at once: PROTOCOL.md "Roles")
+                    if time.monotonic() >= next_report or began:
                         t_report = time.monotonic()
                         next_report = t_report + period
                         if self._last_report_s is not None:   # the largest gap between two reports sent
