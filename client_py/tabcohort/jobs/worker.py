@@ -87,6 +87,19 @@ def slow_call_note(slow: tuple[float, int], *, flag: str = "--batch", ranks: int
             f"(README \"Write your own job\")")
 
 
+def slow_evaluate_note(took_s: float) -> str:
+    """What an ``evaluate()`` call of ``took_s`` seconds means: the leader runs it on its event
+    loop every ``eval_every`` steps and for each checkpoint, and the beats wait meanwhile; one
+    past the cohort's drop bound (docs/PROTOCOL.md "Timing": 1.6 s by default) made the others
+    take the lead from it again and again, and a run ended without its final checkpoint, its
+    ranks on different models (a new-user trial: a 2 s evaluate())."""
+    return (f"the job's evaluate() took {took_s:.1f} s: the leader runs it on its event loop every --eval-every "
+            f"steps and for each checkpoint, and beats wait meanwhile (keep it under about {SLOW_CALL_S:g} s; "
+            f"past the cohort's drop bound, 1.6 s by default, the others take the lead from it, again and again): "
+            f"evaluate a subset of the held-out set, or evaluate less often (--eval-every) "
+            f"(README \"Write your own job\")")
+
+
 def global_batch_note(global_batch: int, train_len: int | None) -> str | None:
     """A warning when a round covers more samples than the training set has, or None.
 
@@ -143,6 +156,8 @@ class JobWorker:
         self.train_len: int | None = None
         self._slow: tuple[float, int] | None = None     # (seconds, samples) of the slow calls
         self._slow_in_a_row = 0
+        #: seconds of the longest evaluate() call over SLOW_CALL_S, or None (slow_evaluate_note)
+        self.slow_evaluate: float | None = None
 
     @property
     def backend(self) -> str:
@@ -361,7 +376,11 @@ class JobWorker:
         self.inner.set_params(new)
 
     def evaluate(self) -> float:
+        t0 = time.perf_counter()
         acc = self.inner.evaluate()
+        took_s = time.perf_counter() - t0
+        if took_s > SLOW_CALL_S and took_s > (self.slow_evaluate or 0.0):
+            self.slow_evaluate = took_s
         try:
             return float(acc)
         except (TypeError, ValueError):   # (None, an array: the error pointed into tabcohort)

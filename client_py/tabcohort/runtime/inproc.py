@@ -192,8 +192,11 @@ class InprocCohort:
             {"dataset": cfg.dataset, "hidden": list(cfg.hidden), "activation": cfg.activation, "data_seed": cfg.seed})
         bound_s = None if sys.platform == "emscripten" else PROBE_TIMEOUT_S   # (no threads there)
         self.loaded_job = load_job(cfg.job or BUILTIN, options=options, timeout_s=bound_s)   # JobError before any rank starts
+        notes: list[str] = []
         w = probe(self.loaded_job, batch=cfg.resolved_global_batch, seed=cfg.seed, backend=cfg.backend,
-                  timeout_s=bound_s)
+                  timeout_s=bound_s, notes=notes)
+        for note in notes:
+            self.progress(f"warning: {note}")
         check_round_fits(self.loaded_job, w.bucket_len, cfg.train.state_len(w.bucket_len))
         if cfg.job:
             self._compare_paths(w, bound_s)

@@ -533,6 +533,7 @@ class RankRun(RankSession):
         self._unreachable_shown = False               # the last line said the server is unreachable
         self._no_share_lines = 0                      # progress lines in a row with no share, running
         self._slow_call_said = False                  # the worker's slow_call note was printed
+        self._slow_evaluate_said = False              # ... and its slow_evaluate note
         self._printed_at = -math.inf
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
@@ -772,6 +773,10 @@ class RankRun(RankSession):
                         from ..jobs.worker import slow_call_note
                         self._slow_call_said = True
                         self.progress(f"warning: {slow_call_note(worker.slow_call)}")
+                    if getattr(worker, "slow_evaluate", None) and not self._slow_evaluate_said:
+                        from ..jobs.worker import slow_evaluate_note
+                        self._slow_evaluate_said = True
+                        self.progress(f"warning: {slow_evaluate_note(worker.slow_evaluate)}")
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(http, bus, machine, worker, digest, final=False)
