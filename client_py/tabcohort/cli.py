@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ._alloc import hold_allocator
 from .errors import ConfigError, TabcohortError
@@ -514,7 +514,7 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
         doc = {"ok": ok, **({"error": why_no_step} if no_step else {}), **res.__dict__}
         if not math.isfinite(doc["loss"]):
             doc["loss"] = None   # (no round yet: NaN is not JSON, RFC 8259; evaluate says null too)
-        print(json.dumps(doc, default=str, indent=2))
+        _print_json(json.dumps(doc, default=str, indent=2))
     elif no_step:
         print(f"stopped: {why_no_step}")
     else:
@@ -684,7 +684,7 @@ def _evaluate(a: argparse.Namespace) -> int:
     res = {"job_hash": job["job_hash"], "step": (job.get("checkpoint") or {}).get("step"),
            "accuracy": acc, "loss": loss if math.isfinite(loss) else None}
     if a.json:
-        print(json.dumps(res, allow_nan=False))
+        _print_json(json.dumps(res, allow_nan=False))
     else:
         has_loss = getattr(getattr(worker, "inner", worker), "evaluate_loss", None) is not None
         loss_s = (f"{res['loss']:.4f}" if res["loss"] is not None
@@ -914,6 +914,45 @@ def say(line: str) -> None:
             os.kill(os.getpid(), hup)   # (a handler is installed: the ordered stop; else it runs on)
 
 
+#: where ``--json``'s one document goes (:func:`_json_to_stdout_alone`); None: ``sys.stdout``
+_JSON_OUT: Any = None
+
+
+def _json_to_stdout_alone() -> Callable[[], None]:
+    """Under ``--json`` standard output carries exactly one JSON document: what anything else
+    writes there (a job's ``print()`` in ``grads()``, a library's C code on file descriptor 1)
+    goes to standard error instead, and the document to the original standard output (a job
+    that printed made ``simulate --json``'s output unreadable: a new-user trial). Returns the
+    function that puts standard output back."""
+    global _JSON_OUT
+    try:
+        sys.stdout.flush()
+        out_fd = sys.stdout.fileno()
+        fd = os.dup(out_fd)
+        os.dup2(sys.stderr.fileno(), out_fd)
+    except (OSError, ValueError, AttributeError):   # (no real descriptors: a captured stdout)
+        return lambda: None
+    _JSON_OUT = os.fdopen(fd, "w")
+
+    def restore() -> None:     # (main() called in a process that goes on: a test's)
+        global _JSON_OUT
+        try:
+            sys.stdout.flush()
+            _JSON_OUT.flush()
+            os.dup2(fd, out_fd)
+        except (OSError, ValueError):
+            pass
+        _JSON_OUT.close()
+        _JSON_OUT = None
+    return restore
+
+
+def _print_json(text: str) -> None:
+    """Print ``--json``'s document where :func:`_json_to_stdout_alone` keeps it."""
+    out = _JSON_OUT if _JSON_OUT is not None else sys.stdout
+    print(text, file=out, flush=True)
+
+
 class _LogLine(logging.Formatter):
     """A log record as one of the command's own lines: ``tabcohort serve: warning: ...``
     (timestamped ``tabcohort.server WARNING`` lines among the plain progress lines read as
@@ -944,6 +983,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:   # (named by the command's parser: "see tabcohort serve --help", not "tabcohort --help")
         parser.commands[a.command].error(f"unrecognized arguments: {' '.join(extra)}")
     _log_lines(a.command, verbose=a.verbose)
+    restore = (_json_to_stdout_alone() if a.command in ("simulate", "evaluate") and getattr(a, "json", False)
+               else lambda: None)
+    try:
+        return _main_command(a, parser)
+    finally:
+        restore()
+
+
+def _main_command(a: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         if a.command in ("simulate", "rank", "serve"):
             hold_allocator()
@@ -959,17 +1007,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tabcohort: configuration error: {exc}", file=sys.stderr)
         if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
             # (stdout is one JSON document under --json, a refused configuration's too)
-            print(json.dumps({"ok": False, "error": f"configuration error: {exc}"}, indent=2))
+            _print_json(json.dumps({"ok": False, "error": f"configuration error: {exc}"}, indent=2))
         return 2
     except TabcohortError as exc:
         print(f"tabcohort: error: {exc}", file=sys.stderr)
         if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
             # (stdout is still one JSON document: a script reading it learns why)
-            print(json.dumps({"ok": False, "error": str(exc)}, indent=2))
+            _print_json(json.dumps({"ok": False, "error": str(exc)}, indent=2))
         return 1
     except KeyboardInterrupt:
         if a.command in ("simulate", "evaluate") and getattr(a, "json", False):
-            print(json.dumps({"ok": False, "error": "interrupted (Ctrl-C)"}, indent=2))
+            _print_json(json.dumps({"ok": False, "error": "interrupted (Ctrl-C)"}, indent=2))
         elif a.command != "simulate":   # (simulate says its own summary line)
             # (serve stopped during its job's start-up check ended with exit 130 and no word)
             print(f"tabcohort {a.command}: interrupted (Ctrl-C)", file=sys.stderr)
