@@ -875,3 +875,15 @@ def test_a_slow_evaluate_is_noted_at_the_start_up_check_and_by_the_worker(tmp_pa
     notes.clear()
     probe(load_job(_job(tmp_path)), batch=4, seed=0, notes=notes)
     assert notes == []
+
+
+@pytest.mark.parametrize("where", ["import", "load_data", "factory"])
+def test_a_job_that_ends_the_process_is_a_job_error_naming_it(tmp_path, where):
+    # (a job's sys.exit(), or an argparse parser at its import, ended serve with its exit code
+    # and no word: a new-user trial)
+    src = {"import": "import sys\nsys.exit(3)\n" + JOB,
+           "load_data": JOB + "\n\ndef load_data():\n    import sys\n    sys.exit(3)\n",
+           "factory": JOB.replace("    return W(batch)", "    raise SystemExit(3)")}[where]
+    with pytest.raises(JobError, match=r"SystemExit: 3: a job must not end the process"):
+        job = load_job(_job(tmp_path, src, name=f"exits_{where}.py"))
+        job.make_worker(batch=4, seed=0)

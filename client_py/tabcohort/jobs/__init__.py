@@ -174,7 +174,7 @@ class LoadedJob:
             return self.factory(self.data, **kw)
         except ConfigError:   # the job names the setting itself (the built-in job: hidden, backend)
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise JobError(f"the factory {self.source.factory}() raised {type(e).__name__}: {_said(e)} "
                            f"({_where(e, files, self.factory)}){_no_data_hint(e, self.data)}"
                            f"{self.source.missing_file_hint(e)}", self.source.ref) from None
@@ -290,7 +290,7 @@ class _Pending:
             got = await self.inner
         except ConfigError:   # the job names the setting itself
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             files = {os.path.abspath(os.path.join(src.root, r)) for r in src.files}
             raise JobError(f"the factory {src.factory}() raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
                            f"{_no_data_hint(e, self.job.data)}", src.ref) from None
@@ -528,7 +528,7 @@ def job_data(src: JobSource, mod: Any, options: dict | None = None) -> JobData:
         arrays = fn() if options is None else fn(dict(options))
     except ConfigError:   # the job names the setting itself (the built-in job: its dataset)
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise JobError(f"load_data() raised {type(e).__name__}: {_said(e)} ({_where(e, files, fn)})", src.ref) from None
     if not isinstance(arrays, dict):
         raise JobError(f"load_data() must return a dict of identifier -> array, not {type(arrays).__name__}", src.ref)
@@ -698,7 +698,7 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
             return f()
         except JobError as e:        # the worker contract broken (a bad return): said as is
             raise JobError(e.reason, ref) from None
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise JobError(f"the worker's {what} raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
                            f"{job.source.missing_file_hint(e)}", ref) from None
 

@@ -38,7 +38,13 @@ EXCEPTION_TEXT_MAX_CHARS = 500
 
 
 def _said(exc: BaseException) -> str:
-    """``str(exc)``, cut to :data:`EXCEPTION_TEXT_MAX_CHARS` characters (saying how many more)."""
+    """``str(exc)``, cut to :data:`EXCEPTION_TEXT_MAX_CHARS` characters (saying how many more);
+    for a ``SystemExit``, what it means in a job."""
+    if isinstance(exc, SystemExit):
+        # (a job's sys.exit(), or an argparse parser run at its import, ended `serve` with its
+        # exit code and no word: a new-user trial)
+        return (f"{exc.code!r}: a job must not end the process (sys.exit(), or a command-line parser "
+                f"run at import: put it under `if __name__ == \"__main__\":`)")
     text = str(exc)
     if len(text) <= EXCEPTION_TEXT_MAX_CHARS:
         return text
@@ -134,7 +140,7 @@ class JobSource:
         try:
             with self.bundle_only():
                 spec.loader.exec_module(mod)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             del sys.modules[self.module]
             hint = self.missing_file_hint(e)
             raise JobError(f"importing the job raised {type(e).__name__}: {_said(e)} ({_where(e, files)}){hint}",
