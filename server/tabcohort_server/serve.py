@@ -118,6 +118,15 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
     if config.cluster is not None:   # Redis answered at setup; now claim what nobody holds
         from .cluster_web import start as start_cluster
         node = await start_cluster(app, url)
+    if host in ("0.0.0.0", "::"):
+        # (the links said http://0.0.0.0:PORT/..., which no other machine can open, and a page
+        # there is no secure context: a new-user trial) the address that routes out, or loopback
+        here = _routable_address()
+        url = f"http://{here}:{actual}"
+        progress(f"tabcohort serve: listening on every interface ({host}); the links below use {here}, "
+                 + ("this machine's address on its network (another machine on it opens them as they are)"
+                    if not here.startswith("127.") else "as this machine has no route to a network (loopback only)"))
+    if config.cluster is not None:
         owned = sorted(node.book.owned)
         progress(f"cluster: node {node.config.node_id} at {redact_url(node.config.advertise_url)} (Redis "
                  f"{redact_url(node.config.redis_url)}); owns {', '.join(owned) if owned else 'no room yet'}; lease "
@@ -331,6 +340,18 @@ def _say_fault(room: Any, rank_id: int, fault: str, progress: Callable[[str], No
         progress(line)
     except Exception:    # (as _say_stopped: the report that carried it must not fail)
         logging.getLogger("tabcohort.server").warning("%s", line)
+
+
+def _routable_address() -> str:
+    """This machine's IPv4 address on the network its default route leads to (a UDP socket's
+    connect sends nothing), or ``127.0.0.1`` when there is none (a machine on loopback only)."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))     # (TEST-NET-1, RFC 5737: never answered, never sent to)
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def _say_membership(room: Any, p: Any, event: str, progress: Callable[[str], None]) -> None:

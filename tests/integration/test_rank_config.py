@@ -12,7 +12,7 @@ import pytest
 from tabcohort.errors import ConfigError
 from tabcohort.runtime.native import RankConfig
 
-from .conftest import ROOT, _env
+from .conftest import ROOT, _env, wait_for
 
 
 def cfg(env: dict, **args) -> RankConfig:
@@ -399,3 +399,16 @@ def test_an_https_url_for_a_plain_http_server_fails_at_once_with_the_hint(cluste
     out = r.stdout + r.stderr
     assert r.returncode != 0 and took < 20, (took, out)
     assert "TLS handshake failed" in out and f"try {http_url}" in out and "Traceback" not in out, out
+
+
+def test_serve_on_every_interface_prints_links_a_machine_can_open(cluster):
+    """`serve --host 0.0.0.0`: the links and the URL name this machine's routable address (here,
+    in a network namespace with loopback only, 127.0.0.1), never 0.0.0.0, which no other machine
+    can open and where a page is no secure context (a new-user trial)."""
+    url = cluster.serve("--host", "0.0.0.0")
+    text = cluster.server.text()
+    assert url.startswith("http://127.0.0.1:") and "0.0.0.0:" not in text, text
+    assert "listening on every interface (0.0.0.0)" in text, text
+    p = cluster.rank()                          # (the URL it printed works)
+    wait_for(lambda: cluster.state()["step"] >= 5, 60, "a rank training through the printed URL")
+    p.kill()
