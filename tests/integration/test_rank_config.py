@@ -412,3 +412,13 @@ def test_serve_on_every_interface_prints_links_a_machine_can_open(cluster):
     p = cluster.rank()                          # (the URL it printed works)
     wait_for(lambda: cluster.state()["step"] >= 5, 60, "a rank training through the printed URL")
     p.kill()
+
+
+def test_a_token_given_for_an_open_room_is_said_not_to_be_checked(cluster):
+    """A rank given --token for a room serve opened (no --token) joined without a word, and its
+    user took the room for a protected one (a new-user trial): it says the room is open."""
+    cluster.serve()
+    p = cluster.rank("--token", "a-token-nobody-checks-0123")
+    wait_for(lambda: "is open (serve gave it no --token)" in p.text(), 60, "the rank's note")
+    wait_for(lambda: cluster.state()["step"] >= 5, 60, "the rank training")
+    p.kill()

@@ -610,6 +610,17 @@ class RankRun(RankSession):
         except Exception:
             return None
 
+    async def _room_is_open(self, http: Any) -> bool:
+        """Whether ``GET /api/rooms`` lists this rank's room as one without a token (False when
+        it says otherwise or cannot be read: only a hint)."""
+        try:
+            async with await http.get(f"{self.cfg.base_url}/api/rooms", allow_redirects=False) as r:
+                rooms = (await r.json()).get("rooms") if r.status == 200 else None
+            return any(isinstance(x, dict) and x.get("room") == self.cfg.room and x.get("token") is False
+                       for x in rooms or ())
+        except Exception:
+            return False
+
     async def _room_names(self, http: Any) -> list[str]:
         """The names ``GET /api/rooms`` lists (a typo'd ``--room`` is told them), or [] if that
         fails: only a hint."""
@@ -694,6 +705,11 @@ class RankRun(RankSession):
             # (a new-user trial: a rank joining a finished room fetched the job, its data and the
             # checkpoint before its welcome said so)
             finished = finished_room_message(await self._room_summary(http)) if not self.cfg.token else None
+            if self.cfg.token and await self._room_is_open(http):
+                # (a rank given a token for an open room joined without a word: its user took
+                # the room for a protected one, a new-user trial)
+                self.progress(f"note: room {self.cfg.room} is open (serve gave it no --token): the token given "
+                              f"({self.cfg._name('token')}) is not checked, and anyone with the URL may join")
             if finished is not None:
                 self.progress(finished)
                 return 0
