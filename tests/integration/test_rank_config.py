@@ -44,6 +44,10 @@ def cfg(env: dict, **args) -> RankConfig:
     # a bracketed host urlsplit cannot parse was a traceback (ValueError: Invalid IPv6 URL)
     ({"TABCOHORT_SERVER": "http://[zz]:80", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "http://[zz]:80"),
     ({"TABCOHORT_SERVER": "http://[::1", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "http://[::1"),
+    # port 0 was taken as no port (80); 99999 was said "not a number" (a new-user trial)
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:0", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER", "http://127.0.0.1:0"),
+    ({"TABCOHORT_SERVER": "http://127.0.0.1:99999", "TABCOHORT_ROOM": "d"}, "TABCOHORT_SERVER",
+     "http://127.0.0.1:99999"),
     # a local copy of the job that does not exist is named by where it came from, before connecting
     ({"TABCOHORT_SERVER": "http://127.0.0.1:1", "TABCOHORT_ROOM": "d", "TABCOHORT_JOB": "/nonexistent.py"},
      "TABCOHORT_JOB", "/nonexistent.py"),

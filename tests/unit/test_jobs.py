@@ -887,3 +887,14 @@ def test_a_job_that_ends_the_process_is_a_job_error_naming_it(tmp_path, where):
     with pytest.raises(JobError, match=r"SystemExit: 3: a job must not end the process"):
         job = load_job(_job(tmp_path, src, name=f"exits_{where}.py"))
         job.make_worker(batch=4, seed=0)
+
+
+@pytest.mark.parametrize("bad", ["-5", "0", "2.5", "'100'", "True"])
+def test_a_worker_train_len_that_is_no_row_count_is_refused(tmp_path, bad):
+    # (train_len = -5 was taken without a word, the state report's epoch dropped: a new-user trial)
+    src = JOB.replace("self.batch, self.bucket_len, self.p = batch, 3,", f"self.train_len = {bad}\n        self.batch, self.bucket_len, self.p = batch, 3,")
+    assert src != JOB
+    with pytest.raises(JobError, match=r"train_len must be the number of training rows"):
+        load_job(_job(tmp_path, src, name="trainlen.py")).make_worker(batch=4, seed=0)
+    ok = JOB.replace("self.batch, self.bucket_len, self.p = batch, 3,", "self.train_len = 100\n        self.batch, self.bucket_len, self.p = batch, 3,")
+    assert load_job(_job(tmp_path, ok, name="trainlen_ok.py")).make_worker(batch=4, seed=0).train_len == 100

@@ -229,14 +229,19 @@ class LoadedJob:
         # the state report's epoch: the worker's own train_len, else the rows of the data's
         # training array by README's naming (y_train, x_train)
         n = getattr(inner, "train_len", None)
-        if n is None:
-            arr = next((self.data[k] for k in ("y_train", "x_train") if k in self.data), None)
-            n = len(arr) if arr is not None else None
-        try:
-            n = None if isinstance(n, bool) else operator.index(n)
-        except TypeError:
-            n = None
-        w.train_len = n if n is not None and n > 0 else None
+        if n is not None:   # the worker's own: the number of training rows, or a job error
+            try:
+                own = None if isinstance(n, bool) else operator.index(n)
+            except TypeError:
+                own = None
+            if own is None or own <= 0:
+                # (-5 was taken without a word, and the state report's epoch dropped: a new-user trial)
+                raise JobError(f"the worker's train_len must be the number of training rows (an int > 0), got "
+                               f"{n!r}", self.source.ref)
+            w.train_len = own
+            return w
+        arr = next((self.data[k] for k in ("y_train", "x_train") if k in self.data), None)
+        w.train_len = len(arr) if arr is not None and len(arr) > 0 else None
         return w
 
     def job_hash(self, worker: JobWorker, train: Any = None) -> str:

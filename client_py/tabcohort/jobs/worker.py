@@ -343,8 +343,9 @@ class JobWorker:
         if n != self.bucket_len:
             # checked at every bucket, not only at the start-up probe: a job whose gradient
             # changed length later was taken for a diverged run (simulate) or stalled a room
-            raise JobError(f"grads() returned {n} gradient values, but the worker's bucket_len "
-                           f"is {self.bucket_len}" + (f" (a share of {samples} samples)" if samples else ""),
+            # (it ended "(a share of 8 samples)", which read as the cause, and named no line)
+            raise JobError(f"grads() returned {n} gradient values, but the worker's bucket_len is "
+                           f"{self.bucket_len} (one per parameter, whatever the samples){self._grads_defined()}",
                            self.model)
         try:
             return float(loss), v

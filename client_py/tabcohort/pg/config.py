@@ -370,7 +370,7 @@ def _server_settings(args: dict, env: Mapping[str, str], *, resolve: bool) -> tu
     try:
         port = u.port
     except ValueError:
-        raise ConfigError(svar, sv, "the port is not a number in 0..65535") from None
+        raise ConfigError(svar, sv, "the port must be a number in 1..65535") from None
     if rv is None:
         raise ConfigError("PG_ROOM", None, "not set: a server needs the room to signal in (pass room= or set "
                                            "PG_ROOM)")

@@ -267,9 +267,12 @@ class RankConfig:
             raise ConfigError(self._name("server"), redact_url(self.server),
                               "expected an http, https, ws or wss URL with a host, e.g. http://127.0.0.1:8080")
         try:
-            port = u.port or (443 if u.scheme in ("https", "wss") else 80)
+            given = u.port
         except ValueError:
-            raise ConfigError(self._name("server"), redact_url(self.server), "the port is not a number in 0..65535") from None
+            given = -1
+        if given is not None and not 1 <= given <= 65535:   # (":0" was taken as no port: 80)
+            raise ConfigError(self._name("server"), redact_url(self.server), "the port must be a number in 1..65535")
+        port = given or (443 if u.scheme in ("https", "wss") else 80)
         if u.path.strip("/") or u.query or u.fragment:
             # (every endpoint is at the server's root, /api/...: a path was silently dropped)
             raise ConfigError(self._name("server"), redact_url(self.server),
