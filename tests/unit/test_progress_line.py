@@ -159,3 +159,16 @@ def test_log_records_are_the_commands_own_lines_and_timestamped_only_when_verbos
     verbose = subprocess.run([sys.executable, "-c", code, "v"], capture_output=True, text=True, timeout=60)
     lines = verbose.stderr.splitlines()
     assert len(lines) == 2 and "tabcohort.bus.star WARNING peer 0000000a" in lines[0] and "a detail" in lines[1], lines
+
+
+def test_a_changed_learning_rate_is_said_once():
+    # (an operator's POST .../lr changed it with no word on any rank's console: a new-user trial)
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"leader": 0xA, "cohort": 1, "loss": 0.5, "steps_per_s": 0.0, "ready": True, "running": True}
+    for step, lr in ((1, 0.5), (2, 0.5), (3, 0.1), (4, 0.1)):
+        run._print(1.0, {"step": step, "lr": lr, **base})
+    said = [ln for ln in out if "learning rate now" in ln]
+    assert len(said) == 1 and "(learning rate now 0.1, was 0.5)" in said[0] and "step      3" in said[0], out

@@ -538,6 +538,7 @@ class RankRun(RankSession):
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._slow_evaluate_said = False              # ... and its slow_evaluate note
         self._printed_at = -math.inf
+        self._lr_shown: float | None = None           # the learning rate the last line had
         self.leaders: list[list] = []       # [leader id, wall time of its first round here, step]
         self.first_loss: float | None = None
         self.round_gaps = RoundGaps()     # between rounds received from the rank this rank follows
@@ -925,6 +926,12 @@ class RankRun(RankSession):
         # "leader 39c374b2" became "leader 7e35d528 (me)" and the unreachable note just went away)
         was, self._lead_shown = self._lead_shown, lead if lead is not None else self._lead_shown
         changed = f"  (leader changed: was {was:08x})" if was is not None and lead is not None and lead != was else ""
+        # (an operator's POST .../lr changed the rate with no word on any rank's console: a
+        # new-user trial; the round carries it, so every rank of the cohort says it)
+        lr = st.get("lr")
+        lr_was, self._lr_shown = self._lr_shown, lr if isinstance(lr, (int, float)) else self._lr_shown
+        lr_note = (f"  (learning rate now {lr:g}, was {lr_was:g})"
+                   if isinstance(lr, (int, float)) and lr_was is not None and lr != lr_was else "")
         unreachable = st.get("server_connected") is False
         # (not on a stop line: a bus that gave up reconnecting counts as "connected" there)
         back = ("  (the server is reachable again)" if self._unreachable_shown and not unreachable
@@ -935,7 +942,7 @@ class RankRun(RankSession):
                       f"  cohort {cohort}{_share_text(st)}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st, me=me)}  {st['steps_per_s']:6.1f} steps/s"
-                      + changed + back
+                      + changed + lr_note + back
                       + ("  (server unreachable: reconnecting; the rank stops if it is not back within "
                          "the reconnect bound, README \"Resuming\")" if unreachable else "")
                       + self._no_share_note(st)
