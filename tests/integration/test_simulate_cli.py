@@ -268,36 +268,13 @@ def test_a_job_that_prints_leaves_json_output_one_document(tmp_path):
     # a new-user trial: a job with print() in grads() made `simulate --json`'s stdout unreadable;
     # its prints go to stderr under --json (Python's and the C level's alike)
     job = tmp_path / "printer.py"
-    job.write_text('''\
-import os
-from array import array
-SPEC = {"name": "printer"}
-
-
-class W:
-    backend = "python"
-
-    def __init__(self, batch):
-        self.batch, self.bucket_len, self.p = batch, 3, array("f", [1.0, 2.0, 3.0])
-
-    def params(self):
-        return array("f", self.p)
-
-    def set_params(self, v):
-        self.p = array("f", v)
-
-    def grads(self, offset, samples):
-        print("grads called", offset, samples)
-        os.write(1, b"and at the C level\\n")
-        return 0.5, array("f", [0.1, 0.1, 0.1])
-
-    def evaluate(self):
-        return 0.25
-
-
-def make_worker(data, *, batch, seed, backend):
-    return W(batch)
-''')
+    from ..unit.test_jobs import JOB                       # (a pure-Python job of 3 parameters)
+    printer = JOB.replace("    def grads(self, offset, samples):\n",
+                          "    def grads(self, offset, samples):\n"
+                          "        print('grads called', offset, samples)\n"
+                          "        __import__('os').write(1, b'and at the C level\\n')\n")
+    assert printer != JOB
+    job.write_text(printer)
     r = simulate("--job", str(job), "--ranks", "2", "--steps", "5", "--json")
     doc = json.loads(r.stdout)
     assert doc["ok"] is True and doc["steps"] == 5, doc
