@@ -863,15 +863,13 @@ def test_a_gradient_of_zeros_only_on_the_probe_batch_is_noted(tmp_path):
 def test_a_slow_evaluate_is_noted_at_the_start_up_check_and_by_the_worker(tmp_path, monkeypatch):
     # (a new-user trial: evaluate() of 2 s held the leader's loop past the drop bound, the lead
     # changed hands at every evaluation and the run ended without its final checkpoint, unsaid)
-    import tabcohort.jobs as jobs
     import tabcohort.jobs.worker as worker
-    monkeypatch.setattr(jobs, "SLOW_CALL_S", 0.0)        # (every call is "slow": no test sleeps)
-    monkeypatch.setattr(worker, "SLOW_CALL_S", 0.0)
+    monkeypatch.setattr(worker, "SLOW_CALL_S", 0.0)      # (every call is "slow": no test sleeps)
     notes: list[str] = []
     w = probe(load_job(_job(tmp_path)), batch=4, seed=0, notes=notes)
     assert len(notes) == 1 and "the job's evaluate() took" in notes[0] and "--eval-every" in notes[0], notes
     assert w.slow_evaluate is not None and w.slow_evaluate > 0
-    monkeypatch.setattr(jobs, "SLOW_CALL_S", 60.0)
+    monkeypatch.setattr(worker, "SLOW_CALL_S", 60.0)
     notes.clear()
     probe(load_job(_job(tmp_path)), batch=4, seed=0, notes=notes)
     assert notes == []

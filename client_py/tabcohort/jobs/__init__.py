@@ -42,7 +42,6 @@ import numbers
 import operator
 import os
 import sys
-import time
 from typing import Any, Callable
 
 from .._compat import np
@@ -51,7 +50,7 @@ from ..vec import all_finite, to_vector
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _said, _where, find_source, load_bundle,
                      source_bundle)
-from .worker import SLOW_CALL_S, JobWorker, loss_ceiling, resolve_backend, slow_evaluate_note
+from .worker import JobWorker, loss_ceiling, resolve_backend, slow_evaluate_note
 
 __all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_job", "load_bundle",
            "find_source", "source_bundle", "probe", "resolve_backend", "NdArray", "DEFAULT_FACTORY",
@@ -611,7 +610,7 @@ def probe(job: LoadedJob, *, batch: int, seed: int, backend: str = "auto",
             unbounded (Pyodide has no threads).
         notes: given a list, what is suspect but not wrong is appended to it (a gradient of
             zeros only on the probe batch: the parameters would never move; an evaluate() that
-            held the event loop over ``SLOW_CALL_S``).
+            held the event loop over ``worker.SLOW_CALL_S``).
 
     Raises:
         JobError: naming the check that failed, or the one still running at the timeout.
@@ -724,11 +723,9 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
         notes.append(f"grads(0) returned a gradient of zeros only on a probe batch of "
                      f"{max(1, min(w.batch, PROBE_SAMPLES))} samples ({w.backend} path): the parameters will not "
                      f"move. Is the gradient computed from params() and returned?")
-    t0 = time.perf_counter()
     acc = call("evaluate()", w.evaluate)
-    took_s = time.perf_counter() - t0
-    if notes is not None and took_s > SLOW_CALL_S:
-        notes.append(slow_evaluate_note(took_s))
+    if notes is not None and w.slow_evaluate is not None:   # (timed by the worker, as at run time)
+        notes.append(slow_evaluate_note(w.slow_evaluate))
     if not 0.0 <= acc <= 1.0:
         raise JobError(f"evaluate() must return held-out accuracy in [0, 1], got {acc!r}", ref)
     # set_params must set them: a worker whose set_params() does nothing passed every check, and

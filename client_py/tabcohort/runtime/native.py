@@ -614,27 +614,24 @@ class RankRun(RankSession):
         except Exception:
             return None
 
-    async def _room_is_open(self, http: Any) -> bool:
-        """Whether ``GET /api/rooms`` lists this rank's room as one without a token (False when
-        it says otherwise or cannot be read: only a hint)."""
-        try:
-            async with await http.get(f"{self.cfg.base_url}/api/rooms", allow_redirects=False) as r:
-                rooms = (await r.json()).get("rooms") if r.status == 200 else None
-            return any(isinstance(x, dict) and x.get("room") == self.cfg.room and x.get("token") is False
-                       for x in rooms or ())
-        except Exception:
-            return False
-
-    async def _room_names(self, http: Any) -> list[str]:
-        """The names ``GET /api/rooms`` lists (a typo'd ``--room`` is told them), or [] if that
+    async def _rooms_listed(self, http: Any) -> list[dict]:
+        """The rooms ``GET /api/rooms`` lists (each a dict with a string ``room``), or [] if that
         fails: only a hint."""
         try:
             async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
                                       allow_redirects=False) as r:
                 rooms = (await r.json()).get("rooms") if r.status == 200 else None
-            return [str(x["room"])[:64] for x in rooms if isinstance(x, dict) and isinstance(x.get("room"), str)]
+            return [x for x in rooms if isinstance(x, dict) and isinstance(x.get("room"), str)]
         except Exception:
             return []
+
+    async def _room_is_open(self, http: Any) -> bool:
+        """Whether the server lists this rank's room as one without a token (only a hint)."""
+        return any(x["room"] == self.cfg.room and x.get("token") is False for x in await self._rooms_listed(http))
+
+    async def _room_names(self, http: Any) -> list[str]:
+        """The names the server lists (a typo'd ``--room`` is told them)."""
+        return [x["room"][:64] for x in await self._rooms_listed(http)]
 
     def _server_setting(self) -> str:
         """Where the server URL came from: ``--server``, ``TABCOHORT_SERVER`` or discovery."""
