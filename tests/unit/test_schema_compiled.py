@@ -126,7 +126,9 @@ def test_a_report_of_thousands_of_per_rank_entries_costs_milliseconds():
     ]
     for state in reports:
         text = json.dumps({"type": "report", "state": state})
-        best = min(_timed(parse_control, text) for _ in range(5))
+        # (the best of 20: the unit tier shares the machine with three others, and the best of 5
+        # once took 33 ms while they ran)
+        best = min(_timed(parse_control, text) for _ in range(20))
         assert parse_control(text)[1] is None
         # (about 3 ms here; jsonschema's walk took 50 to 80 ms on the same machine)
         assert best < 0.025, (list(state), best)
