@@ -40,7 +40,7 @@ def test_an_attacker_in_the_cohort_changes_nothing_the_honest_ranks_keep(cluster
     assert not run["seen_stopped"], "the attack showed only after the room stopped"
     check_unharmed(run, baseline)
     st = run["state"]
-    print(f"\n{attacks} (seed {seed}): {baseline['rate']:.0f} steps/s clean, {run['rate']:.0f} attacked; "
+    print(f"\n{attacks} (seed {seed}): seen at {run['seen_at_step']}; {baseline['rate']:.0f} steps/s clean, {run['rate']:.0f} attacked; "
           f"accuracy {baseline['state']['checkpoint']['accuracy']:.4f} vs {st['checkpoint']['accuracy']:.4f}; "
           f"rank drops while attacked {run['seen']['rank_drops']['protocol']}")
     # a silent or squatting member costs nothing: no stall (it took a 3-rank room from 853 to
