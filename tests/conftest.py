@@ -44,6 +44,16 @@ def pytest_configure(config: pytest.Config) -> None:
             f"tabcohort is imported from {tabcohort.__file__}, outside this checkout ({root}): these tests "
             f"would test that code. Install this checkout (pip install -e .) or run with "
             f"PYTHONPATH={root / 'client_py'}{os.pathsep}{root / 'server'}")
+    if expect:
+        # a mutation run needs a failure, not its smallest example: hypothesis's shrinking of a
+        # caught mutation's counterexample was most of many a mutation's run
+        try:
+            from hypothesis import Phase, settings
+        except ImportError:
+            pass
+        else:
+            settings.register_profile("mutations", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+            settings.load_profile("mutations")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

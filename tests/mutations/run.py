@@ -10,6 +10,8 @@ Usage: python tests/mutations/run.py [-k SUBSTRING] [--list] [--markdown] [--no-
 from __future__ import annotations
 
 import argparse
+import compileall
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -916,9 +918,16 @@ def main() -> int:
     if not a.no_fork:
         preload()
     with tempfile.TemporaryDirectory() as tmp:
+        # Each copy starts with the unmutated modules compiled (about 0.4 s of a ~2 s mutation run
+        # was compiling them again): the bytecode is made once, in a pristine copy, and copied with
+        # the sources (copy2 keeps the modification times the bytecode is checked against); the
+        # mutated file's own bytecode is deleted, so it is compiled from its mutated source.
+        pristine = pathlib.Path(tmp) / "pristine"
+        shutil.copytree(REPO / "client_py", pristine, ignore=shutil.ignore_patterns("__pycache__"))
+        compileall.compile_dir(pristine, quiet=1)
         for i, (rule, rel, old, new, tests) in enumerate(muts, 1):
             src = pathlib.Path(tmp) / f"m{i}"
-            shutil.copytree(REPO / "client_py", src, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(pristine, src)
             path = src / rel
             text = path.read_text()
             if text.count(old) != 1:
@@ -926,6 +935,7 @@ def main() -> int:
                 survived.append(rule)
                 continue
             path.write_text(text.replace(old, new))
+            pathlib.Path(importlib.util.cache_from_source(str(path))).unlink(missing_ok=True)
             # (a forked child finds the preloaded plugins already imported: pytest warns that it cannot
             # rewrite their asserts, which is of no interest here)
             args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout=300", "-o", "addopts=",
