@@ -4,8 +4,8 @@
 #   sim         seeded discrete-event simulations of many ranks (invariants from the bus log)
 #   runtime     the asyncio driver under virtual time (looptime)
 #   pg          the fixed-world process group: collectives across 2-4 real processes (TCP)
-#   no-numpy    unit + conformance + sim natively with numpy made unimportable
-#   pyodide     unit + conformance + sim inside Pyodide 314 (Python 3.14) under Node 20
+#   no-numpy    unit + conformance natively with numpy made unimportable
+#   pyodide     unit + conformance + sim (the first seeds of a sweep) inside Pyodide 314 (Python 3.14) under Node 20
 #   browser     real Chromium + real Pyodide tabs joining a real server (Playwright)
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
@@ -98,10 +98,13 @@ tier() {
         run_tier integration netns bash -c "$(declare -f two_pass); $(declare -p PY common parallel); two_pass tests/integration 'not slow'"
       fi ;;
     pg) run_tier pg netns "$PY" -m pytest tests/pg -m "not slow" "${common[@]}" ;;
-    no-numpy) run_tier no-numpy bash tests/no_numpy/run.sh tests/unit tests/conformance tests/sim \
+    # (no-numpy leaves the simulations to the Pyodide tier, which runs them without numpy too, in
+    # the tab's own interpreter; and the Pyodide tier runs the first seeds of a seeded sweep, the
+    # sim tier all of them: tests marked sweep)
+    no-numpy) run_tier no-numpy bash tests/no_numpy/run.sh tests/unit tests/conformance \
                 -m "not slow and not integration" "${common[@]}" ;;
     pyodide) run_tier pyodide bash tests/pyodide/run.sh tests/unit tests/conformance tests/sim \
-                -m "not slow and not integration" -q -p no:cacheprovider ;;
+                -m "not slow and not integration and not sweep" -q -p no:cacheprovider ;;
     browser) TABCOHORT_BROWSER_REQUIRED=1 run_tier browser two_pass tests/browser "browser and not slow" ;;
     mutations) run_tier mutations "$PY" tests/mutations/run.py ;;
     container) run_tier container bash tests/container/run.sh ;;
