@@ -1,6 +1,6 @@
 """The fast control checks (``tabcohort_server.schema``: fastjsonschema) against ``jsonschema`` on
 the same schemas: valid and invalid agree, and an invalid control gets a drop reason one of
-``jsonschema``'s errors gives (each check stops at its own first error). Also: a report of thousands of per-rank entries is checked in milliseconds
+``jsonschema``'s errors gives (each check stops at its own first error). Also: a report of thousands of per-rank entries is checked in a fraction of jsonschema's time
 (a 61 KB report held the server's loop 54 ms, a 53 KB one 261 ms), and the nesting pre-check
 agrees with its per-character form."""
 
@@ -117,7 +117,10 @@ def test_large_and_edge_reports_agree_with_jsonschema(state):
     agrees(obj)
 
 
-def test_a_report_of_thousands_of_per_rank_entries_costs_milliseconds():
+def test_a_report_of_thousands_of_per_rank_entries_costs_a_fraction_of_jsonschema_s_walk():
+    """Timed side by side with jsonschema's check of the same text (the check that held the
+    server's loop 54 to 261 ms), interleaved, the best of 5 each: a ratio, which a busy machine
+    moves far less than a bare time (a bound of 25 ms failed while three other tiers ran)."""
     ids = [f"{i:08x}" for i in range(4096)]
     reports = [
         {"shares": {k: 1 for k in ids}},
@@ -126,12 +129,13 @@ def test_a_report_of_thousands_of_per_rank_entries_costs_milliseconds():
     ]
     for state in reports:
         text = json.dumps({"type": "report", "state": state})
-        # (the best of 20: the unit tier shares the machine with three others, and the best of 5
-        # once took 33 ms while they ran)
-        best = min(_timed(parse_control, text) for _ in range(20))
-        assert parse_control(text)[1] is None
-        # (about 3 ms here; jsonschema's walk took 50 to 80 ms on the same machine)
-        assert best < 0.025, (list(state), best)
+        assert parse_control(text)[1] is None and reference(json.loads(text)) is None
+        ours, theirs = [], []
+        for _ in range(5):
+            ours.append(_timed(parse_control, text))
+            theirs.append(_timed(lambda s: reference(json.loads(s)), text))
+        # (5 to 8 ms against 58 to 135 ms on this machine, while another tier ran: 0.04 to 0.13)
+        assert min(ours) < 0.4 * min(theirs), (list(state), min(ours), min(theirs))
 
 
 def _timed(f, *a) -> float:
