@@ -202,7 +202,14 @@ def test_ctrl_c_while_the_demo_starts_stops_it_at_once(tmp_path):
         wait_for(lambda: _serve_started(port), 30, "the demo's server process")
         t0 = time.monotonic()
         os.killpg(demo.pid, signal.SIGINT)
-        assert demo.wait(30) in (0, 130), text()[-3000:]
+        # (60 s: once the server answered, the stop is the ordered one, whose waits the demo bounds
+        # at 20 s for the ranks, then 15 + 5 s for the server; 30 s ran out once in CI's integration
+        # tier; the case this test is about, a Ctrl-C before the server answered, is held to 8 s below)
+        try:
+            rc = demo.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the demo did not stop within 60 s of Ctrl-C:\n{text()[-3000:]}") from None
+        assert rc in (0, 130), text()[-3000:]
         took_s = time.monotonic() - t0
     finally:
         if demo.poll() is None:
