@@ -10,10 +10,10 @@
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
-# With no tier named, the CPU-bound tiers that time nothing (mutations pyodide | unit runtime sim
-# no-numpy) run in two lanes at once, one per core, and the container tier (mostly installs and
+# With no tier named, the CPU-bound tiers that time nothing (mutations pyodide pg | unit runtime
+# sim no-numpy) run in two lanes at once, one per core, and the container tier (mostly installs and
 # an image build) in a third beside them, each lane's output printed when it ends; the
-# network tiers (integration pg browser), whose tests wait on real sockets and timers,
+# network tiers (integration browser), whose tests wait on real sockets and timers,
 # then run one tier at a time, integration and browser with two pytest-xdist workers (their
 # tests wait on sockets and timers about half the time: measured 1018 -> 580 s and 630 -> 430 s
 # on this 2-core machine). TABCOHORT_TEST_LANES=1 runs everything in order;
@@ -125,9 +125,11 @@ if [ $lanes = 1 ]; then
   # The container tier runs beside them, in a third lane: most of its time is installing the
   # engine, debootstrap and the image build (downloads and disk, 125 of its 77-208 s), and its
   # checks have bounds of minutes, so the CPU lanes slow it without failing it
-  echo "=== lanes: (mutations pyodide) | (unit runtime sim no-numpy), one per core; (container) beside them"
+  # The pg tier (a minute of real processes on TCP, bounds of seconds to minutes, nothing timed
+  # against another test) ends lane a, which is about that much shorter than lane b
+  echo "=== lanes: (mutations pyodide pg) | (unit runtime sim no-numpy), one per core; (container) beside them"
   set -m   # (job control: each lane a process group of its own, SIGINT not ignored in it)
-  lane a mutations pyodide & pa=$!
+  lane a mutations pyodide pg & pa=$!
   lane b unit runtime sim no-numpy & pb=$!
   lane c container & pc=$!
   set +m
@@ -137,7 +139,7 @@ if [ $lanes = 1 ]; then
   while kill -0 $pb 2>/dev/null; do wait $pb; done; cat "$results/lane-b.log"
   while kill -0 $pc 2>/dev/null; do wait $pc; done; cat "$results/lane-c.log"
   echo "=== lanes: done in $(( $(date +%s) - t0 )) s"
-  for t in integration pg browser; do stopped && break; tier "$t"; done
+  for t in integration browser; do stopped && break; tier "$t"; done
 else
   for t in "${tiers[@]}"; do stopped && break; tier "$t"; done
 fi
