@@ -273,9 +273,10 @@ class Room:
         #: faults not said over the room's line budget since the last one said (a listener
         #: reads it with the next one and sets it back to 0)
         self.faults_unsaid = 0
-        #: called with the room, the rank and ``"joined"``, ``"resumed"`` or ``"left"`` when a
-        #: rank takes a seat, takes its seat again or its link closes (not when a newer link of
-        #: its own replaced it), within MEMBERSHIP_LINES_PER_MINUTE (``tabcohort serve`` prints
+        #: called with the room, the rank and ``"joined"``, ``"resumed"``, ``"left"`` or
+        #: ``"sent_away"`` when a rank takes a seat, takes its seat again, its link closes (not
+        #: when a newer link of its own replaced it) or this node sent it to the room's owner
+        #: (:meth:`evict_all`), within MEMBERSHIP_LINES_PER_MINUTE (``tabcohort serve`` prints
         #: a line: a newcomer's console said nothing while ranks came and went)
         self.on_membership: list[Callable[[Room, Peer, str], None]] = []
         self._membership_lines: TokenBucket | None = None
@@ -498,7 +499,8 @@ class Room:
         for f in list(self.on_fault):   # (each catches its own errors, as on_stop's)
             f(self, p.id, fault)
 
-    def _disconnect(self, p: Peer, now: float, reason: tuple[int, str] | None = None) -> None:
+    def _disconnect(self, p: Peer, now: float, reason: tuple[int, str] | None = None,
+                    event: str = "left") -> None:
         # a fault held back by the interval is said as the rank leaves: often the one it left for
         # (a job that failed right after another fault was said)
         self._say_fault(p, now)
@@ -517,14 +519,16 @@ class Room:
         self.announce(p, False)
         self._update_pressure()
         if reason is None or reason[0] != CLOSE_REPLACED:   # (replaced: its new link says "resumed")
-            self._say_membership(p, "left", now)
+            self._say_membership(p, event, now)
 
     def evict_all(self, code: int, reason: str, now: float) -> int:
         """Close every connected rank's link with ``(code, reason)`` (their ids stay reserved);
-        a cluster node that lost the room sends its ranks to the owner this way. Returns how many."""
+        a cluster node that lost the room sends its ranks to the owner this way (each said as
+        ``"sent_away"`` to the ``on_membership`` listeners: its seat here is of no use to it).
+        Returns how many."""
         ps = list(self.connected.values())
         for p in ps:
-            self._disconnect(p, now, reason=(code, reason))
+            self._disconnect(p, now, reason=(code, reason), event="sent_away")
         return len(ps)
 
     def expire(self, now: float) -> list[int]:

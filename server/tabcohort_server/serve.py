@@ -364,6 +364,8 @@ def _say_membership(room: Any, p: Any, event: str, progress: Callable[[str], Non
         what = f"joined ({'may lead' if p.may_lead else 'contributes buckets'}; {n} connected{also})"
     elif event == "resumed":
         what = f"is back on its seat ({n} connected{also})"
+    elif event == "sent_away":   # (Room.evict_all: this cluster node no longer owns the room)
+        what = f"was sent away: this node no longer owns the room ({n} connected{also})"
     else:
         held = (f"; its seat is held {room.limits.resume_grace_s:g} s for it to resume"
                 if not room.stopped else "")

@@ -62,3 +62,16 @@ def test_an_output_that_fails_does_not_fail_the_registration():
     p = r.register(now=0)
     r.disconnect(p, now=1.0)
     assert not r.connected
+
+
+def test_ranks_sent_to_the_room_s_owner_are_not_told_a_seat_is_held_here():
+    # a cluster node that lost the room closes its ranks' links (Room.evict_all); each line said
+    # their seats were held here for them to resume, where they never come back
+    r, lines = _room()
+    p = r.register(now=0, trainer=True)
+    q = r.register(now=0)
+    assert r.evict_all(4012, "http://node-b:8080", now=1.0) == 2
+    assert lines[-2:] == [f"tabcohort serve: room digits: rank {p.id:08x} was sent away: this node no longer "
+                          f"owns the room (1 connected)",
+                          f"tabcohort serve: room digits: rank {q.id:08x} was sent away: this node no longer "
+                          f"owns the room (0 connected)"], lines
