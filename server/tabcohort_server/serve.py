@@ -278,6 +278,24 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         if adv is not None:
             await adv.stop()
         await runner.cleanup()  # on_shutdown closes sockets with GOING_AWAY
+        say_unsaid(app, progress)
+
+
+def say_unsaid(app: Any, progress: Callable[[str], None]) -> None:
+    """At exit, one line for each room whose joins, leaves or faults went past the console's line
+    budget (``MEMBERSHIP_LINES_PER_MINUTE``, the fault lines' own) since its last line: a mass
+    leave at the stop left the console's count short, with nothing after it to say the rest."""
+    from .app import ROOMS
+
+    for room in list(app[ROOMS].rooms.values()):
+        parts = [f"{n} {what}" for n, what in ((room.membership_unsaid, "joins and leaves"),
+                                               (room.faults_unsaid, "faults")) if n]
+        if parts:
+            room.membership_unsaid = room.faults_unsaid = 0
+            try:
+                progress(f"tabcohort serve: room {room.name}: {' and '.join(parts)} since its last line not shown")
+            except Exception:   # (the output may be gone: the exit goes on)
+                pass
 
 
 def _say_final_checkpoint(room: Any, meta: dict, progress: Callable[[str], None]) -> None:

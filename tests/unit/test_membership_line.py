@@ -75,3 +75,31 @@ def test_ranks_sent_to_the_room_s_owner_are_not_told_a_seat_is_held_here():
                           f"owns the room (1 connected)",
                           f"tabcohort serve: room digits: rank {q.id:08x} was sent away: this node no longer "
                           f"owns the room (0 connected)"], lines
+
+
+def test_what_went_past_the_line_budget_is_said_at_exit():
+    # a mass leave at the stop: the lines within the budget were said, and nothing after them
+    # said how many more there were
+    from aiohttp import web
+    from tabcohort_server.app import ROOMS
+    from tabcohort_server.rooms import RoomRegistry
+    from tabcohort_server.serve import _say_membership as say, say_unsaid
+    reg = RoomRegistry({"digits": JobConfig(dataset="synthetic"), "quiet": JobConfig(dataset="synthetic")},
+                       ServerLimits(), seed=1, clock=lambda: 0.0)
+    app = web.Application()
+    app[ROOMS] = reg
+    lines: list[str] = []
+    r = reg.rooms["digits"]
+    r.on_membership.append(lambda room, p, event: say(room, p, event, lines.append))
+    ps = [r.register(now=0.0) for _ in range(30)]
+    for p in ps:
+        r.disconnect(p, now=0.0)
+    r.faults_unsaid = 2
+    n = len(lines)
+    say_unsaid(app, lines.append)
+    unsaid = 60 - int(MEMBERSHIP_LINES_BURST)
+    assert lines[n:] == [f"tabcohort serve: room digits: {unsaid} joins and leaves and 2 faults since its last "
+                         f"line not shown"], lines[n:]
+    assert r.membership_unsaid == 0 and r.faults_unsaid == 0
+    say_unsaid(app, lines.append)                 # (said once; the quiet room says nothing)
+    assert len(lines) == n + 1
