@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "TABCOHORT_TOKEN, TABCOHORT_TRAINER_TOKEN, TABCOHORT_BATCH, TABCOHORT_LINK "
                                    "(arguments win).")
     r.add_argument("--server", default=None, help="server URL, e.g. http://127.0.0.1:8080 (TABCOHORT_SERVER)")
-    r.add_argument("--room", default=None, help="room name (TABCOHORT_ROOM)")
+    r.add_argument("--room", default=None, help="room name (TABCOHORT_ROOM); without it, the server's only "
+                                                "room (a server with several names them)")
     r.add_argument("--token", default=None, help="room token, if the room has one (TABCOHORT_TOKEN)")
     r.add_argument("--trainer-token", default=None,
                    help="the server's trainer credential: with it this rank may lead (run the optimizer, "

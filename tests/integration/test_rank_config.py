@@ -426,3 +426,55 @@ def test_a_token_given_for_an_open_room_is_said_not_to_be_checked(cluster):
     wait_for(lambda: "is open (serve gave it no --token)" in p.text(), 60, "the rank's note")
     wait_for(lambda: cluster.state()["step"] >= 5, 60, "the rank training")
     p.kill()
+
+
+def test_a_rank_without_a_room_joins_the_server_s_only_room(cluster):
+    """``--room`` was required even of a server with one room (a new user's first command named
+    the server only): the rank takes the server's only room and says so."""
+    from .conftest import Proc
+    cluster.serve()
+    p = Proc(["rank", "--server", cluster.url], cluster.tmp / "roomless.log",
+             env={"TABCOHORT_TRAINER_TOKEN": cluster.trainer_token})
+    cluster.procs.append(p)
+    wait_for(lambda: f"room {cluster.room}: the server's only room (no --room given)" in p.text(), 60, "the rank's line")
+    wait_for(lambda: cluster.state()["step"] >= 5, 60, "the rank training")
+    p.kill()
+
+
+def test_a_rank_without_a_room_is_told_the_rooms_of_a_server_with_several(tmp_path):
+    """Several rooms (or none): ``--room`` is named with the rooms listed, before joining any; a
+    listed name that is no room name (untrusted: it came over the network) is not shown."""
+    import http.server
+    import json
+    import threading
+
+    listing = {"rooms": [{"room": "digits"}, {"room": "<b>x</b>"}, {"room": "cnn"}, {"room": 7}]}
+
+    class Rooms(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):   # noqa: N802 (http.server's name)
+            body = json.dumps(listing if self.path == "/api/rooms" else {"error": "no"}).encode()
+            self.send_response(200 if self.path == "/api/rooms" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rooms)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url],
+                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and "--room=''" in r.stderr and "has 2 rooms; its rooms: digits, cnn" in r.stderr, \
+            r.stderr
+        assert "<b>" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        listing["rooms"] = []
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url],
+                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and "has 0 rooms; it has none" in r.stderr, r.stderr
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -42,6 +42,12 @@ ENV = {"server": "TABCOHORT_SERVER", "room": "TABCOHORT_ROOM", "token": "TABCOHO
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+def valid_room_name(name: str) -> bool:
+    """Whether ``name`` is a room name: 1..64 characters of ``[A-Za-z0-9._-]`` (the server's rule,
+    ``ROOM_NAME`` in ``tabcohort_server.config``)."""
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name)
+
+
 #: what a rank whose trainer token the server refused (``bad_trainer_token``) is told
 TRAINER_TOKEN_REFUSED = (
     "the server refused the trainer token: give the one `tabcohort serve` printed at start (also in "
@@ -278,10 +284,9 @@ class RankConfig:
             raise ConfigError(self._name("server"), redact_url(self.server),
                               f"give the server's root URL, without a path or query "
                               f"(e.g. {redact_url(f'{u.scheme}://{u.netloc}')}): ranks reach /api/rooms/... at its root")
-        if not self.room or not all(c.isalnum() or c in "-_." for c in self.room) or len(self.room) > 64:
-            if not self.room:
-                raise ConfigError("--room", self.room, "a room name is needed: give --room NAME or set "
-                                  "TABCOHORT_ROOM (1..64 characters [A-Za-z0-9._-])")
+        # (no room given: the rank takes the server's only room at its first request, or names
+        # --room with the server's rooms: choose_room)
+        if self.room and not valid_room_name(self.room):
             raise ConfigError(self._name("room"), self.room,
                               "a room name of 1..64 characters [A-Za-z0-9._-] is needed")
         if self.batch is not None:
@@ -638,6 +643,33 @@ class RankRun(RankSession):
         src = (self.cfg.sources or {}).get("server")
         return src or ("found by discovery" if self.cfg.discover else "--server")
 
+    async def _choose_room(self, http: Any) -> None:
+        """With no ``--room`` given, take the server's only room (``GET /api/rooms``), with a
+        line saying so; a server with none or several is a :class:`ConfigError` naming
+        ``--room`` and the rooms. A name the server lists is untrusted: only a valid room name
+        counts (:func:`valid_room_name`). A connection error is raised as is (the caller retries
+        a server that is still starting)."""
+        import aiohttp
+
+        async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
+                                  allow_redirects=False) as r:
+            try:
+                listed = (await r.json()).get("rooms") if r.status == 200 else None
+            except (aiohttp.ContentTypeError, ValueError, AttributeError):
+                listed = None
+        if not isinstance(listed, list):
+            raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
+                                            f"(the server at {self.cfg.shown_url} lists no rooms to choose from)")
+        names = [x["room"] for x in listed
+                 if isinstance(x, dict) and isinstance(x.get("room"), str) and valid_room_name(x["room"])]
+        if len(names) != 1:
+            shown = f"its rooms: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}" if names else "it has none"
+            raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
+                                            f"(the server at {self.cfg.shown_url} has {len(names)} rooms; {shown})")
+        self.cfg.room = names[0]
+        self.cfg.sources = dict(self.cfg.sources or {}, room="the server's only room")
+        self.progress(f"room {self.cfg.room}: the server's only room (no --room given)")
+
     async def _first_get(self, http: Any, path: str, *, wait_s: float = 30.0) -> Any:
         """The first request: a server that is still starting (connection refused) is retried
         with jittered exponential backoff for at most ``wait_s`` seconds, with a progress line."""
@@ -649,6 +681,8 @@ class RankRun(RankSession):
         delay = 0.25
         while True:
             try:
+                if not self.cfg.room:
+                    await self._choose_room(http)
                 return await self._get(http, path)
             except aiohttp.ClientConnectionError as exc:
                 if isinstance(exc, aiohttp.ClientSSLError):
