@@ -74,9 +74,9 @@ class RoomCollector(Collector):
             ranks.add_metric([r.name], len(r.connected))
             reserved.add_metric([r.name], len(r.peers) - len(r.connected))
             step.add_metric([r.name], r.step())
-            lead = r.leader_report() or {}
+            head = r.headline()    # (as GET /api/rooms/ROOM shows them: a stopped room keeps its last)
             for fam, key in ((loss, "loss"), (acc, "accuracy"), (term, "term"), (div, "diverged")):
-                v = lead.get(key)
+                v = head[key]
                 fam.add_metric([r.name], float(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
                                and math.isfinite(v) else math.nan)
             pres.add_metric([r.name], r.pressure())

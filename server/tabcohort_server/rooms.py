@@ -985,6 +985,21 @@ class Room:
         p = self.trusted_peer()
         return None if p is None else p.report
 
+    def headline(self, lead: dict | None = None) -> dict[str, Any]:
+        """The room's ``loss``, ``accuracy`` and ``term`` (JSON-ready numbers or None) as
+        ``GET /api/rooms/ROOM`` and ``/metrics`` both show them: the trusted report's (``lead``,
+        else :meth:`leader_report`), or after its leader left the last trusted one's (a stopped
+        room's final values; /metrics showed NaN once its ranks had left), and before any report
+        the served checkpoint's accuracy; ``diverged`` only of a current leader."""
+        lead = self.leader_report() if lead is None else lead
+        last = lead if lead is not None else self._last_lead
+        return {"loss": None if last is None else _json_num(last.get("loss")),
+                # (a room served again after it finished has no report: its checkpoint's, not None)
+                "accuracy": _json_num((self.checkpoint or {}).get("accuracy")) if last is None
+                else _json_num(last.get("accuracy")),
+                "term": None if last is None else _json_int(last.get("term")),
+                "diverged": None if lead is None else _json_int(lead.get("diverged"))}
+
     def step(self) -> int:
         """The room's trusted step: the current leader's last plausible step (never the highest
         any rank claimed); while there is no leader, the last such step."""
@@ -1112,7 +1127,6 @@ class Room:
         of the rest)."""
         trusted = self.trusted_peer()
         lead = None if trusted is None else trusted.report
-        last = lead if lead is not None else self._last_lead
         ranks = []
         for p in sorted(self.peers.values(), key=lambda p: p.id):
             rep = p.report
@@ -1134,12 +1148,7 @@ class Room:
                 # the rank whose report the room trusts (a rank with the role: a page shows the
                 # shares, speeds and curves of this one, never of any rank that says it leads)
                 "trusted_id": None if trusted is None else trusted.id,
-                "loss": None if last is None else _json_num(last.get("loss")),
-                # (a room served again after it finished has no report: its checkpoint's, not None)
-                "accuracy": _json_num((self.checkpoint or {}).get("accuracy")) if last is None
-                else _json_num(last.get("accuracy")),
-                "term": None if last is None else _json_int(last.get("term")),
-                "diverged": None if lead is None else _json_int(lead.get("diverged")),
+                **self.headline(lead),
                 "stopped": self.stopped, "stop_reason": self.stop_reason,
                 "resumed_from_step": self.resumed_from_step,
                 "resumed_from": self.resumed_from,
