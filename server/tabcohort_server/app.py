@@ -291,9 +291,11 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
 
 def sample_history(app: web.Application, now_s: float) -> None:
     """Add each room's leader report (step, loss, accuracy) to its history (the operator view's
-    curves since the room started); called once a second by the ticker."""
+    curves since the room started); called once a second by the ticker. After its leader left,
+    the last report the room trusted: a run's final step, reported just before its ranks left,
+    was never in its history (the curves ended up to a second short of it)."""
     for name, room in app[ROOMS].rooms.items():
-        lead = room.leader_report()
+        lead = room.last_trusted_report()
         if lead is not None:
             app[ASSETS][name].history.add(now_s, lead.get("step"), lead.get("loss"), lead.get("accuracy"))
 

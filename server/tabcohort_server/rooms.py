@@ -985,6 +985,12 @@ class Room:
         p = self.trusted_peer()
         return None if p is None else p.report
 
+    def last_trusted_report(self) -> dict | None:
+        """The trusted report (:meth:`leader_report`), or after its leader left the last report
+        the room trusted (a stopped room's final one), or None before any."""
+        lead = self.leader_report()
+        return lead if lead is not None else self._last_lead
+
     def headline(self, lead: dict | None = None) -> dict[str, Any]:
         """The room's ``loss``, ``accuracy`` and ``term`` (JSON-ready numbers or None) as
         ``GET /api/rooms/ROOM`` and ``/metrics`` both show them: the trusted report's (``lead``,

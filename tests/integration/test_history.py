@@ -45,3 +45,23 @@ async def test_history_endpoint_serves_the_leaders_reports_and_checks_the_token(
     body = await r.json()
     assert body["fields"] == ["t_s", "step", "loss", "accuracy"]
     assert [p[1] for p in body["points"]] == [1, 2, 3] and body["points"][2][2] == pytest.approx(0.5 / 3)
+
+
+@pytest.mark.asyncio
+async def test_a_final_report_just_before_the_ranks_leave_ends_the_history(aiohttp_client):
+    # the final step was reported, then every rank left before the ticker's next sample: the
+    # curves ended up to a second short of the run (a new-user trial: 7 points, the last at step
+    # 3460 of a room stopped at 4000)
+    app = create_app(ServerConfig(rooms={"t": JobConfig(dataset="synthetic", steps=40)}))
+    client = await aiohttp_client(app)
+    room = app[ROOMS].get("t")
+    peer = room.register(now=0.0, trainer=True)
+    for step, now in ((10, 1.0), (40, 1.5)):
+        room.control(peer, json.dumps({"type": "report", "state": {"is_leader": True, "leader": peer.id,
+                                                                   "step": step, "loss": 1.0 / step}}), now=now)
+        if step == 10:
+            sample_history(app, now)
+    room.disconnect(peer, now=1.6)
+    sample_history(app, 2.0)
+    body = await (await client.get("/api/rooms/t/history")).json()
+    assert room.stopped and [p[1] for p in body["points"]] == [10, 40], body
