@@ -47,6 +47,11 @@ def test_serve_steps_is_an_exact_limit_and_the_final_checkpoint_is_at_it(cluster
     meta = wait_for(lambda: (m := _ckpt(ckdir)) and m.get("final") and m, 10, "the final checkpoint")
     assert meta["step"] == 30, meta
     assert [_stopped_step(p.text()) for p in ranks] == [30, 30]
+    # a run shorter than --print-every printed no line while it ran: its stop line said "cohort 0"
+    # beside the rank's share (a new-user trial); it says the cohort the rank trained in
+    for p in ranks:
+        lines = [x for x in p.text().splitlines() if re.search(r"\] step +30 ", x)]
+        assert lines and re.search(r"cohort [12]\b", lines[-1]), p.text()[-3000:]
     st = cluster.state()
     assert st["stopped"] and st["step"] == 30 and st["checkpoint"]["step"] == 30, st
     # the server says so too (it printed nothing when the room reached its limit), once

@@ -804,6 +804,10 @@ class RankRun(RankSession):
                     except asyncio.TimeoutError:
                         pass
                     now = time.monotonic()
+                    if machine.running:
+                        # (the stop line says the cohort the rank last trained in: a run shorter
+                        # than --print-every had printed no line while running, and said "cohort 0")
+                        self._cohort_seen = len(machine.cohort_ids(driver.now_ms()))
                     # (a rank that began to lead reports at once: docs/PROTOCOL.md "Roles")
                     began = self.lead_began(machine, driver)
                     report_due = now >= next_report or began
