@@ -156,7 +156,13 @@ cleanup() {   # cleanup INT|TERM|HUP|PIPE|EXIT: what ended the demo
   # a second Ctrl-C reaches the server and the ranks too, which stop at once; the demo itself
   # goes on to its summary (a second Ctrl-C killed it, and the checkpoint's line was lost)
   trap '' INT
-  echo "[demo] stopping: the ranks finish, the leader uploads the final checkpoint, then the server exits"
+  # (the ranks' part only while one runs: after a room that had nothing to train, or whose ranks
+  # had already stopped at STEPS, it told of an upload that never came)
+  if { [ ${#rank_pids[@]} -gt 0 ] && alive "${rank_pids[@]}"; } || { [ "$RANKS" = 0 ] && [ "$up" = 1 ]; }; then
+    echo "[demo] stopping: the ranks finish, the leader uploads the final checkpoint, then the server exits"
+  else
+    echo "[demo] stopping the server"
+  fi
   # SIGTERM: a non-interactive shell starts background jobs with SIGINT ignored (a Ctrl-C at the
   # terminal reaches them anyway: they handle it as a stop); the ranks go first, the server waits
   # (bounded) for them, then it is told too

@@ -131,3 +131,6 @@ def test_a_checkpoint_already_past_steps_is_said_so_not_that_the_room_reached_it
     assert "reached its step limit" not in again.stdout, again.stdout[-3000:]
     assert ("[demo] nothing to train: the checkpoint was already at step 20, at or past the step limit (STEPS=10)"
             in again.stdout), again.stdout[-3000:]
+    # (no rank trained, so none uploads: the stop line told of a final upload that never came)
+    for out in (first.stdout, again.stdout):
+        assert "[demo] stopping the server" in out and "the leader uploads" not in out, out[-3000:]
