@@ -81,7 +81,8 @@ def slow_call_note(slow: tuple[float, int], *, flag: str = "--batch", ranks: int
     per_call = int(samples * 0.25 / took_s)
     what = (f"make grads async and await asyncio.sleep(0) between slices (one sample takes "
             f"{took_s / max(1, samples):.2f} s)" if per_call < 1 else
-            f"cap it with {flag} {per_call * ranks}, or make grads async and await asyncio.sleep(0) between slices")
+            f"cap it with {flag} {per_call * ranks} (if its time grows with the samples), or make grads async "
+            f"and await asyncio.sleep(0) between slices")
     return (f"the job's grads() held the event loop for {took_s:.1f} s computing {samples} samples, call after call "
             f"(beats and rounds wait meanwhile; keep one call under about {SLOW_CALL_S:g} s): {what} "
             f"(README \"Write your own job\")")
