@@ -10,8 +10,8 @@
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
-# With no tier named, the CPU-bound tiers that time nothing (mutations pyodide pg | unit runtime
-# sim no-numpy) run in two lanes at once, one per core, and the container tier (mostly installs and
+# With no tier named, the CPU-bound tiers that time nothing (mutations pyodide | unit runtime sim
+# no-numpy; and pg, whose few time bounds leave seconds of slack) run in two lanes at once, one per core, and the container tier (mostly installs and
 # an image build) in a third beside them, each lane's output printed when it ends; the
 # network tiers (integration browser), whose tests wait on real sockets and timers,
 # then run one tier at a time, integration and browser with two pytest-xdist workers (their
@@ -125,8 +125,8 @@ if [ $lanes = 1 ]; then
   # The container tier runs beside them, in a third lane: most of its time is installing the
   # engine, debootstrap and the image build (downloads and disk, 125 of its 77-208 s), and its
   # checks have bounds of minutes, so the CPU lanes slow it without failing it
-  # The pg tier (a minute of real processes on TCP, bounds of seconds to minutes, nothing timed
-  # against another test) ends lane a, which is about that much shorter than lane b
+  # The pg tier (a minute of real processes on TCP; its few time bounds leave seconds of slack, and
+  # it passed beside a busy core) ends lane a, which is about that much shorter than lane b
   echo "=== lanes: (mutations pyodide pg) | (unit runtime sim no-numpy), one per core; (container) beside them"
   set -m   # (job control: each lane a process group of its own, SIGINT not ignored in it)
   lane a mutations pyodide pg & pa=$!

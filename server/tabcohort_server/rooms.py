@@ -529,6 +529,9 @@ class Room:
         ps = list(self.connected.values())
         for p in ps:
             self._disconnect(p, now, reason=(code, reason), event="sent_away")
+        # (the owner node reports the room from now on: this node's /metrics kept showing the
+        # last loss, accuracy and term it had trusted, Room.headline)
+        self._last_lead = None
         return len(ps)
 
     def expire(self, now: float) -> list[int]:
@@ -994,8 +997,9 @@ class Room:
     def headline(self, lead: dict | None = None) -> dict[str, Any]:
         """The room's ``loss``, ``accuracy`` and ``term`` (JSON-ready numbers or None) as
         ``GET /api/rooms/ROOM`` and ``/metrics`` both show them: the trusted report's (``lead``,
-        else :meth:`leader_report`), or after its leader left the last trusted one's (a stopped
-        room's final values; /metrics showed NaN once its ranks had left), and before any report
+        else :meth:`leader_report`), or while no leader reports the last trusted one's (a stopped
+        room's final values: /metrics showed NaN once its ranks had left; a room between
+        leaders), none after this node sent its ranks to the room's owner, and before any report
         the served checkpoint's accuracy; ``diverged`` only of a current leader."""
         lead = self.leader_report() if lead is None else lead
         last = lead if lead is not None else self._last_lead

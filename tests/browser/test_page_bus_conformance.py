@@ -1,4 +1,5 @@
-"""The bus conformance battery (tests/conformance/test_bus_conformance.py, every case) against the
+"""The bus conformance battery (tests/conformance/test_bus_conformance.py, every case; the pressure
+case at two precisions, PRESSURE_CASES) against the
 browser buses in a real Chromium page's worker, through the page's own WebSocket and
 RTCPeerConnections (web/app.js), against a real tabcohort server: ``page-ws-star``
 (:func:`~tabcohort.bus.page.page_star_bus`), ``page-rtc-star``

@@ -475,6 +475,14 @@ def test_a_rank_without_a_room_is_told_the_rooms_of_a_server_with_several(tmp_pa
         r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url],
                            capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
         assert r.returncode == 2 and "has 0 rooms; it has none" in r.stderr, r.stderr
+        listing["rooms"] = [{"room": ".."}]        # (no room name: the server refuses it too)
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url],
+                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and "has 0 rooms" in r.stderr, r.stderr
+        listing.clear()                             # (no list at all: another server's JSON)
+        r = subprocess.run([sys.executable, "-m", "tabcohort", "rank", "--server", url],
+                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and "with HTTP 200 and no list of rooms: is this the URL" in r.stderr, r.stderr
     finally:
         srv.shutdown()
         srv.server_close()

@@ -45,3 +45,14 @@ def test_a_stopped_room_s_last_loss_accuracy_and_term_stay_in_the_metrics_after_
     assert (s["loss"], s["accuracy"], s["term"]) == (0.125, 0.75, 3)
     # (diverged is the current leader's count: none leads now)
     assert math.isnan(m["tabcohort_diverged_rounds"]) and s["diverged"] is None
+
+
+def test_a_node_that_sent_its_ranks_to_the_room_s_owner_shows_no_stale_values():
+    # the owner node reports the room from then on; this node kept its last trusted values
+    r = Room("r", JobConfig(dataset="synthetic"), ServerLimits(), clock=lambda: 0.0)
+    lead = r.register(now=0, trainer=True)
+    r.control(lead, json.dumps({"type": "report", "state": {"step": 7, "leader": lead.id, "is_leader": True,
+                                                            "loss": 0.5, "term": 2}}), now=1)
+    r.evict_all(4012, "http://node-b:8080", now=2.0)
+    m = _metrics(r)
+    assert math.isnan(m["tabcohort_loss"]) and math.isnan(m["tabcohort_term"]), m

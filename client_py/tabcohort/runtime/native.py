@@ -43,9 +43,10 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def valid_room_name(name: str) -> bool:
-    """Whether ``name`` is a room name: 1..64 characters of ``[A-Za-z0-9._-]`` (the server's rule,
-    ``ROOM_NAME`` in ``tabcohort_server.config``)."""
-    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name)
+    """Whether ``name`` is a room name: 1..64 characters of ``[A-Za-z0-9._-]``, not ``.`` or ``..``
+    (the server's rule, ``check_room_name`` in ``tabcohort_server.config``)."""
+    return (0 < len(name) <= 64 and name not in (".", "..")
+            and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name))
 
 
 #: what a rank whose trainer token the server refused (``bad_trainer_token``) is told
@@ -635,8 +636,9 @@ class RankRun(RankSession):
         return any(x["room"] == self.cfg.room and x.get("token") is False for x in await self._rooms_listed(http))
 
     async def _room_names(self, http: Any) -> list[str]:
-        """The names the server lists (a typo'd ``--room`` is told them)."""
-        return [x["room"][:64] for x in await self._rooms_listed(http)]
+        """The names the server lists (a typo'd ``--room`` is told them): only valid room names
+        (the listing is untrusted: nothing else reaches the console)."""
+        return [x["room"] for x in await self._rooms_listed(http) if valid_room_name(x["room"])]
 
     def _server_setting(self) -> str:
         """Where the server URL came from: ``--server``, ``TABCOHORT_SERVER`` or discovery."""
@@ -655,11 +657,13 @@ class RankRun(RankSession):
                                   allow_redirects=False) as r:
             try:
                 listed = (await r.json()).get("rooms") if r.status == 200 else None
-            except (aiohttp.ContentTypeError, ValueError, AttributeError):
+            except (aiohttp.ContentTypeError, aiohttp.ClientPayloadError, ValueError, AttributeError):
                 listed = None
+            status = r.status
         if not isinstance(listed, list):
             raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
-                                            f"(the server at {self.cfg.shown_url} lists no rooms to choose from)")
+                                            f"({self.cfg.shown_url} answered GET /api/rooms with HTTP {status} and "
+                                            f"no list of rooms: is this the URL `tabcohort serve` printed?)")
         names = [x["room"] for x in listed
                  if isinstance(x, dict) and isinstance(x.get("room"), str) and valid_room_name(x["room"])]
         if len(names) != 1:
@@ -667,7 +671,6 @@ class RankRun(RankSession):
             raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
                                             f"(the server at {self.cfg.shown_url} has {len(names)} rooms; {shown})")
         self.cfg.room = names[0]
-        self.cfg.sources = dict(self.cfg.sources or {}, room="the server's only room")
         self.progress(f"room {self.cfg.room}: the server's only room (no --room given)")
 
     async def _first_get(self, http: Any, path: str, *, wait_s: float = 30.0) -> Any:
