@@ -162,6 +162,11 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 2**24:
                 raise bad(name, f"must be an integer in [{lo}, {2**24}]")
+        if self.batch > self.global_batch:
+            # a rank's share is at most the global batch: a larger cap could never apply, and
+            # read as "each rank computes this many" it misleads (docs/PROTOCOL.md "Shares")
+            raise bad("batch", f"is the most samples one rank computes per round, so at most the global batch "
+                               f"({self.global_batch}); 0 = the global batch")
         for name in ("steps", "seed", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
