@@ -620,14 +620,26 @@ class RankRun(RankSession):
         except Exception:
             return None
 
+    async def _fetch_rooms(self, http: Any) -> tuple[int, list[dict] | None]:
+        """``GET /api/rooms``: its HTTP status and the rooms it lists (each a dict with a string
+        ``room``), or None when the answer is not such a list (the listing is untrusted). A
+        connection error is raised as is."""
+        import aiohttp
+
+        async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
+                                  allow_redirects=False) as r:
+            try:
+                listed = (await r.json()).get("rooms") if r.status == 200 else None
+            except (aiohttp.ContentTypeError, aiohttp.ClientPayloadError, ValueError, AttributeError):
+                listed = None
+            if not isinstance(listed, list):
+                return r.status, None
+            return r.status, [x for x in listed if isinstance(x, dict) and isinstance(x.get("room"), str)]
+
     async def _rooms_listed(self, http: Any) -> list[dict]:
-        """The rooms ``GET /api/rooms`` lists (each a dict with a string ``room``), or [] if that
-        fails: only a hint."""
+        """The rooms ``GET /api/rooms`` lists, or [] if that fails: only a hint."""
         try:
-            async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
-                                      allow_redirects=False) as r:
-                rooms = (await r.json()).get("rooms") if r.status == 200 else None
-            return [x for x in rooms if isinstance(x, dict) and isinstance(x.get("room"), str)]
+            return (await self._fetch_rooms(http))[1] or []
         except Exception:
             return []
 
@@ -651,21 +663,12 @@ class RankRun(RankSession):
         ``--room`` and the rooms. A name the server lists is untrusted: only a valid room name
         counts (:func:`valid_room_name`). A connection error is raised as is (the caller retries
         a server that is still starting)."""
-        import aiohttp
-
-        async with await http.get(f"{self.cfg.base_url}/api/rooms", headers=self._headers(),
-                                  allow_redirects=False) as r:
-            try:
-                listed = (await r.json()).get("rooms") if r.status == 200 else None
-            except (aiohttp.ContentTypeError, aiohttp.ClientPayloadError, ValueError, AttributeError):
-                listed = None
-            status = r.status
-        if not isinstance(listed, list):
+        status, listed = await self._fetch_rooms(http)
+        if listed is None:
             raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
                                             f"({self.cfg.shown_url} answered GET /api/rooms with HTTP {status} and "
                                             f"no list of rooms: is this the URL `tabcohort serve` printed?)")
-        names = [x["room"] for x in listed
-                 if isinstance(x, dict) and isinstance(x.get("room"), str) and valid_room_name(x["room"])]
+        names = [x["room"] for x in listed if valid_room_name(x["room"])]
         if len(names) != 1:
             shown = f"its rooms: {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}" if names else "it has none"
             raise ConfigError("--room", "", f"a room name is needed: give --room NAME or set TABCOHORT_ROOM "
