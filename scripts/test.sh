@@ -5,14 +5,15 @@
 #   runtime     the asyncio driver under virtual time (looptime)
 #   pg          the fixed-world process group: collectives across 2-4 real processes (TCP)
 #   no-numpy    unit + conformance natively with numpy made unimportable
-#   pyodide     unit + conformance + sim (the first seeds of a sweep) inside Pyodide 314 (Python 3.14) under Node 20
+#   pyodide     unit + conformance + sim (a sweep's first seeds) in Pyodide 314 (Python 3.14), Node 20
 #   browser     real Chromium + real Pyodide tabs joining a real server (Playwright)
 #   mutations   breaks each PROTOCOL.md rule on purpose; its named test must fail
 #   container   builds the Docker image and runs the compose demo for real (root; installs docker.io)
 # Usage: bash scripts/test.sh [tier ...]   (default: all tiers)
 # With no tier named, the CPU-bound tiers that time nothing (mutations pyodide | unit runtime sim
-# no-numpy; and pg, whose few time bounds leave seconds of slack) run in two lanes at once, one per core, and the container tier (mostly installs and
-# an image build) in a third beside them, each lane's output printed when it ends; the
+# no-numpy; and pg, whose few time bounds leave seconds of slack) run in two lanes at once,
+# one per core, and the container tier (mostly installs and an image build) in a third beside
+# them, each lane's output printed when it ends; the
 # network tiers (integration browser), whose tests wait on real sockets and timers,
 # then run one tier at a time, integration and browser with two pytest-xdist workers (their
 # tests wait on sockets and timers about half the time: measured 1018 -> 580 s and 630 -> 430 s
