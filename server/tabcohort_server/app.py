@@ -866,8 +866,7 @@ async def put_checkpoint(request: web.Request) -> web.Response:
                 # (PROTOCOL.md, "Leader: driving one round"); an unreadable one is not stored
                 "cursor": int(cursor) if _DECIMAL.fullmatch(cursor) and int(cursor) < 1 << 63 else None,
                 "loss": loss if math.isfinite(loss) else None, "final": final,
-                "time": time.time(), "accuracy": accuracy,
-                "reported_accuracy": _json_num(rep.get("accuracy"))}
+                "time": time.time(), "accuracy": accuracy}
         meta = await loop.run_in_executor(None, room.store.add, meta, data)
     room.checkpoint, a.checkpoint_data = meta, data
     if final:
