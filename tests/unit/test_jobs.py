@@ -537,6 +537,34 @@ def test_two_paths_of_a_job_must_agree_on_one_batch(tmp_path):
     assert "a path's two results on the same batch differ" in compare_paths(job, a, b)
 
 
+def test_a_path_that_raises_while_the_paths_are_compared_is_a_job_error_naming_the_path_and_line(tmp_path):
+    # a new-user trial: a job whose pure-Python path raised (or whose numpy path failed only on
+    # the arrays set_params() is given there) ended simulate and serve with a traceback
+    from tabcohort.jobs import compare_paths
+    src = JOB.replace("    def grads(self, offset, samples):\n",
+                      "    def grads(self, offset, samples):\n"
+                      "        if self.path == 'python':\n"
+                      "            raise NotImplementedError('python path todo')\n")
+    src = src.replace("    return W(batch)", "    w = W(batch)\n    w.path = 'python' if seed == 1 else 'numpy'\n    return w")
+    assert src.count("NotImplementedError") == 1 and "w.path" in src
+    job = load_job(_job(tmp_path, src, name="halfdone.py"), with_data=False)
+    numpy_like, python = (job.make_worker(batch=4, seed=s, backend="python") for s in (0, 1))
+    with pytest.raises(JobError, match=r"the worker's grads\(0\) \(pure-Python path\) raised NotImplementedError: "
+                                       r"python path todo \(.*halfdone.py:\d+\)"):
+        compare_paths(job, numpy_like, python)
+
+
+def test_a_grads_that_changes_the_parameters_never_starts(tmp_path):
+    # a new-user trial: a grads() that also stepped its parameters (a training loop's habit) was
+    # told its paths "differ (a stochastic job)" and trained on
+    src = JOB.replace("        return 0.5, array(\"f\", [1.0, 1.0, float(offset)])",
+                      "        self.p = array(\"f\", [x - 0.1 for x in self.p])\n"
+                      "        return 0.5, array(\"f\", [1.0, 1.0, float(offset)])")
+    assert src != JOB
+    with pytest.raises(JobError, match=r"grads\(0\) changed the parameters"):
+        probe(load_job(_job(tmp_path, src, name="stepper.py")), batch=4, seed=0)
+
+
 def test_a_one_file_job_that_imports_a_file_beside_it_is_refused_as_ranks_would_refuse_it(tmp_path, monkeypatch):
     """Ranks import a job from its bundle alone; under `python -m tabcohort` the job's directory
     (the current one) was on sys.path, so serve's check imported the file beside it and accepted

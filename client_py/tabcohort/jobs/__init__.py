@@ -663,11 +663,18 @@ def compare_paths(job: LoadedJob, numpy_worker: JobWorker, python_worker: JobWor
 
     def check() -> str | None:
         ref = job.source.ref
-        python_worker.set_params(to_vector(numpy_worker.params()))
+        # (each call said as the probe says it, path and all: a job whose numpy path kept the
+        # numpy array set_params() is given and then did float arithmetic on it raised here
+        # with a traceback, where the probe of either path alone had passed)
+        p = _job_call(job, doing, "params() (numpy path)", numpy_worker.params)
+        _job_call(job, doing, "set_params() (pure-Python path)", lambda: python_worker.set_params(to_vector(p)))
         n = max(1, min(numpy_worker.batch, python_worker.batch, PROBE_SAMPLES))
         with job.source.bundle_only():
-            np1, np2 = numpy_worker.grads_sync(0, n), numpy_worker.grads_sync(0, n)
-            py1, py2 = python_worker.grads_sync(0, n), python_worker.grads_sync(0, n)
+            np1, np2 = (_job_call(job, doing, "grads(0) (numpy path, where set_params() is given a numpy "
+                                                              "float32 array)", lambda: numpy_worker.grads_sync(0, n))
+                        for _ in range(2))
+            py1, py2 = (_job_call(job, doing, "grads(0) (pure-Python path)", lambda: python_worker.grads_sync(0, n))
+                        for _ in range(2))
         if max(_relative_difference(np1, np2) + _relative_difference(py1, py2)) > PATHS_REL_TOL:
             return ("its numpy and pure-Python paths were not compared: a path's two results on the same batch "
                     "differ (a stochastic job); make sure both compute the same")
@@ -682,6 +689,20 @@ def compare_paths(job: LoadedJob, numpy_worker: JobWorker, python_worker: JobWor
     return run_bounded(check, timeout_s=timeout_s, doing=doing, ref=job.source.ref)
 
 
+def _job_call(job: LoadedJob, doing: list[str], what: str, f: Callable[[], Any]) -> Any:
+    """``f()``, a call into the job named ``what`` (``doing[0]`` while it runs); an exception
+    it raises becomes a :class:`JobError` naming the call, the job's file and line."""
+    doing[0] = what
+    try:
+        return f()
+    except JobError as e:        # the worker contract broken (a bad return): said as is
+        raise JobError(e.reason, job.source.ref) from None
+    except (Exception, SystemExit) as e:
+        files = {os.path.abspath(os.path.join(job.source.root, r)) for r in job.source.files}
+        raise JobError(f"the worker's {what} raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
+                       f"{job.source.missing_file_hint(e)}", job.source.ref) from None
+
+
 def _all_zero(g: Any) -> bool:
     """Whether every value of the float vector ``g`` (numpy or ``array('f')``) is zero."""
     if hasattr(g, "any") and callable(g.any):
@@ -694,24 +715,23 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
     """:func:`probe`'s checks; ``doing[0]`` names the call in progress."""
     w = worker if worker is not None else job.make_worker(batch=batch, seed=seed, backend=backend)
     ref = job.source.ref
-    files = {os.path.abspath(os.path.join(job.source.root, r)) for r in job.source.files}
 
     def call(what: str, f: Callable[[], Any]) -> Any:
-        doing[0] = what
-        try:
-            return f()
-        except JobError as e:        # the worker contract broken (a bad return): said as is
-            raise JobError(e.reason, ref) from None
-        except (Exception, SystemExit) as e:
-            raise JobError(f"the worker's {what} raised {type(e).__name__}: {_said(e)} ({_where(e, files)})"
-                           f"{job.source.missing_file_hint(e)}", ref) from None
+        return _job_call(job, doing, what, f)
 
     p = call("params()", w.params)
     if len(p) != w.bucket_len:
         raise JobError(f"bucket_len {w.bucket_len} disagrees with params(), which has {len(p)} values", ref)
     if not all_finite(p):
         raise JobError("the initial params() are not finite", ref)
+    before = to_vector(p)          # (a copy: params() may return the worker's own array)
     loss, g = call("grads(0)", lambda: w.grads_sync(0, max(1, min(w.batch, PROBE_SAMPLES))))
+    if to_vector(call("params()", w.params)).tobytes() != before.tobytes():
+        # (a training loop's habit: a grads() that also stepped its parameters was told its
+        # paths "differ (a stochastic job)", and trained on with the leader a step ahead)
+        raise JobError("grads(0) changed the parameters (params() differs before and after it): grads() must "
+                       "leave them alone and return the gradient; the round applies the cohort's mean update "
+                       "(apply() or set_params(); docs/PROTOCOL.md \"Worker contract\")", ref)
     if len(g) != w.bucket_len:
         raise JobError(f"grads(0) on a probe batch returned {len(g)} values, bucket_len is {w.bucket_len}", ref)
     if not math.isfinite(loss) or not all_finite(g):
