@@ -217,9 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of ranks, at most 256: every rank beats to every other, about n^2 deliveries per "
                         "beat period in one process (README \"Scaling limits\")")
     _job_args(s, "default: the built-in MLP job")
-    s.add_argument("--batch", type=int, default=32,
-                   help="sets the global batch to ranks x batch when --global-batch is 0; not a per-rank "
-                        "limit: any rank here may take a whole round, the shares follow measured speed")
+    s.add_argument("--batch", type=int, default=None,
+                   help="sets the global batch to ranks x batch when --global-batch is 0 (default 32; with "
+                        "--global-batch it has no effect and is refused); not a per-rank limit: any rank here "
+                        "may take a whole round, the shares follow measured speed")
     s.add_argument("--global-batch", type=int, default=0,
                    help="samples per round, split across the ranks by measured speed "
                         "(docs/PROTOCOL.md \"Shares\"; 0 = ranks x batch, fixed from the start)")
@@ -442,7 +443,11 @@ def _simulate(a: argparse.Namespace) -> int:
     if a.heal_after_ms is not None and not a.partition_at:
         raise ConfigError("--heal-after-ms", a.heal_after_ms, "applies only with --partition-at STEP (it heals "
                           "that partition): without it there is nothing to heal")
-    cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=a.batch, hidden=a.hidden, lr=lr,
+    if a.batch is not None and a.global_batch:
+        # (it was ignored in silence: the global batch is the round's samples whatever --batch says)
+        raise ConfigError("--batch", a.batch, f"has no effect with --global-batch {a.global_batch}, which sets "
+                          f"the samples of a round: give one of them")
+    cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=32 if a.batch is None else a.batch, hidden=a.hidden, lr=lr,
                        activation=a.activation, job_options=job_options,
                        steps=a.steps, target_accuracy=a.target_accuracy, max_seconds=a.max_seconds,
                        precision=a.precision, seed=a.seed, backend=a.backend, eval_every=a.eval_every,
@@ -496,6 +501,12 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
     what = f"job {cfg.job}{f' ({opts})' if opts else ''}" if cfg.job else f"dataset {cfg.dataset}"
     print(f"tabcohort simulate: {_n(cfg.ranks, 'rank')}, {what}, global batch {cfg.resolved_global_batch}, "
           f"lr {cfg.lr}, precision {cfg.precision}", flush=True, file=out)
+    if cfg.resolved_global_batch < cfg.ranks:
+        # (a share is one sample at least: the others looked as if they computed)
+        idle = cfg.ranks - cfg.resolved_global_batch
+        print(f"note: a round covers {_n(cfg.resolved_global_batch, 'sample')} (the global batch) and a share is at "
+              f"least one, so at least {_n(idle, 'rank')} get no share in a round (they follow it and may take over); "
+              f"raise --global-batch to have every rank compute", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     # (a refused or failed run's one JSON document is printed by main()'s handlers)
     async def run() -> Any:

@@ -29,7 +29,9 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--backend", "torch"], "--backend='torch'"), (["--ranks", "100000"], "--ranks=100000"),
     # (every rank beats to every other: about n^2 deliveries per beat period in one process)
     (["--ranks", "257"], "--ranks=257: at most 256 ranks"),
-    (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0"),
+    (["--dataset", "nope"], "--dataset='nope'"), (["--max-seconds", "0"], "--max-seconds=0.0: must be a number > 0"),
+    # (one range said for every bad value: -1 was told "[0.0, inf]", and then 0 was refused)
+    (["--max-seconds", "-1"], "--max-seconds=-1.0: must be a number > 0"),
     (["--ranks", "1", "--kill-leader-at", "10"], "--kill-leader-at=10"),
     (["--link-loss", "1"], "--link-loss=1.0"), (["--ranks", "1", "--partition-at", "10"], "--partition-at=10"),
     (["--target-accuracy", "0.9", "--eval-every", "0"], "--target-accuracy=0.9"), (["--hidden", "0"], "--hidden='0'"), (["--job-option", "channels"], "--job-option='channels'"),
@@ -41,6 +43,8 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     # delay delivered nothing
     (["--global-batch", "100000000000"], "--global-batch=100000000000"),
     (["--batch", "16777217"], "--batch=16777217"),
+    # (ignored in silence: the global batch is a round's samples whatever --batch says)
+    (["--batch", "8", "--global-batch", "100"], "--batch=8: has no effect with --global-batch 100"),
     (["--link-delay-ms", "inf"], "--link-delay-ms=inf"),
     # (a JSON value with no JSON form was blamed on --job: "SPEC and OPTIONS must be JSON-ready")
     (["--job-option", "a=1e999"], "--job-option='a=1e999': 1e999 is not a finite number"),
@@ -279,3 +283,12 @@ def test_a_job_that_prints_leaves_json_output_one_document(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["ok"] is True and doc["steps"] == 5, doc
     assert "grads called" in r.stderr and "and at the C level" in r.stderr
+
+
+def test_a_global_batch_smaller_than_the_cohort_says_some_ranks_get_no_share():
+    # a new-user trial: --global-batch 2 --ranks 4 ran with idle ranks and nothing said so
+    r = simulate("--ranks", "4", "--global-batch", "2", "--steps", "5", "--max-seconds", "60")
+    assert r.returncode == 0, r.stderr
+    assert "so at least 2 ranks get no share in a round" in r.stdout, r.stdout
+    r = simulate("--ranks", "2", "--global-batch", "2", "--steps", "5", "--max-seconds", "60")
+    assert r.returncode == 0 and "get no share" not in r.stdout, r.stdout

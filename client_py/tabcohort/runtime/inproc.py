@@ -121,7 +121,9 @@ class InprocConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or (
                     math.isinf(v) and hi != math.inf):
                 # (a loss of 1 delivers nothing: the interval it says is [0, 1))
+                # (max_seconds is a bound on the run: 0 is refused below, so its interval is open)
                 raise ConfigError(name, v, "must be a number in [0, 1)" if name == "loss"
+                                  else "must be a number > 0 (the run's time bound)" if name == "max_seconds"
                                   else f"must be a number in [{lo}, {hi}]")
         if self.target_accuracy and not self.eval_every:
             raise ConfigError("target_accuracy", self.target_accuracy, "needs evaluations: with --eval-every 0 "
@@ -138,7 +140,7 @@ class InprocConfig:
             raise ConfigError("partition_at_step", self.partition_at_step,
                               f"needs at least 2 ranks (--ranks {self.ranks}): one rank has no one to be cut off from")
         if self.max_seconds <= 0:
-            raise ConfigError("max_seconds", self.max_seconds, "must be > 0 (the run's time bound)")
+            raise ConfigError("max_seconds", self.max_seconds, "must be a number > 0 (the run's time bound)")
         if self.kill_leader_at_step and self.ranks < 2:
             raise ConfigError("kill_leader_at_step", self.kill_leader_at_step,
                               f"needs at least 2 ranks (--ranks {self.ranks}): killing the only rank leaves "
