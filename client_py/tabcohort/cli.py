@@ -923,6 +923,12 @@ def say(line: str) -> None:
             pass
         hup = getattr(signal, "SIGHUP", None)
         if hup is not None and signal.getsignal(hup) not in (signal.SIG_IGN, signal.SIG_DFL):
+            # (said first: "SIGHUP: stopping in order" alone read as a hangup that never came)
+            why = "its reader left (a closed pipe)" if e.errno == errno.EPIPE else "the terminal hung up"
+            try:
+                os.write(2, f"tabcohort: standard output is gone, {why}: stopping as on a hangup\n".encode())
+            except OSError:
+                pass
             os.kill(os.getpid(), hup)   # (a handler is installed: the ordered stop; else it runs on)
 
 

@@ -342,13 +342,16 @@ def test_a_rank_whose_output_is_closed_stops_in_order(cluster):
     error crashed it mid-round, a traceback and the training since the last checkpoint lost)."""
     cluster.serve("--checkpoint-interval", "3600")
     p = subprocess.Popen([sys.executable, "-m", "tabcohort.cli", "rank", "--server", cluster.url, "--room", cluster.room,
-                          "--print-every", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          "--print-every", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**_env(), "TABCOHORT_TRAINER_TOKEN": cluster.trainer_token}, cwd=str(ROOT))
     try:
         wait_for(lambda: cluster.state()["step"] >= 30, 60, "the rank training")
         p.stdout.readline()
         p.stdout.close()                                  # (as head does after its lines)
         assert p.wait(30) == 0
+        # why it stopped is said: "SIGHUP: stopping in order" alone read as a hangup never sent
+        err = p.stderr.read().decode()
+        assert "standard output is gone, its reader left (a closed pipe): stopping as on a hangup" in err, err
     finally:
         if p.poll() is None:
             p.kill()
