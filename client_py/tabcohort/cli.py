@@ -524,6 +524,10 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
                    f"beat period: README \"Scaling limits\"); raise --max-seconds or run fewer ranks")
     if a.json:   # ("ok" as a refused or failed run's {"ok": false, "error": ...} has it)
         doc = {"ok": ok, **({"error": why_no_step} if no_step else {}), **res.__dict__}
+        # rank ids as the console, the state report and `shares` show them (8 hex digits): the
+        # digests and leaders were decimal beside hex shares, and could not be matched by eye
+        doc["digests"] = {f"{k:08x}": v for k, v in res.digests.items()}
+        doc["leaders"] = [f"{k:08x}" for k in res.leaders]
         if not math.isfinite(doc["loss"]):
             doc["loss"] = None   # (no round yet: NaN is not JSON, RFC 8259; evaluate says null too)
         _print_json(json.dumps(doc, default=str, indent=2))

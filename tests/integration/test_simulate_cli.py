@@ -68,6 +68,9 @@ def test_json_output_is_one_document_and_short_runs_end_bit_identical():
         assert res["ok"] is True and res["bit_identical"] is True and res["steps"] >= 40
         assert "step" in r.stderr                      # progress went to stderr
         assert len(res["leaders"]) >= 1, res           # (a short run said "leaders []")
+        # every rank id as the console and `shares` show it, 8 hex digits (digests were decimal)
+        ids = set(res["digests"]) | set(res["leaders"]) | set(res["shares"]) | set(res["speeds"])
+        assert all(re.fullmatch(r"[0-9a-f]{8}", k) for k in ids) and set(res["leaders"]) <= set(res["digests"]), res
     r = simulate("--ranks", "2", "--dataset", "synthetic", "--steps", "40")
     # the summary says the last training loss (a job with a flipped gradient showed only its accuracy)
     assert r.returncode == 0 and re.search(r"done: \d+ steps in [\d.]+ s, training loss [\d.e+-]+, test accuracy",
