@@ -341,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per round, split across the cohort by measured speed (docs/PROTOCOL.md "
                         "\"Shares\"); fixed, so a joining tab adds speed, not samples")
     v.add_argument("--batch", type=int, default=0,
-                   help="the most samples one rank computes per round (0 = the global batch; a rank may "
-                        "pick its own with rank --batch)")
+                   help="the most samples one rank computes per round, at most --global-batch (0 = the global "
+                        "batch; a rank may pick its own with rank --batch)")
     v.add_argument("--lr", type=float, default=None, help="the round's learning rate (with --local-steps H > 1 the outer one; the inner "
                         "one is --inner-lr); default 0.5, 0.7 for H > 1")
     _train_options(v)
@@ -443,10 +443,6 @@ def _simulate(a: argparse.Namespace) -> int:
     if a.heal_after_ms is not None and not a.partition_at:
         raise ConfigError("--heal-after-ms", a.heal_after_ms, "applies only with --partition-at STEP (it heals "
                           "that partition): without it there is nothing to heal")
-    if a.batch is not None and a.global_batch:
-        # (it was ignored in silence: the global batch is the round's samples whatever --batch says)
-        raise ConfigError("--batch", a.batch, f"has no effect with --global-batch {a.global_batch}, which sets "
-                          f"the samples of a round: give one of them")
     cfg = InprocConfig(ranks=a.ranks, dataset=a.dataset, batch=32 if a.batch is None else a.batch, hidden=a.hidden, lr=lr,
                        activation=a.activation, job_options=job_options,
                        steps=a.steps, target_accuracy=a.target_accuracy, max_seconds=a.max_seconds,
@@ -463,6 +459,10 @@ def _simulate(a: argparse.Namespace) -> int:
             raise ConfigError("backend", a.backend, "expected one of auto, numpy, python")
     except ConfigError as exc:
         raise ConfigError(_flag(exc.variable), exc.value, exc.reason) from None
+    if a.batch is not None and a.global_batch:
+        # (it was ignored in silence: the global batch is the round's samples whatever --batch says)
+        raise ConfigError("--batch", a.batch, f"has no effect with --global-batch {a.global_batch}, which sets "
+                          f"the samples of a round: give one of them")
     t0 = time.monotonic()
     cohort: list[Any] = []     # (the run's cohort, once built: what Ctrl-C's summary reads)
     try:
@@ -505,7 +505,7 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
         # (a share is one sample at least: the others looked as if they computed)
         idle = cfg.ranks - cfg.resolved_global_batch
         print(f"note: a round covers {_n(cfg.resolved_global_batch, 'sample')} (the global batch) and a share is at "
-              f"least one, so at least {_n(idle, 'rank')} get no share in a round (they follow it and may take over); "
+              f"least one, so at least {_n(idle, 'rank')} {'gets' if idle == 1 else 'get'} no share in a round (a rank without one follows the round and may take over); "
               f"raise --global-batch to have every rank compute", flush=True, file=out)
     print("loading the dataset and starting the ranks...", flush=True, file=out)
     # (a refused or failed run's one JSON document is printed by main()'s handlers)

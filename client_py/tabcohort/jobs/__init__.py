@@ -667,14 +667,18 @@ def compare_paths(job: LoadedJob, numpy_worker: JobWorker, python_worker: JobWor
         # numpy array set_params() is given and then did float arithmetic on it raised here
         # with a traceback, where the probe of either path alone had passed)
         p = _job_call(job, doing, "params() (numpy path)", numpy_worker.params)
+        # both paths given the parameters as every round gives them (set_params()), so a path
+        # that fails only on what it is given there fails here, not at a rank's first round
+        _job_call(job, doing, "set_params() (numpy path)", lambda: numpy_worker.set_params(to_vector(p)))
         _job_call(job, doing, "set_params() (pure-Python path)", lambda: python_worker.set_params(to_vector(p)))
         n = max(1, min(numpy_worker.batch, python_worker.batch, PROBE_SAMPLES))
         with job.source.bundle_only():
             np1, np2 = (_job_call(job, doing, "grads(0) (numpy path, where set_params() is given a numpy "
-                                                              "float32 array)", lambda: numpy_worker.grads_sync(0, n))
+                                              "float32 array)", lambda: numpy_worker.grads_sync(0, n))
                         for _ in range(2))
             py1, py2 = (_job_call(job, doing, "grads(0) (pure-Python path)", lambda: python_worker.grads_sync(0, n))
                         for _ in range(2))
+        doing[0] = "comparing the numpy and pure-Python paths"
         if max(_relative_difference(np1, np2) + _relative_difference(py1, py2)) > PATHS_REL_TOL:
             return ("its numpy and pure-Python paths were not compared: a path's two results on the same batch "
                     "differ (a stochastic job); make sure both compute the same")
@@ -703,6 +707,32 @@ def _job_call(job: LoadedJob, doing: list[str], what: str, f: Callable[[], Any])
                        f"{job.source.missing_file_hint(e)}", job.source.ref) from None
 
 
+#: a parameter moved by more than this fraction of the largest one's magnitude (at least 1)
+#: across a ``grads()`` call was changed by it; less is rounding (a finite-difference job that
+#: nudges a weight and puts it back may leave its last bit changed)
+MOVED_REL_TOL = 1e-6
+
+
+def _moved(before: Any, after: Any) -> tuple[int, float, float] | None:
+    """The first parameter (index, value before, value after) that ``after`` moved from
+    ``before`` by more than :data:`MOVED_REL_TOL` of ``max(1, max |before|)``, or None (also
+    when the lengths differ: the probe says that apart)."""
+    after = to_vector(after)
+    if len(after) != len(before):
+        return None
+    if hasattr(before, "dtype"):        # numpy (to_vector's type where it imports): in C
+        import numpy as np
+        b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+        scale = max(1.0, float(np.abs(b).max(initial=0.0)))
+        bad = np.flatnonzero(~(np.abs(a - b) <= MOVED_REL_TOL * scale))   # (NaN counts as moved)
+        return None if not len(bad) else (int(bad[0]), float(b[bad[0]]), float(a[bad[0]]))
+    scale = max(1.0, max((abs(x) for x in before), default=0.0))
+    for i, (x, y) in enumerate(zip(before, after)):
+        if not abs(y - x) <= MOVED_REL_TOL * scale:
+            return i, x, y
+    return None
+
+
 def _all_zero(g: Any) -> bool:
     """Whether every value of the float vector ``g`` (numpy or ``array('f')``) is zero."""
     if hasattr(g, "any") and callable(g.any):
@@ -726,12 +756,14 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
         raise JobError("the initial params() are not finite", ref)
     before = to_vector(p)          # (a copy: params() may return the worker's own array)
     loss, g = call("grads(0)", lambda: w.grads_sync(0, max(1, min(w.batch, PROBE_SAMPLES))))
-    if to_vector(call("params()", w.params)).tobytes() != before.tobytes():
+    moved = _moved(before, call("params()", w.params))
+    if moved is not None:
         # (a training loop's habit: a grads() that also stepped its parameters was told its
         # paths "differ (a stochastic job)", and trained on with the leader a step ahead)
-        raise JobError("grads(0) changed the parameters (params() differs before and after it): grads() must "
-                       "leave them alone and return the gradient; the round applies the cohort's mean update "
-                       "(apply() or set_params(); docs/PROTOCOL.md \"Worker contract\")", ref)
+        i, was, now = moved
+        raise JobError(f"grads(0) changed the parameters (params()[{i}] was {was:.7g} before it, {now:.7g} after): "
+                       f"grads() must leave them alone and return the gradient; the round applies the cohort's "
+                       f"mean update (apply() or set_params(); docs/PROTOCOL.md \"Worker contract\")", ref)
     if len(g) != w.bucket_len:
         raise JobError(f"grads(0) on a probe batch returned {len(g)} values, bucket_len is {w.bucket_len}", ref)
     if not math.isfinite(loss) or not all_finite(g):
