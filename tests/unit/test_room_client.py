@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tabcohort.bus.base import LinkBytes
-from tabcohort.bus.room import (CLOSE_BAD_TOKEN, CLOSE_MOVED, CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_ID,
+from tabcohort.bus.room import (MAX_ALTERNATES, CLOSE_BAD_TOKEN, CLOSE_MOVED, CLOSE_RETRY_LATER, CLOSE_TRY_AGAIN, CLOSE_UNKNOWN_ID,
                                 MAX_MOVES, LinkFailed, RoomClient, http_base)
 from tabcohort.bus.star import StarBus
 from tabcohort.errors import ConfigError
@@ -229,6 +229,27 @@ def test_when_the_entry_node_is_the_owner_that_died_the_other_nodes_of_the_welco
     assert rc.redirect(None, "connection refused", reached=False) == ("wss://c.example/api/rooms/r/ws", None)
     assert rc.redirect(None, "connection refused", reached=False) == (None, None)   # each once an attempt
     assert rc.new_attempt() == "wss://c.example/api/rooms/r/ws"
+
+
+def test_the_nodes_a_rank_may_ask_are_all_it_was_told_of_not_the_last_welcomes_alone():
+    # a new-user trial: after a failover the survivor's welcome named only itself; the rank kept
+    # that alone, and when the survivor died too it gave up although the first owner, restarted,
+    # had taken the room back
+    a, b = "ws://a:8080/api/rooms/r/ws", "ws://b:8081/api/rooms/r/ws"
+    rc = RoomClient(a)
+    rc.new_attempt()
+    rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [], "nodes": ["http://a:8080", "http://b:8081"]})
+    assert rc.alternates == [b]
+    rc.new_attempt()                                   # a died: b takes the room
+    assert rc.redirect(None, "connection refused", reached=False) == (b, None)
+    rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [], "nodes": ["http://b:8081"]})
+    assert rc.alternates == [a]                        # a is still a node to ask
+    rc.new_attempt()                                   # b died: a, restarted, is asked
+    assert rc.redirect(None, "connection refused", reached=False) == (a, None)
+    # bounded however many nodes the welcomes name
+    for i in range(3 * MAX_ALTERNATES):
+        rc.control({"type": "welcome", "id": 5, "secret": "s", "peers": [], "nodes": [f"http://n{i}:1"]})
+    assert len(rc.alternates) == MAX_ALTERNATES and rc.alternates[0] == "ws://n47:1/api/rooms/r/ws"
 
 
 def test_redirects_are_bounded_per_attempt_and_a_linked_socket_moved_keeps_the_owner():

@@ -152,6 +152,7 @@ class RoomClient:
         #: the room's WebSocket URL at the cluster's other nodes that can host it (``welcome``'s
         #: ``nodes``): asked when neither the node it was at nor the entry URL answers
         self.alternates: list[str] = []
+        self._known_nodes: list[str] = []     # every node a welcome named or came from, newest first
         self.n_moves = 0          # cluster redirects followed (4012)
         self._moves = 0           # ... in this attempt
         self._dead: set[str] = set()
@@ -221,7 +222,13 @@ class RoomClient:
             nodes = obj.get("nodes")
             if isinstance(nodes, list):
                 alts = [moved_ws_url(self.url, u) for u in nodes[:MAX_ALTERNATES] if isinstance(u, str) and len(u) <= 200]
-                self.alternates = [u for u in alts if u is not None and u != self.url]
+                # merged with the nodes named before, this one's first (and the node that welcomed
+                # it: it may come back): a welcome after a failover names only the survivors, and
+                # a rank that kept just those gave up when the last of them died although the
+                # first owner, restarted, had taken the room back (a new-user trial)
+                known = dict.fromkeys([self.url, *(u for u in alts if u is not None), *self._known_nodes])
+                self._known_nodes = list(known)[:MAX_ALTERNATES + 1]
+                self.alternates = [u for u in self._known_nodes if u != self.url][:MAX_ALTERNATES]
             self.may_lead = obj.get("may_lead") is True
             self.lead_roles = {k: k in leads for k in self.peers}
             self.connected, self._resuming, self._attempt, self._give_up_ms = True, False, 0, None
