@@ -180,3 +180,16 @@ def test_a_channel_its_peer_closed_is_logged_without_alarm_and_a_failed_one_warn
             bus.channel_down(ch, why)
         recs = [r for r in caplog.records if "uses the relay" in r.getMessage()]
         assert [r.levelno for r in recs] == [level], (why, [r.getMessage() for r in recs])
+
+
+def test_the_byte_totals_keep_a_peers_bytes_after_it_left():
+    # a new-user trial: a peer that left took its bytes out of the total, and the leader's state
+    # report showed a negative wire_bytes_per_s
+    bus, _, _t = _mesh(1, 2)
+    p = bus.path_of[2]
+    p.sent, p.received = 700, 300
+    before, kinds = bus.total_bytes(), bus.transport_bytes()
+    assert before == 1000
+    bus._on_control({"type": "peer", "id": 2, "up": False})
+    assert 2 not in bus.path_of
+    assert bus.total_bytes() == before and bus.transport_bytes() == kinds

@@ -139,6 +139,8 @@ class MeshBus:
         self.stalled = False
         #: peer id -> its path and its current channel (``None``: none, or on the relay)
         self.path_of: dict[int, Path] = {}
+        #: bytes (all, and on the pairs' own channels) of paths dropped since: the totals only grow
+        self._gone_bytes, self._gone_direct_bytes = 0, 0
         self.channel_of: dict[int, Channel | None] = {}
         self.fallbacks: list[tuple[int, str]] = []   # (peer, why), for logs and tests
         self._offer_ms: dict[int, float] = {}        # peer -> when its last offer was taken
@@ -280,12 +282,14 @@ class MeshBus:
         return {k: LinkBytes(p.sent, p.received) for k, p in sorted(self.path_of.items()) if p.sent or p.received}
 
     def total_bytes(self) -> int:
-        return sum(p.sent + p.received for p in self.path_of.values())
+        # (with the paths dropped: a peer that left took its bytes out of the total, and the
+        # leader's report showed a negative wire_bytes_per_s: a new-user trial)
+        return self._gone_bytes + sum(p.sent + p.received for p in self.path_of.values())
 
     def transport_bytes(self) -> dict[str, int]:
         """Bytes (sent + received) carried by the pairs' own channels (keyed by their kind:
         ``rtc`` or ``tcp``) and by the relay."""
-        own = sum(p.direct_sent + p.direct_received for p in self.path_of.values())
+        own = self._gone_direct_bytes + sum(p.direct_sent + p.direct_received for p in self.path_of.values())
         return {self.path_kind.value: own, "relay": self.total_bytes() - own}
 
     def pair_bytes(self) -> dict[int, dict[str, int]]:
@@ -395,6 +399,8 @@ class MeshBus:
         p = self.path_of.pop(peer, None)
         self._offer_ms.pop(peer, None)
         if p is not None:
+            self._gone_bytes += p.sent + p.received
+            self._gone_direct_bytes += p.direct_sent + p.direct_received
             self._close_channel(peer)
             del self.channel_of[peer]
             if declare:

@@ -970,7 +970,8 @@ class RankMachine:
             "step": self.step, "cohort": len(self.cohort_ids(now_ms)),
             "loss": self.loss, "accuracy": self.accuracy,
             "steps_per_s": rate(self._applied_steps, s0), "samples_per_s": rate(self._applied_samples, n0),
-            "wire_bytes_per_s": rate(total_bytes, b0),
+            # (never negative: a bus whose counters went back, a link's bytes gone with it)
+            "wire_bytes_per_s": max(0.0, rate(total_bytes, b0)),
             "peers": [{"id": k, "backend": m.backend} for k, m in sorted(live.items())],
             "bucket_len": self.worker.bucket_len, "batch": self.worker.batch,
             "model": self.worker.model, "backend": self.worker.backend, "precision": self.precision,
