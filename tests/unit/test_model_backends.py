@@ -135,3 +135,18 @@ def test_numpy_worker_contract(synth):
     from tabcohort.model import NumpyMLPWorker
     with pytest.raises(ConfigError, match="chunk"):
         NumpyMLPWorker(synth, chunk=0)
+
+
+def test_a_tab_backend_asked_for_and_not_available_says_where_it_went_first_and_once(synth, monkeypatch):
+    # a new-user trial: ?backend=numpy in a tab without it read "numpy was asked for but ...;
+    # using js; usin" (said twice, and cut at the report's 256 characters before the end)
+    from tabcohort.model import backend_js
+    from tabcohort.runtime.tab import _fit
+    if np is not None:
+        monkeypatch.setattr("tabcohort.model.np", None)      # as in a tab without numpy
+    w, _ = drive(backend_js.make_tab_worker(synth, backend="numpy", hidden=(8,), batch=4))
+    note = w.backend_note
+    assert note.startswith(f"using {w.backend}: numpy was asked for but numpy: numpy is not importable"), note
+    assert note.count(f"using {w.backend}") == 1, note
+    cut = _fit(note + " x" * 200, 256)
+    assert len(cut) <= 256 and cut.startswith(f"using {w.backend}:") and cut.endswith("…"), cut

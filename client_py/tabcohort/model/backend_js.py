@@ -335,9 +335,15 @@ async def make_tab_worker(dataset, *, backend: str = "auto", hidden: Any = (32,)
             text = text.replace("(use backend='python' or 'auto')", "(?backend=js, python or auto works here)")
             why.append(f"{name}: {text[:200]}")
             continue
-        note = "; ".join(why + [getattr(w, "backend_note", None) or ""]).strip("; ") or None
+        inner = getattr(w, "backend_note", None) or ""
+        note = "; ".join(why + [inner]).strip("; ") or None
         if backend != "auto" and why:
-            note = f"{backend} was asked for but {note}; using {name}"
+            # where it went first, so a report's cut (256 characters) never loses it; the worker's
+            # own note may say it too (webgpu slower than js ends "; using js"): said once (it
+            # read "...; using js; usin": a new-user trial)
+            used = getattr(w, "backend", name)
+            inner = inner[:-len(f"; using {used}")] if inner.endswith(f"; using {used}") else inner
+            note = f"using {used}: {backend} was asked for but " + "; ".join(why + [inner]).strip("; ")
         w.backend_note = note
         return w
     raise ConfigError("backend", backend, "no backend works in this tab: " + "; ".join(why))

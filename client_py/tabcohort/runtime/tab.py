@@ -502,7 +502,7 @@ class TabRun(RankSession):
             st["page_inbox"].update(soon_pumps=soon.n_pumps, soon_run=soon.n_run, soon_max_ready=soon.max_ready_len)
         w = self.driver.worker   # why this backend (a fallback), and the GPU's name (model/backend_js.py)
         note, adapter = getattr(w, "backend_note", None), getattr(w, "adapter", None)
-        st["backend_note"] = note[:256] if isinstance(note, str) else None   # (the server keeps <= 256)
+        st["backend_note"] = _fit(note, 256) if isinstance(note, str) else None   # (the server keeps <= 256)
         st["adapter"] = adapter[:256] if isinstance(adapter, str) else None
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in st.items()}
 
@@ -555,3 +555,11 @@ async def run_tab(cfg_json: str) -> int:
     run.soon = soon.install(asyncio.get_running_loop())
     return await run.run()
 
+
+
+def _fit(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters: cut at a word with an ellipsis when longer (a
+    note cut mid-word read as garbled: ``...; using js; usin``)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit - 1].rsplit(" ", 1)[0].rstrip(";,: ") + "…"
