@@ -911,6 +911,14 @@ def test_a_slow_evaluate_is_noted_at_the_start_up_check_and_by_the_worker(tmp_pa
     notes.clear()
     probe(load_job(_job(tmp_path)), batch=4, seed=0, notes=notes)
     assert notes == []
+    # the built-in job's user wrote no evaluate() to make faster: told of the load and --eval-every
+    # (a new-user trial: a busy machine's 0.8 s was met with "evaluate a subset of the held-out set")
+    from tabcohort.jobs import BUILTIN
+    monkeypatch.setattr(worker, "SLOW_CALL_S", 0.0)
+    probe(load_job(BUILTIN, options={"dataset": "synthetic"}), batch=4, seed=0, notes=notes)
+    said = [n for n in notes if "evaluate()" in n]
+    assert len(said) == 1 and "built-in job's evaluate()" in said[0] and "is this one busy?" in said[0], notes
+    assert "subset" not in said[0] and "serve --eval-every" in said[0], said
 
 
 @pytest.mark.parametrize("where", ["import", "load_data", "factory"])

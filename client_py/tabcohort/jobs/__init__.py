@@ -50,7 +50,7 @@ from ..vec import all_finite, to_vector
 from .arrays import ArrayFormatError, NdArray, read_npz, write_npz
 from .source import (BUNDLE_MANIFEST, DEFAULT_FACTORY, JobError, JobSource, _said, _where, find_source, load_bundle,
                      source_bundle)
-from .worker import JobWorker, loss_ceiling, resolve_backend, slow_evaluate_note
+from .worker import JobWorker, is_builtin, loss_ceiling, resolve_backend, slow_evaluate_note
 
 __all__ = ["JobError", "JobData", "JobSource", "LoadedJob", "JobWorker", "load_job", "load_bundle",
            "find_source", "source_bundle", "probe", "resolve_backend", "NdArray", "DEFAULT_FACTORY",
@@ -777,7 +777,7 @@ def _probe(job: LoadedJob, batch: int, seed: int, backend: str, worker: JobWorke
                      f"move. Is the gradient computed from params() and returned?")
     acc = call("evaluate()", w.evaluate)
     if notes is not None and w.slow_evaluate is not None:   # (timed by the worker, as at run time)
-        notes.append(slow_evaluate_note(w.slow_evaluate))
+        notes.append(slow_evaluate_note(w.slow_evaluate, builtin=is_builtin(w)))
     if not 0.0 <= acc <= 1.0:
         raise JobError(f"evaluate() must return held-out accuracy in [0, 1], got {acc!r}", ref)
     # set_params must set them: a worker whose set_params() does nothing passed every check, and

@@ -88,12 +88,24 @@ def slow_call_note(slow: tuple[float, int], *, flag: str = "--batch", ranks: int
             f"(README \"Write your own job\")")
 
 
-def slow_evaluate_note(took_s: float) -> str:
+def is_builtin(worker: Any) -> bool:
+    """Whether ``worker`` (a :class:`JobWorker`, or what it wraps) runs tabcohort's own model
+    code (the built-in job), not a user's."""
+    return type(getattr(worker, "inner", worker)).__module__.startswith("tabcohort.")
+
+
+def slow_evaluate_note(took_s: float, *, builtin: bool = False) -> str:
     """What an ``evaluate()`` call of ``took_s`` seconds means: the leader runs it on its event
     loop every ``eval_every`` steps and for each checkpoint, and the beats wait meanwhile; one
     past the cohort's drop bound (docs/PROTOCOL.md "Timing": 1.6 s by default) made the others
     take the lead from it again and again, and a run ended without its final checkpoint, its
-    ranks on different models (a new-user trial: a 2 s evaluate())."""
+    ranks on different models (a new-user trial: a 2 s evaluate()). ``builtin``: the built-in
+    job's, whose code the user never wrote: its advice is the machine's load and ``--eval-every``."""
+    if builtin:
+        return (f"the built-in job's evaluate() took {took_s:.1f} s (it takes milliseconds on an idle machine: "
+                f"is this one busy?): the leader runs it on its event loop every --eval-every steps and for "
+                f"each checkpoint, and beats wait meanwhile; past the cohort's drop bound, 1.6 s by default, the "
+                f"others take the lead from it: evaluate less often (serve --eval-every)")
     return (f"the job's evaluate() took {took_s:.1f} s: the leader runs it on its event loop every --eval-every "
             f"steps and for each checkpoint, and beats wait meanwhile (keep it under about {SLOW_CALL_S:g} s; "
             f"past the cohort's drop bound, 1.6 s by default, the others take the lead from it, again and again): "

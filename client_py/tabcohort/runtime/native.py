@@ -835,9 +835,10 @@ class RankRun(RankSession):
                         self._slow_call_said = True
                         self.progress(f"warning: {slow_call_note(worker.slow_call)}")
                     if getattr(worker, "slow_evaluate", None) and not self._slow_evaluate_said:
-                        from ..jobs.worker import slow_evaluate_note
+                        from ..jobs.worker import is_builtin, slow_evaluate_note
                         self._slow_evaluate_said = True
-                        self.progress(f"warning: {slow_evaluate_note(worker.slow_evaluate)}")
+                        # (the built-in job's user never wrote an evaluate() to make faster)
+                        self.progress(f"warning: {slow_evaluate_note(worker.slow_evaluate, builtin=is_builtin(worker))}")
                     if machine.looping and time.monotonic() >= next_ckpt:
                         next_ckpt = time.monotonic() + job["checkpoint_interval_s"]
                         await self._upload(http, bus, machine, worker, digest, final=False)
