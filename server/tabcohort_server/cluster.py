@@ -261,13 +261,15 @@ class ClusterNode:
         config: the cluster settings (validated).
         local_rooms: the rooms this node can host -> a callable giving its record fields
             (``stopped``, ``token``, ``n_connected``, ``step``, ``job_hash``).
-        on_acquire: called with a room name when this node starts owning it (load its checkpoint).
+        on_acquire: called with ``(room, held_before)`` when this node starts owning it (load its
+            checkpoint): ``held_before`` when the room's record named an owner, whose ranks may
+            come back (a room no node ever held has none to wait for).
         on_release: called with ``(room, owner_url or None)`` when it stops owning it.
         load: this node's load (connected ranks), read every tick.
     """
 
     def __init__(self, config: ClusterConfig, local_rooms: dict[str, Callable[[], dict]],
-                 on_acquire: Callable[[str], None], on_release: Callable[[str, str | None], None],
+                 on_acquire: Callable[[str, bool], None], on_release: Callable[[str, str | None], None],
                  load: Callable[[], float]) -> None:
         self.config = config
         self.timing = config.timing
@@ -481,7 +483,7 @@ class ClusterNode:
                         self.counters["claims"] += 1
                         self.owners[room] = (self.config.node_id, self.config.advertise_url)
                         log.warning("cluster: node %s owns room %s", self.config.node_id, room)
-                        self.on_acquire(room)
+                        self.on_acquire(room, isinstance(recorded, str))
             for room in self.book.owned:
                 rec = dict(self.local_rooms[room](), room=room, owner=self.config.node_id,
                            url=self.config.advertise_url)

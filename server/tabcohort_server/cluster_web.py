@@ -42,7 +42,7 @@ def install(app: web.Application, config: ClusterConfig) -> ClusterNode:
                 "step": r.step(), "job_hash": app[ASSETS][name].job_hash}
 
     node = ClusterNode(config, {name: (lambda name=name: record(name)) for name in rooms.rooms},
-                       on_acquire=lambda name: _acquire(app, name),
+                       on_acquire=lambda name, held_before: _acquire(app, name, held_before),
                        on_release=lambda name, url: _release(app, name, url),
                        load=lambda: float(sum(len(r.connected) for r in rooms.rooms.values())))
     app[CLUSTER] = node
@@ -77,14 +77,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await node.aclose(release=True)
 
 
-def _acquire(app: web.Application, name: str) -> None:
+def _acquire(app: web.Application, name: str, held_before: bool = True) -> None:
     from .app import ASSETS, CONFIG, ROOMS, load_room_checkpoint
 
     directory = app[CONFIG].checkpoint_dir
     if directory:
         room = app[ROOMS].rooms[name]
         load_room_checkpoint(room, app[ASSETS][name], directory, keep=app[CONFIG].checkpoint_keep)
-        room.expect_returning_ranks(room.clock())   # the owner's ranks move here one by one
+        if held_before:   # the owner's ranks move here one by one (a room no node held has none:
+            # its first ranks waited out the 30 s roll call with nothing said: a new-user trial)
+            room.expect_returning_ranks(room.clock())
 
 
 def _release(app: web.Application, name: str, url: str | None) -> None:

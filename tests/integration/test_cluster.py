@@ -482,3 +482,23 @@ def test_a_second_node_with_a_live_nodes_id_or_an_unspecified_advertised_address
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_room_no_node_ever_held_trains_at_once_without_a_roll_call(redis_server, tmp_path):
+    # a new-user trial: a fresh cluster room (empty Redis, empty checkpoint directory) held its
+    # first ranks 27 s in a roll call for ranks of a previous owner that never existed, and every
+    # message gave another reason. With a 60 s roll call, training must start well before it ends.
+    procs: list[Proc] = []
+    try:
+        a = Node(tmp_path, "A", redis_server.url, tmp_path / "shared-ckpt", "--roll-call", "60", "--grace", "60")
+        procs.append(a.proc)
+        wait_for(lambda: _owner(a) == "A", 10, "node A to own the room")
+        t0 = time.monotonic()
+        procs.append(_rank(tmp_path, a.url, 1))
+        # (it waited about 30 s: the rank's side of the roll call ends there; the bound leaves
+        # room for a loaded machine's rank start-up, 1-3 s here)
+        wait_for(lambda: a.state()["step"] >= 5, 20, f"the first steps, not after a roll call\n{_logs(*procs)}")
+        assert time.monotonic() - t0 < 20
+    finally:
+        for p in procs:
+            p.kill()
