@@ -146,7 +146,11 @@ async function main() {
     tc.resumedFrom = resumed;
     const rf = check.body.resumed_from;
     const cid = rf && typeof rf.id === "string" ? ` (${rf.id})` : "";
-    note(`This room is resuming from its checkpoint at step ${resumed}${cid}: its curves start there, not at a fresh model.`);
+    const now = check.body.step;
+    // (a room that trained far past its resume point still said it "is resuming" there)
+    note(Number.isInteger(now) && now > resumed
+      ? `This room resumed from its checkpoint at step ${resumed}${cid} and has trained on to step ${now}: its curves start at step ${resumed}, not at a fresh model.`
+      : `This room is resuming from its checkpoint at step ${resumed}${cid}: its curves start there, not at a fresh model.`);
   }
   note(`Python runtime: Pyodide ${boot.body.pyodide.version} from ${boot.body.pyodide.source === "local" ? "this server" : "the public CDN (no local copy on the server)"}.`);
   tc.bootInfo = boot.body;

@@ -171,8 +171,13 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         room = app[ROOMS].get(name)
         if room is not None and room.resumed_from is not None and not room.stopped:
             r = room.resumed_from
-            progress(f"  room {name} resumes from its checkpoint {r['id']} at step {r['step']} "
-                     f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
+            if config.cluster is not None:
+                # (a node that does not own the room resumes nothing: it said so of every room)
+                progress(f"  room {name}: its newest checkpoint is {r['id']} at step {r['step']} "
+                         f"({config.checkpoint_dir}); the node that owns the room goes on from there")
+            else:
+                progress(f"  room {name} resumes from its checkpoint {r['id']} at step {r['step']} "
+                         f"({config.checkpoint_dir}); a fresh --checkpoint-dir starts from scratch")
         elif room is not None and room.store is not None and room.store.n_refused:
             # (it said they were "left as they are", and this room's first checkpoint replaced
             # ROOM.ckpt, the other job's newest: it is now kept in the history first)
