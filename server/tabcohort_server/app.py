@@ -382,7 +382,10 @@ def _request_token(request: web.Request) -> str | None:
 
 
 def _is_operator(request: web.Request) -> bool:
-    return _same(request.app[OPERATOR_TOKEN], _request_token(request))
+    """The request carries the operator token in ``Authorization: Bearer`` (never a ``?token=``:
+    a URL lands in logs and browser history, and the token stops a room and sets its learning
+    rate; the operator page sends the header)."""
+    return _same(request.app[OPERATOR_TOKEN], _bearer_token(request))
 
 
 def _refuse_auth(request: web.Request, what: str) -> web.HTTPException:

@@ -538,6 +538,18 @@ async def test_300_webrtc_offers_make_at_most_one_warning(client, caplog, sdp):
         await pc.close()
 
 
+async def test_the_operator_token_in_a_url_is_not_the_operators(client):
+    # a URL lands in logs and browser history: the operator's actions take the token in the
+    # Authorization header only (a new-user trial: POST .../lr?token=OPERATOR answered 200)
+    room = client.app[ROOMS].get("r")
+    for path in ("/api/rooms/r/lr", "/api/rooms/r/stop"):
+        r = await client.post(f"{path}?token={OP}", json={"lr": 0.3})
+        assert r.status == 403, path
+    assert not room.stopped and room.operator_lr is None
+    r = await client.post("/api/rooms/r/lr", json={"lr": 0.3}, headers=bearer(OP))
+    assert r.status == 200 and room.operator_lr == 0.3
+
+
 async def test_only_the_operator_sets_the_rooms_learning_rate(client):
     ws, w = await join(client, trainer_token=TRAINER)
     room = client.app[ROOMS].get("r")
