@@ -149,9 +149,6 @@ class RoomClient:
         #: which a reconnect that cannot reach the owner asks again to learn the new one
         self.url = url
         self.entry_url = url
-        #: the room's WebSocket URL at the cluster's other nodes that can host it (``welcome``'s
-        #: ``nodes``): asked when neither the node it was at nor the entry URL answers
-        self.alternates: list[str] = []
         self._known_nodes: list[str] = []     # every node a welcome named or came from, newest first
         self.n_moves = 0          # cluster redirects followed (4012)
         self._moves = 0           # ... in this attempt
@@ -181,6 +178,13 @@ class RoomClient:
         self._last_attempt = False        # the one attempt within the bound's final spread is drawn
         self._lost_at_ms = 0.0            # when the link was lost (the give-up message says how long ago)
         self._backlog_sent = 0
+
+    @property
+    def alternates(self) -> list[str]:
+        """The room's WebSocket URLs at the cluster's other nodes that can host it (from the
+        ``welcome``'s ``nodes``, merged across welcomes), newest first, at most ``MAX_ALTERNATES``:
+        asked when neither the node it was at nor the entry URL answers."""
+        return [u for u in self._known_nodes if u != self.url][:MAX_ALTERNATES]
 
     # ------------------------------------------------------------------ registration
     def register(self) -> dict:
@@ -228,7 +232,6 @@ class RoomClient:
                 # first owner, restarted, had taken the room back (a new-user trial)
                 known = dict.fromkeys([self.url, *(u for u in alts if u is not None), *self._known_nodes])
                 self._known_nodes = list(known)[:MAX_ALTERNATES + 1]
-                self.alternates = [u for u in self._known_nodes if u != self.url][:MAX_ALTERNATES]
             self.may_lead = obj.get("may_lead") is True
             self.lead_roles = {k: k in leads for k in self.peers}
             self.connected, self._resuming, self._attempt, self._give_up_ms = True, False, 0, None

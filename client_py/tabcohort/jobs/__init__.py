@@ -720,8 +720,7 @@ def _moved(before: Any, after: Any) -> tuple[int, float, float] | None:
     after = to_vector(after)
     if len(after) != len(before):
         return None
-    if hasattr(before, "dtype"):        # numpy (to_vector's type where it imports): in C
-        import numpy as np
+    if np is not None and hasattr(before, "dtype"):   # numpy (to_vector's type where it imports): in C
         b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
         scale = max(1.0, float(np.abs(b).max(initial=0.0)))
         bad = np.flatnonzero(~(np.abs(a - b) <= MOVED_REL_TOL * scale))   # (NaN counts as moved)
