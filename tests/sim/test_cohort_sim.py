@@ -6,6 +6,7 @@ message as the receiver decoded it), not against the machine code that enforces 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -62,12 +63,20 @@ def check_updates_use_only_buckets_of_their_step(sim, lr=0.05):
     must be explained by the leader's own bucket plus a subset of the step-N buckets
     delivered to it in between (sample-weighted mean, SGD at lr)."""
     checked = 0
+    # the buckets delivered to each rank, in delivery order (the log is: one scan of it, then a
+    # bisection per round; a scan per round made this check quadratic, most of a long run's time)
+    to: dict = {}
+    for w, s, rc, m in entries(sim, "grad"):
+        to.setdefault(rc, ([], []))
+        to[rc][0].append(w)
+        to[rc][1].append((s, m))
     for leader, seq in rounds_by_sender(sim).items():
         seq = [(w, m) for w, m in seq if m["assign"]]
+        times, delivered = to.get(leader, ([], []))
         for (t0, r0), (t1, r1) in zip(seq, seq[1:]):
             if r1["step"] != r0["step"] + 1:
                 continue
-            grads = [(s, m) for w, s, rc, m in entries(sim, "grad", t0, t1) if rc == leader]
+            grads = delivered[bisect.bisect_left(times, t0):bisect.bisect_right(times, t1)]
             valid = [(s, m) for s, m in grads if m["step"] == r0["step"]]
             scratch = ToyWorker(bucket_len=N_PARAMS, batch=3)
             scratch.set_params(r0["params"])
@@ -521,7 +530,8 @@ def test_random_partitions_end_with_one_leader_one_model_and_no_majority_rewind(
     assert len(leaders_since(sim, quiet)) == 1
     for heal, floor, term in floors:
         later = [m for _, s, _, m in entries(sim, "round", since=heal + 1) if m["assign"] and m["term"] >= term]
-        assert later and min(m["step"] for m in later if m["term"] == max(x["term"] for x in later)) >= floor - 1
+        last_term = max((x["term"] for x in later), default=None)
+        assert later and min(m["step"] for m in later if m["term"] == last_term) >= floor - 1
     terms = {r.machine.term for r in sim.alive()}
     assert len(terms) == 1
     check_updates_use_only_buckets_of_their_step(sim)
