@@ -16,9 +16,10 @@ from .conftest import ROOT, Cluster, _env, wait_for
 
 #: long enough that an attacker started after the first checkpoint acts while the cohort trains
 #: (every attack showed by step 217-734 with a busy core beside the test, against the tests' bound
-#: of 0.75 * STEPS), and the digits model converges (0.969-0.972 held out); 10,000 steps
-#: cost the integration tier 450 s of its 1,250 on this 2-core machine
-STEPS = 4000
+#: of 0.75 * STEPS), and the digits model converges (a global batch of 256 makes 2,500 steps
+#: more than 350 passes over the 1,797 digits); 10,000 steps cost the integration tier 450 s
+#: of its 1,250 on this 2-core machine, 4,000 about 450 s of its two workers' 2,050
+STEPS = 2500
 # An attack that stalls the room took it from ~850-1,400 to 0.13-0.47 rounds/s (1,800-10,000x); an
 # attacked run must keep at least this fraction of the clean run's rate. Loose on purpose: the two
 # runs are timed one after the other on a shared machine (a 3.4x dip of an attacked run alone was
