@@ -940,9 +940,10 @@ def main() -> int:
             # rewrite their asserts, which is of no interest here)
             args = ["-x", "-q", "-p", "no:cacheprovider", "--timeout=300", "-o", "addopts=",
                     "-W", "ignore::pytest.PytestAssertRewriteWarning", *tests]
+            t1 = time.monotonic()
             code, out = run_tests(src, args, pathlib.Path(tmp) / f"m{i}.out", fork=not a.no_fork)
             caught = code == 1
-            print(f"[{i:2d}] {'caught  ' if caught else 'SURVIVED'} {rule}", flush=True)
+            print(f"[{i:2d}] {'caught  ' if caught else 'SURVIVED'} {rule} ({time.monotonic() - t1:.1f} s)", flush=True)
             if not caught:
                 survived.append(rule)
                 print(f"(pytest exit {code})", out[-2300:])
