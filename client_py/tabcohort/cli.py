@@ -516,7 +516,7 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
     # a run --max-seconds ended before its first step trained nothing: not a success (it printed
     # "done: 0 steps", the initial model's test accuracy and exit 0: a new-user trial)
     no_step = res.steps == 0 and res.stopped_by == "max_seconds"
-    ok = res.bit_identical and not no_step
+    ok = res.bit_identical and not no_step and not res.separate_leaders
     why_no_step = (f"no step was taken: --max-seconds {a.max_seconds:g} ended the run; {res.slow_call}"
                    if res.slow_call else
                    f"no step was taken: --max-seconds {a.max_seconds:g} ended the run while the cohort of "
@@ -528,6 +528,7 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
         # digests and leaders were decimal beside hex shares, and could not be matched by eye
         doc["digests"] = {f"{k:08x}": v for k, v in res.digests.items()}
         doc["leaders"] = [f"{k:08x}" for k in res.leaders]
+        doc["separate_leaders"] = [f"{k:08x}" for k in res.separate_leaders]
         if not math.isfinite(doc["loss"]):
             doc["loss"] = None   # (no round yet: NaN is not JSON, RFC 8259; evaluate says null too)
         _print_json(json.dumps(doc, default=str, indent=2))
@@ -545,7 +546,8 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
                 f"{k} {res.shares.get(k, 0)}" + (f" ({res.speeds[k]:.0f}/s)" if k in res.speeds else "")
                 for k in sorted(set(res.shares) | set(res.speeds))))
         print(f"bit-identical parameters on {'all ' if len(res.digests) > 1 else ''}{_n(len(res.digests), 'rank')}: "
-              f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})")
+              f"{'yes' if res.bit_identical else 'NO'} ({next(iter(res.digests.values()))[:16]})"
+              + (f", but as {len(res.separate_leaders)} separate cohorts, not one" if res.separate_leaders else ""))
         if res.note:
             print(f"  ({res.note})")
         if res.stopped_by == "max_seconds":   # (it ended short of --steps in silence: a new-user trial)

@@ -84,6 +84,22 @@ def test_a_run_whose_links_are_too_slow_for_its_rounds_says_why_its_ranks_differ
     assert "--link-bandwidth 1000 bytes/s carries one round" in r.stdout, r.stdout[-1500:]
 
 
+def test_ranks_whose_links_never_carry_a_beat_end_as_separate_cohorts_not_a_success():
+    # a new-user trial: at `--link-bandwidth 1` no beat crossed a link, each of the 4 ranks led a
+    # cohort of its own and computed the same rounds alone, and the run ended "bit-identical: yes"
+    r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "400", "--link-bandwidth", "1",
+                 "--max-seconds", "3")
+    assert r.returncode == 1, r.stdout[-1500:]
+    assert re.search(r"bit-identical parameters on all 3 ranks: \w+ \([0-9a-f]+\), but as 3 separate cohorts, not one",
+                     r.stdout), r.stdout[-1500:]
+    assert "did not train together (--link-bandwidth 1 bytes/s carries one round" in r.stdout, r.stdout[-1500:]
+    r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "400", "--link-bandwidth", "1",
+                 "--max-seconds", "3", "--json")
+    res = json.loads(r.stdout)
+    assert r.returncode == 1 and res["ok"] is False and len(res["separate_leaders"]) == 3, res
+    assert set(res["separate_leaders"]) == set(res["digests"]), res
+
+
 def test_a_refused_configuration_under_json_is_one_json_document_too():
     # a new-user trial: `--json` printed nothing on stdout for a bad --dataset (exit 2)
     r = simulate("--ranks", "2", "--dataset", "nope.npz", "--json")

@@ -178,6 +178,11 @@ class InprocResult:
     stopped_by: str = "steps"
     #: a rank's ``grads`` calls held the event loop too long, and what to do (or None)
     slow_call: str | None = None
+    #: the ranks leading at the end when more than one did: the run ended as that many separate
+    #: cohorts, each trained alone (empty when it ended as one cohort). Their parameters can
+    #: still agree, since each computed the same rounds alone: no success (PROTOCOL.md,
+    #: "Membership and majority")
+    separate_leaders: list[int] = field(default_factory=list)
 
 
 class InprocCohort:
@@ -491,6 +496,10 @@ class InprocCohort:
             leaders = [d.machine.id for d in self.drivers.values() if d.machine.counters.get("published")][:1]
         ld = self.leader() or (self.drivers.get(leaders[-1]) if leaders else None)
         st = ld.state() if ld is not None else {}       # the last leader's shares and speeds
+        # ranks that each lead a cohort of their own at the end (links that carry no beat in time:
+        # `--link-bandwidth 1` ended "bit-identical: yes" with four ranks each alone, a new-user trial)
+        separate = sorted(d.machine.id for d in self.drivers.values() if d.machine.looping)
+        separate = separate if len(separate) > 1 else []
         # A run that ends inside its partition is checked inside it: healing here let the final
         # publish, still in flight, reach the paused side or not by the event loop's timing, so
         # the same run ended "bit-identical: yes" or "NO" by chance.
@@ -514,15 +523,18 @@ class InprocCohort:
         ds = {d.machine.id: digest(d.worker.params()) for d in self.drivers.values()}
         off = sorted(k for k in reach if ds[k] != ds[best.machine.id])
         why = None
+        n = 4 * best.worker.bucket_len
+        links = (f"--link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one round ({n:,} bytes "
+                 f"of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s" if self.cfg.bandwidth_bytes_per_s else
+                 f"--link-delay-ms {self.cfg.delay_ms:g} delays every message that long" if self.cfg.delay_ms else
+                 f"--link-loss {self.cfg.loss:g} lost the messages that would have joined them" if self.cfg.loss else
+                 None)
         if self.cfg.loss:
             why = (f"missed the leader's final publish of step {best.machine.step}: --link-loss "
                    f"{self.cfg.loss:g} lost it and each re-send within 10 s (PROTOCOL.md, \"Publish\": at "
                    f"most 8 per rank, a beat apart)")
         elif self.cfg.bandwidth_bytes_per_s:   # (it said "NO" and nothing more: a new-user trial)
-            n = 4 * best.worker.bucket_len
-            why = (f"did not receive the leader's final publish of step {best.machine.step} within 10 s: "
-                   f"--link-bandwidth {self.cfg.bandwidth_bytes_per_s:g} bytes/s carries one round ({n:,} bytes "
-                   f"of parameters) in {n / self.cfg.bandwidth_bytes_per_s:.1f} s")
+            why = f"did not receive the leader's final publish of step {best.machine.step} within 10 s: {links}"
         elif self.cfg.delay_ms:                # (--link-delay-ms 60000: the same)
             why = (f"did not receive the leader's final publish of step {best.machine.step} within 10 s: "
                    f"--link-delay-ms {self.cfg.delay_ms:g} delays every message that long (longer than the "
@@ -530,6 +542,11 @@ class InprocCohort:
         if off and self._note is None and why is not None:
             behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
             self._note = f"{behind} {why}; the model the run reports is the leader's"
+        if separate:
+            self._note = (f"the ranks ended as {len(separate)} separate cohorts, led by "
+                          f"{', '.join(f'{k:08x}' for k in separate)}: they did not train together"
+                          + (f" ({links})" if links else "")
+                          + "; parameters that agree were computed the same way alone")
         try:
             acc: float | None = float(best.worker.evaluate())
         except Exception as exc:
@@ -549,8 +566,8 @@ class InprocCohort:
                             bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
                             events=self.events, shares=dict(st.get("shares") or {}),
                             speeds=dict(st.get("speeds") or {}),
-                            note=None if len(set(ds.values())) == 1 else self._note,
-                            stopped_by=self._stopped_by, slow_call=self._slow_call())
+                            note=None if len(set(ds.values())) == 1 and not separate else self._note,
+                            stopped_by=self._stopped_by, slow_call=self._slow_call(), separate_leaders=separate)
 
 
 async def run_inprocess(cfg: InprocConfig, *, progress: Callable[[str], None] | None = None) -> InprocResult:
