@@ -13,9 +13,9 @@ import pytest
 from tabcohort.runtime.session import RankSession
 
 
-def _follower() -> tuple[SimpleNamespace, SimpleNamespace, SimpleNamespace]:
+def _follower(*, leader_heard: bool = True) -> tuple[SimpleNamespace, SimpleNamespace, SimpleNamespace]:
     machine = SimpleNamespace(looping=False, ready=True, at_step_limit=False, counters={}, step=7,
-                              is_leader=lambda now_ms: False)
+                              is_leader=lambda now_ms: False, leader_heard=lambda now_ms: leader_heard)
     driver = SimpleNamespace(stop=lambda: None, now_ms=lambda: 0.0)
     return machine, driver, SimpleNamespace(failed=None, connected=True, queued_bytes=lambda: 0)
 
@@ -107,6 +107,26 @@ def test_a_follower_of_a_stopped_room_whose_leader_goes_quiet_leaves_at_5_s_and_
     waited = asyncio.run(quiet())
     assert 5.0 <= waited < 6.0 and not s.publish_seen
     assert said and "without the leader's final publication" in said[0], said
+
+
+@pytest.mark.needs_loop
+def test_a_follower_of_a_stopped_room_whose_leader_is_no_longer_heard_leaves_at_once_and_says_so():
+    # a contributor whose trainer had left waited 5 s for a publication no one would make, then
+    # said its parameters "may differ" from the final checkpoint the trainer published as it left
+    s = RankSession()
+    said: list[str] = []
+    s.progress = said.append
+    s.on_control({"type": "stop", "reason": "stopped by the operator"})
+
+    async def alone() -> float:
+        machine, driver, bus = _follower(leader_heard=False)
+        t0 = time.monotonic()
+        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
+        return time.monotonic() - t0
+    waited = asyncio.run(alone())
+    assert waited < 0.5, waited
+    assert said == ["stopping: no leader is heard in this room, so no final publication comes; this rank "
+                    "keeps the parameters of step 7, the last round it followed"], said
 
 
 @pytest.mark.needs_loop

@@ -946,6 +946,14 @@ class RankMachine:
             self._start_pending_contribution()
         self._report(now_ms)
 
+    def leader_heard(self, now_ms: float) -> bool:
+        """Whether the leader this rank follows is still heard: this rank leads, or the rank it
+        follows is live (seen within ``policy.drop_ms``: PROTOCOL.md, "live")."""
+        if self.is_leader(now_ms) or self.looping:
+            return True
+        return self.following is not None and any(m.id == self.following
+                                                  for m in self.roster.live(now_ms, self.policy.drop_ms))
+
     # ------------------------------------------------------------------ state report
     def state(self, now_ms: float) -> dict:
         """The state report (PROTOCOL.md, "State report"); rates over about 2 s."""
@@ -964,7 +972,7 @@ class RankMachine:
             "id": self.id, "id_hex": f"{self.id:08x}", "leader": self.leader_id(now_ms),
             # whether that leader is still heard (a rank whose leader died kept naming it, and a
             # tab said "follower" with its step frozen: a new-user trial)
-            "leader_live": leading or self.following in live,
+            "leader_live": self.leader_heard(now_ms),
             "is_leader": leading,
             "ready": self.ready, "running": self.running, "joining": self.joining,
             "step": self.step, "cohort": len(self.cohort_ids(now_ms)),

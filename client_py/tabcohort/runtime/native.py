@@ -979,14 +979,17 @@ class RankRun(RankSession):
         back = ("  (the server is reachable again)" if self._unreachable_shown and not unreachable
                 and st.get("running", True) else "")
         self._unreachable_shown = unreachable
-        self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if lead is None else f'{lead:08x}'}"
+        # (a leader no longer heard is no leader: a contributor whose trainer had left named it on
+        # every line while it said it waited for a rank that may lead, a new-user trial)
+        shown = None if st.get("leader_live") is False else lead
+        self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if shown is None else f'{shown:08x}'}"
                       f"{' (me)' if me else '     '}"
                       f"  cohort {cohort}{_share_text(st)}  "
                       f"loss {'n/a' if loss is None else f'{loss:.4f}'}  "
                       f"acc {_acc_text(acc, st, me=me)}  {st['steps_per_s']:6.1f} steps/s"
                       + changed + lr_note + back
                       + ("  (server unreachable: reconnecting; the rank stops if it is not back within "
-                         "the reconnect bound, README \"Resuming\")" if unreachable else "")
+                         "the reconnect bound, README \"Stopping\")" if unreachable else "")
                       + self._no_share_note(st)
                       + (f"  DIVERGED x{new_div} since the last line ({n_div} in all): {st.get('fault')}"
                          if new_div > 0 else "")

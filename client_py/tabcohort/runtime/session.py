@@ -607,15 +607,23 @@ class RankSession:
             if self.rounds_seen != seen[1]:
                 seen[:] = [now, self.rounds_seen]
             return self.room_stopping and now - seen[0] < 1.0 and now - t0 < ROOM_STOP_PUBLISH_WAIT_S
-        # (a rank that never became ready follows nobody: nothing to wait for)
+        # (a rank that never became ready follows nobody, and one whose leader is no longer heard
+        # is sent no publication: nothing to wait for. A contributor whose trainer had left waited
+        # 5 s and said its parameters "may differ" from the final checkpoint the trainer had
+        # published as it left: a new-user trial)
+        heard = machine.leader_heard(driver.now_ms())
         while (machine.looping if was_leader else
-               machine.ready and not self.publish_seen and not machine.at_step_limit and not leader_drives_on()) \
+               machine.ready and heard and not self.publish_seen and not machine.at_step_limit
+               and not leader_drives_on()) \
                 and (time.monotonic() < end or (not was_leader and leader_still_driving())):
             await asyncio.sleep(poll_s)
         if not was_leader and self.room_stopping and machine.ready and not self.publish_seen \
                 and not machine.at_step_limit:
             self.progress(f"stopping without the leader's final publication (waited {time.monotonic() - t0:.0f} s): "
-                          f"this rank's parameters (step {machine.step}) may differ from the room's final checkpoint")
+                          f"this rank's parameters (step {machine.step}) may differ from the room's final checkpoint"
+                          if heard else
+                          f"stopping: no leader is heard in this room, so no final publication comes; this rank "
+                          f"keeps the parameters of step {machine.step}, the last round it followed")
         if was_leader and not bus.failed:
             await upload(True)       # (evaluated first: the final checkpoint's accuracy is its own model's)
             # a member that missed the publish (a lost frame) is sent it again at the heartbeats
