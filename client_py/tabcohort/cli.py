@@ -197,7 +197,18 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: configuration error: {message} (see {self.prog} --help)\n")
+        # in the form every other bad setting has, ``tabcohort: configuration error: --OPT=VALUE:
+        # why`` (README): argparse's own ("argument --ranks: invalid int value: 'abc'", under
+        # "tabcohort simulate:") read differently from --ranks=0's, a new-user trial
+        m = re.fullmatch(r"argument (\S+): invalid (.+?) value: (.+)", message, re.S)
+        c = re.fullmatch(r"argument (\S+): invalid choice: ('.*?') (.*)", message, re.S)
+        if m:
+            message = f"{m.group(1)}={m.group(3)}: invalid {m.group(2)} value"
+        elif c:
+            message = f"{c.group(1)}={c.group(2)}: invalid choice {c.group(3)}"
+        elif message.startswith("argument "):
+            message = message[len("argument "):]
+        self.exit(2, f"tabcohort: configuration error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,3 +32,18 @@ def test_an_abbreviated_option_is_refused_not_guessed(capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "unrecognized arguments: --global" in err and "configuration error" in err, err
+
+
+def test_a_value_argparse_refuses_is_said_in_the_form_every_other_bad_setting_has(capsys):
+    # "tabcohort simulate: configuration error: argument --ranks: invalid int value: 'abc'" read
+    # differently from --ranks=0's "tabcohort: configuration error: --ranks=0: ..." (a new-user trial)
+    for argv, said in ((["simulate", "--ranks", "abc"], "--ranks='abc': invalid int value (see tabcohort simulate --help)"),
+                       (["serve", "--port", "x1"], "--port='x1': invalid int value (see tabcohort serve --help)"),
+                       (["simulate", "--ranks"], "--ranks: expected one argument"),
+                       (["bogus"], "COMMAND='bogus': invalid choice (choose from ")):
+        try:
+            rc = main(argv)
+        except SystemExit as e:   # (argparse's exit)
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"tabcohort: configuration error: {said}"), err
