@@ -145,6 +145,11 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         # what training runs with (a new-user trial could not see H, the inner lr or the options)
         train = (f"  training: lr {job.lr:g}, global batch {job.global_batch or 'the ranks batches'}, "
                  f"eval every {job.eval_every or 'never'}")
+        # (and when it stops: a new-user trial did not see its --steps limit)
+        stops = ([f"step {job.steps}"] if job.steps else []) + \
+            ([f"held-out accuracy {job.target_accuracy:g}"] if job.target_accuracy else []) + \
+            ([f"{job.duration_s:g} s"] if job.duration_s else [])
+        train += f"; stops at {' or '.join(stops)}" if stops else "; no stop condition (Ctrl-C stops it)"
         if job.local_steps > 1:
             train += (f"; local steps {job.local_steps} (inner {job.inner_optimizer} lr {job.inner_lr:g}, outer "
                       f"{job.outer_optimizer}" + (f" momentum {job.outer_momentum:g}" if job.outer_optimizer == "nesterov"

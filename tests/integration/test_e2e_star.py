@@ -178,6 +178,8 @@ def test_serve_eval_every_reaches_the_ranks(cluster):
     cluster.serve("--eval-every", "0", "--steps", "40")
     job = json.load(urllib.request.urlopen(f"{cluster.url}/api/rooms/{cluster.room}/job", timeout=5))
     assert job["eval_every"] == 0
+    # the console's training line says both (a new-user trial did not see the --steps limit)
+    assert "eval every never; stops at step 40" in cluster.server.text(), cluster.server.text()
     p = cluster.rank()
     assert p.p.wait(60) == 0, p.text()
     assert all(r.get("accuracy") is None for r in cluster.reports(connected_only=False)), cluster.reports(False)
