@@ -561,7 +561,9 @@ def _simulate_run(a: argparse.Namespace, cfg: Any, job_options: Any, cohort: lis
               + (f", but as {len(res.separate_leaders)} separate cohorts, not one" if res.separate_leaders else ""))
         if res.note:
             print(f"  ({res.note})")
-        if res.stopped_by == "max_seconds":   # (it ended short of --steps in silence: a new-user trial)
+        if res.stopped_by == "max_seconds" and not res.separate_leaders:
+            # (it ended short of --steps in silence: a new-user trial; not said of separate
+            # cohorts, which more time would not join)
             print(f"  (--max-seconds {a.max_seconds:g} ended the run before --steps {a.steps}: raise it to run them all)")
     return 0 if ok else 1
 

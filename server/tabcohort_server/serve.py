@@ -148,7 +148,7 @@ async def serve_async(config: ServerConfig, *, host: str, port: int,
         # (and when it stops: a new-user trial did not see its --steps limit)
         stops = ([f"step {job.steps}"] if job.steps else []) + \
             ([f"held-out accuracy {job.target_accuracy:g}"] if job.target_accuracy else []) + \
-            ([f"{job.duration_s:g} s"] if job.duration_s else [])
+            ([f"{job.duration_s:g} s after the first rank joins"] if job.duration_s else [])
         train += f"; stops at {' or '.join(stops)}" if stops else "; no stop condition (Ctrl-C stops it)"
         if job.local_steps > 1:
             train += (f"; local steps {job.local_steps} (inner {job.inner_optimizer} lr {job.inner_lr:g}, outer "

@@ -85,14 +85,20 @@ def test_a_run_whose_links_are_too_slow_for_its_rounds_says_why_its_ranks_differ
 
 
 def test_ranks_whose_links_never_carry_a_beat_end_as_separate_cohorts_not_a_success():
-    # a new-user trial: at `--link-bandwidth 1` no beat crossed a link, each of the 4 ranks led a
+    # a new-user trial: at `--link-bandwidth 1` no beat crossed a link, each of its 4 ranks led a
     # cohort of its own and computed the same rounds alone, and the run ended "bit-identical: yes"
     r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "400", "--link-bandwidth", "1",
                  "--max-seconds", "3")
     assert r.returncode == 1, r.stdout[-1500:]
     assert re.search(r"bit-identical parameters on all 3 ranks: \w+ \([0-9a-f]+\), but as 3 separate cohorts, not one",
                      r.stdout), r.stdout[-1500:]
-    assert "did not train together (--link-bandwidth 1 bytes/s carries one round" in r.stdout, r.stdout[-1500:]
+    assert "each hearing no other rank: they did not train together (--link-bandwidth 1 bytes/s carries one round" \
+        in r.stdout, r.stdout[-1500:]
+    assert "raise it to run them all" not in r.stdout, r.stdout[-1500:]   # (more time joins no cohort)
+    # lone leaders that stop at the step limit are found too (they no longer lead then)
+    r = simulate("--ranks", "2", "--dataset", "synthetic", "--steps", "5", "--link-bandwidth", "1",
+                 "--max-seconds", "20")
+    assert r.returncode == 1 and "but as 2 separate cohorts, not one" in r.stdout, r.stdout[-1500:]
     r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "400", "--link-bandwidth", "1",
                  "--max-seconds", "3", "--json")
     res = json.loads(r.stdout)

@@ -13,15 +13,17 @@ import pytest
 from tabcohort.runtime.session import RankSession
 
 
-def _follower(*, leader_heard: bool = True) -> tuple[SimpleNamespace, SimpleNamespace, SimpleNamespace]:
-    machine = SimpleNamespace(looping=False, ready=True, at_step_limit=False, counters={}, step=7,
-                              is_leader=lambda now_ms: False, leader_heard=lambda now_ms: leader_heard)
+def _follower(*, leader_heard: bool = True, others: tuple[int, ...] = ()
+              ) -> tuple[SimpleNamespace, SimpleNamespace, SimpleNamespace]:
+    machine = SimpleNamespace(id=2, looping=False, ready=True, at_step_limit=False, counters={}, step=7,
+                              is_leader=lambda now_ms: False, leader_heard=lambda now_ms: leader_heard,
+                              cohort_ids=lambda now_ms: sorted(others))
     driver = SimpleNamespace(stop=lambda: None, now_ms=lambda: 0.0)
     return machine, driver, SimpleNamespace(failed=None, connected=True, queued_bytes=lambda: 0)
 
 
-async def _leave(s: RankSession, publish_after_s: float) -> float:
-    machine, driver, bus = _follower()
+async def _leave(s: RankSession, publish_after_s: float, **follower) -> float:
+    machine, driver, bus = _follower(**follower)
 
     async def leader() -> None:                   # rounds keep coming, then the publication
         t_end = time.monotonic() + publish_after_s
@@ -127,6 +129,15 @@ def test_a_follower_of_a_stopped_room_whose_leader_is_no_longer_heard_leaves_at_
     assert waited < 0.5, waited
     assert said == ["stopping: no leader is heard in this room, so no final publication comes; this rank "
                     "keeps the parameters of step 7, the last round it followed"], said
+
+
+@pytest.mark.needs_loop
+def test_a_follower_whose_leader_is_gone_but_that_hears_another_member_waits_for_its_publication():
+    # a rank that took over and has not yet sent this one a round publishes when it reads the stop
+    s = RankSession()
+    s.on_control({"type": "stop", "reason": "stopped by the operator"})
+    waited = asyncio.run(_leave(s, publish_after_s=0.5, leader_heard=False, others=(3,)))
+    assert s.publish_seen and 0.5 <= waited < 5.0, waited
 
 
 @pytest.mark.needs_loop

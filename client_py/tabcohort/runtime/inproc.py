@@ -498,7 +498,10 @@ class InprocCohort:
         st = ld.state() if ld is not None else {}       # the last leader's shares and speeds
         # ranks that each lead a cohort of their own at the end (links that carry no beat in time:
         # `--link-bandwidth 1` ended "bit-identical: yes" with four ranks each alone, a new-user trial)
-        separate = sorted(d.machine.id for d in self.drivers.values() if d.machine.looping)
+        # (a rank that follows itself and hears no member at all: looping alone missed lone
+        # leaders that had stopped at the step limit)
+        separate = sorted(d.machine.id for d in self.drivers.values() if d.machine.following == d.machine.id
+                          and not any(True for _ in d.machine.roster.live(d.now_ms(), d.machine.policy.drop_ms)))
         separate = separate if len(separate) > 1 else []
         # A run that ends inside its partition is checked inside it: healing here let the final
         # publish, still in flight, reach the paused side or not by the event loop's timing, so
@@ -542,11 +545,12 @@ class InprocCohort:
         if off and self._note is None and why is not None:
             behind = ", ".join(f"{k:08x} at step {self.drivers[k].machine.step}" for k in off)
             self._note = f"{behind} {why}; the model the run reports is the leader's"
-        if separate:
-            self._note = (f"the ranks ended as {len(separate)} separate cohorts, led by "
-                          f"{', '.join(f'{k:08x}' for k in separate)}: they did not train together"
-                          + (f" ({links})" if links else "")
-                          + "; parameters that agree were computed the same way alone")
+        if separate:   # (said beside what was said before: a cut network's note says why too)
+            self._note = "; ".join(x for x in (
+                self._note, f"the ranks ended as {len(separate)} separate cohorts, led by "
+                            f"{', '.join(f'{k:08x}' for k in separate)}, each hearing no other rank: they did not "
+                            f"train together" + (f" ({links})" if links else "")
+                            + "; parameters that agree were computed the same way alone") if x)
         try:
             acc: float | None = float(best.worker.evaluate())
         except Exception as exc:

@@ -566,8 +566,9 @@ class RankSession:
                     final_report: Callable[[], dict], poll_s: float = 0.02) -> dict:
         """Leave the cohort: the leader publishes and uploads the final checkpoint, a follower
         waits for that publication (5 s; while the leader's rounds keep coming after the server
-        stopped the room, up to :data:`ROOM_STOP_PUBLISH_WAIT_S`); then the final report,
-        flushed (bounded, 2 s).
+        stopped the room, up to :data:`ROOM_STOP_PUBLISH_WAIT_S`; not at all when it hears
+        neither its leader nor any other member: PROTOCOL.md, "Controls"); then the final
+        report, flushed (bounded, 2 s).
 
         Returns:
             The final state report (``final: True``) as ``final_report`` made it.
@@ -607,11 +608,14 @@ class RankSession:
             if self.rounds_seen != seen[1]:
                 seen[:] = [now, self.rounds_seen]
             return self.room_stopping and now - seen[0] < 1.0 and now - t0 < ROOM_STOP_PUBLISH_WAIT_S
-        # (a rank that never became ready follows nobody, and one whose leader is no longer heard
-        # is sent no publication: nothing to wait for. A contributor whose trainer had left waited
-        # 5 s and said its parameters "may differ" from the final checkpoint the trainer had
-        # published as it left: a new-user trial)
-        heard = machine.leader_heard(driver.now_ms())
+        # (a rank that never became ready follows nobody: nothing to wait for; nor for one whose
+        # leader is no longer heard and that hears no other member, which no publication reaches.
+        # A contributor whose trainer had left waited 5 s and said its parameters "may differ"
+        # from the final checkpoint the trainer had published as it left: a new-user trial. Any
+        # live member is waited for: one that took over and has not yet sent this rank a round
+        # publishes when it reads the stop)
+        now = driver.now_ms()
+        heard = machine.leader_heard(now) or any(k != machine.id for k in machine.cohort_ids(now))
         while (machine.looping if was_leader else
                machine.ready and heard and not self.publish_seen and not machine.at_step_limit
                and not leader_drives_on()) \
