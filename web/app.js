@@ -161,9 +161,13 @@ async function main() {
     const r = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
     misses = r.unreachable ? misses + 1 : 0;
     if (!r.unreachable && polls++ % 5 === 0) {
+      // a listing that failed (its node busy or dying) keeps the nodes known before: it emptied
+      // them, and a page whose node was then killed had nowhere to go (a CI run of
+      // tests/browser/test_tab_cluster.py: stopped after 30 s at the dead node)
       const all = await getJSON("/api/rooms");
-      const nodes = all.body && Array.isArray(all.body.nodes) ? all.body.nodes : [];
-      peers = nodes.map((n) => originOf(n && n.url)).filter((o) => o && o !== location.origin);
+      if (all.body && Array.isArray(all.body.nodes)) {
+        peers = all.body.nodes.map((n) => originOf(n && n.url)).filter((o) => o && o !== location.origin);
+      }
     }
     if (misses >= FAILOVER_MISSES && peers.length) {   // this node is gone: another one takes the room
       const u = new URLSearchParams(location.search);
