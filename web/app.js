@@ -156,25 +156,35 @@ async function main() {
   tc.bootInfo = boot.body;
   // a follower measures no speeds: read the leader's from the room's reports every 2 s
   // in a cluster: the other live nodes, and how many polls in a row this page's node missed
-  let peers = [], misses = 0, polls = 0;
+  // (each node's origin -> when a listing last named it: a node missing from one listing, its
+  // Redis record late to renew on a busy machine, stays a candidate for a minute)
+  const peers = new Map();
+  let misses = 0, polls = 0;
   const pollLeader = async () => {
     const r = await getJSON(`/api/rooms/${encodeURIComponent(room)}${q}`);
     misses = r.unreachable ? misses + 1 : 0;
     if (!r.unreachable && polls++ % 5 === 0) {
-      // a listing that failed (its node busy or dying) keeps the nodes known before: it emptied
-      // them, and a page whose node was then killed had nowhere to go (a CI run of
-      // tests/browser/test_tab_cluster.py: stopped after 30 s at the dead node)
+      // a listing that failed (its node busy or dying) or left a node out keeps the nodes known
+      // before: it replaced them, and a page whose node was then killed had nowhere to go (a CI
+      // run of tests/browser/test_tab_cluster.py: stopped after 30 s at the dead node)
       const all = await getJSON("/api/rooms");
       if (all.body && Array.isArray(all.body.nodes)) {
-        peers = all.body.nodes.map((n) => originOf(n && n.url)).filter((o) => o && o !== location.origin);
+        for (const n of all.body.nodes) {
+          const o = originOf(n && n.url);
+          if (o && o !== location.origin) peers.set(o, Date.now());
+        }
       }
+      for (const [o, t] of peers) if (Date.now() - t > PEER_KEPT_MS) peers.delete(o);
     }
-    if (misses >= FAILOVER_MISSES && peers.length) {   // this node is gone: another one takes the room
+    if (misses >= FAILOVER_MISSES && peers.size) {   // this node is gone: another one takes the room
+      // (the most recently listed node: the page cannot ask another origin first, its CSP's
+      // connect-src is 'self')
+      const o = [...peers.keys()].sort((x, y) => peers.get(y) - peers.get(x))[0];
       const u = new URLSearchParams(location.search);
       u.set("room", room);
       u.set("failover", location.origin);
       status("This page's server stopped answering: moving to another node of the cluster…");
-      location.assign(`${peers[0]}${location.pathname}?${u.toString()}`);
+      location.assign(`${o}${location.pathname}?${u.toString()}`);
       return;
     }
     const ranks = r.body && Array.isArray(r.body.ranks) ? r.body.ranks : [];
@@ -612,6 +622,9 @@ function followOwner(ownerUrl, room) {
 
 // polls (2 s apart) this page's node may miss before the page moves to another node
 const FAILOVER_MISSES = 3;
+// how long a node named by a room listing stays a place to move to after the last listing that named it
+const PEER_KEPT_MS = 60000;
+
 // how long a page that moved waits for a live node to own its room
 const FAILOVER_WAIT_MS = 120000;
 
