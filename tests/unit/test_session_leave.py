@@ -22,6 +22,23 @@ def _follower(*, leader_heard: bool = True, others: tuple[int, ...] = ()
     return machine, driver, SimpleNamespace(failed=None, connected=True, queued_bytes=lambda: 0)
 
 
+def _stopped_room() -> tuple[RankSession, list[str]]:
+    """A session the operator's stop of the room reached, and the list of what it says."""
+    s = RankSession()
+    said: list[str] = []
+    s.progress = said.append
+    s.on_control({"type": "stop", "reason": "stopped by the operator"})
+    return s, said
+
+
+async def _leave_quietly(s: RankSession, **follower) -> float:
+    """Seconds ``s`` takes to leave while no round and no publication comes."""
+    machine, driver, bus = _follower(**follower)
+    t0 = time.monotonic()
+    await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
+    return time.monotonic() - t0
+
+
 async def _leave(s: RankSession, publish_after_s: float, **follower) -> float:
     machine, driver, bus = _follower(**follower)
 
@@ -96,17 +113,8 @@ def test_a_follower_of_a_stopped_room_waits_past_5_s_while_the_leaders_rounds_ke
 
 @pytest.mark.needs_loop
 def test_a_follower_of_a_stopped_room_whose_leader_goes_quiet_leaves_at_5_s_and_says_so():
-    s = RankSession()
-    said: list[str] = []
-    s.progress = said.append
-    s.on_control({"type": "stop", "reason": "stopped by the operator"})
-
-    async def quiet() -> float:             # no rounds, no publication (the leader is gone)
-        machine, driver, bus = _follower()
-        t0 = time.monotonic()
-        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
-        return time.monotonic() - t0
-    waited = asyncio.run(quiet())
+    s, said = _stopped_room()
+    waited = asyncio.run(_leave_quietly(s))       # no rounds, no publication (the leader is gone)
     assert 5.0 <= waited < 6.0 and not s.publish_seen
     assert said and "without the leader's final publication" in said[0], said
 
@@ -115,17 +123,8 @@ def test_a_follower_of_a_stopped_room_whose_leader_goes_quiet_leaves_at_5_s_and_
 def test_a_follower_of_a_stopped_room_whose_leader_is_no_longer_heard_leaves_at_once_and_says_so():
     # a contributor whose trainer had left waited 5 s for a publication no one would make, then
     # said its parameters "may differ" from the final checkpoint the trainer published as it left
-    s = RankSession()
-    said: list[str] = []
-    s.progress = said.append
-    s.on_control({"type": "stop", "reason": "stopped by the operator"})
-
-    async def alone() -> float:
-        machine, driver, bus = _follower(leader_heard=False)
-        t0 = time.monotonic()
-        await s.leave(machine, driver, bus, upload=None, final_report=lambda: {}, poll_s=0.005)
-        return time.monotonic() - t0
-    waited = asyncio.run(alone())
+    s, said = _stopped_room()
+    waited = asyncio.run(_leave_quietly(s, leader_heard=False))
     assert waited < 0.5, waited
     assert said == ["stopping: no leader is heard in this room, so no final publication comes; this rank "
                     "keeps the parameters of step 7, the last round it followed"], said
