@@ -189,6 +189,26 @@ def test_leader_round_carries_params_assignment_loss_samples_cohort_in_one_messa
     assert list(rd["params"]) == list(r.w.params()) and "loss" in rd and "samples" in rd
 
 
+def test_a_rank_keeps_the_cohort_of_its_last_round_after_it_stops():
+    # a follower whose run was shorter than a beat had not yet heard its leader's beat: its stop
+    # line said "cohort 0" (a CI failure); the round says the cohort, and the rank keeps it
+    r = leader_rig([2, 3])
+    r.m.start(now_ms=0)
+    r.drain()
+    assert r.m.round_cohort == 3
+    f = rig(5)
+    f.m.start(now_ms=0)
+    f.m.handle(round_msg(1, 4, assign={5: 0}, cohort=2), now_ms=1)
+    assert f.m.round_cohort == 2
+    f.m.stop(now_ms=2)
+    assert f.m.round_cohort == 2 and f.m.state(2)["cohort"] == 0
+    # a peer's count is shown bounded
+    f = rig(5)
+    f.m.start(now_ms=0)
+    f.m.handle(round_msg(1, 4, assign={5: 0}, cohort=10**30), now_ms=1)
+    assert f.m.round_cohort == 1_000_000
+
+
 def test_uses_members_reported_batch_for_assignment():
     r = rig(1, ready=True)
     r.m.handle(beat(2, batch=10), now_ms=0)

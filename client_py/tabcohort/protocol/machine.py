@@ -67,6 +67,8 @@ MINOR_WAIT_FACTOR = 2.0
 #: ranks remembered as having left the room (the state report hides their speeds), the oldest
 #: forgotten first
 _LEFT_KEPT = 4096
+#: a round's ``cohort`` count above this is shown as this (a peer's integer, display only)
+_COHORT_SHOWN_MAX = 1_000_000
 #: "Untrusted ranks": a rank with this many clipped buckets among its last _CLIP_WINDOW is
 #: quarantined (no share) for _QUARANTINE_MS, doubled at each further quarantine (up to 64 x)
 _CLIP_WINDOW = 8
@@ -388,6 +390,11 @@ class RankMachine:
         self.step = start_step
         self.loss = math.nan          # last reduced loss (leader) or the leader's (follower)
         self.samples = 0              # samples in the last reduce
+        #: ranks in the cohort of the last round this rank sent or adopted (the round's
+        #: ``cohort``, PROTOCOL.md "Rounds"); 0 before any. Kept once stopped, so a stop line
+        #: can say the cohort the rank trained in (a follower's own roster may not yet hold a
+        #: leader whose first beat it has not heard)
+        self.round_cohort = 0
         self.accuracy: float | None = None
         self.fault: str | None = None
         self.drops: Counter[str] = Counter()
@@ -1404,6 +1411,8 @@ class RankMachine:
         self.joining = False
         self.loss = float(msg["loss"])
         self.samples = int(msg["samples"])
+        # (display only; a peer's count is bounded like any other untrusted integer)
+        self.round_cohort = max(0, min(int(msg["cohort"]), _COHORT_SHOWN_MAX))
         self._applied_steps += advanced
         self._applied_samples += self.samples * advanced
         self._adopt_seq += 1
@@ -1616,6 +1625,7 @@ class RankMachine:
                 del self._probe_sent[k]
                 self._probes_outstanding.pop(k, None)
         self._round_params = self.worker.params()
+        self.round_cohort = len(ids)
         msg = {
             "t": "round", "from": self.id, "step": self.step, "term": self.term, "lr": self.lr,
             "assign": assign, "shares": dict(shares), "cursor": self.cursor,
