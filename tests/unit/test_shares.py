@@ -50,6 +50,25 @@ def test_shares_cover_the_global_batch_within_caps_once(total, ranks, probe):
     assert spans[0][0] == 10**12 % 2**32
 
 
+def test_the_samples_left_after_rounding_down_go_where_they_keep_the_last_bucket_earliest():
+    # "Shares", integers: a fast rank (1 ms a sample) and a slow one (5 ms) at 10 samples plan
+    # 8.33 and 1.67. The largest remainder gave the slow rank the tenth sample (10 ms, the last
+    # bucket by 1 ms); the fast rank takes it and the round ends at 9 ms
+    table = SpeedTable()
+    table.observe(1, 10, 10.0)
+    table.observe(2, 10, 50.0)
+    shares, probing = plan_shares(10, [1, 2], {1: 64, 2: 64}, table)
+    assert shares == {1: 9, 2: 1} and not probing
+    finish = max(table.predicted_ms(k, n) for k, n in shares.items())
+    assert finish == 9.0
+    # and ties go to the larger remainder: equal ranks split 11 as 6 and 5, not 5 and 5 plus one
+    table = SpeedTable()
+    for k in (1, 2):
+        table.observe(k, 10, 10.0)
+    shares, _ = plan_shares(11, [1, 2], {1: 64, 2: 64}, table)
+    assert sorted(shares.values()) == [5, 6] and sum(shares.values()) == 11
+
+
 def test_shares_follow_speed_and_equalise_finish_times():
     speeds = {1: 1000, 2: 500, 3: 250, 4: 100}
     t = table(speeds)
@@ -780,8 +799,10 @@ def test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_
     # "Shares", minor stragglers: rounds finished without it do not wait for it, and one that
     # delivers nothing for a whole collect window is silent (a probe share until it delivers),
     # as if a round had held that window
-    r = leader_with([2, 3], global_batch=64)
-    for k, ms_per_sample in ((1, 0.01), (2, 0.01), (3, 0.2)):
+    # (rank 3's minor share is its cap, 4 of 64: a rank slow enough that a sample of it would be
+    # the round's last bucket is given none and probed instead, another path to silence)
+    r = leader_with([2, 3], global_batch=64, batches={3: 4})
+    for k, ms_per_sample in ((1, 0.01), (2, 0.01), (3, 0.01)):
         for s in (10, 20):
             r.m.speeds.observe(k, s, 0.05 + s * ms_per_sample)
     r.m.start(now_ms=0)
@@ -803,7 +824,7 @@ def test_a_minor_straggler_that_never_delivers_is_silent_after_a_collect_window_
     assert r.m.counters["rounds_below_global_batch"] >= r.m.counters["minor_not_waited"]
     assert T.collect_ms <= t < 2 * T.collect_ms and r.m.step > 1000, (t, r.m.step)   # short rounds
     predicted = r.m.speeds.predicted_ms(3, 2)
-    assert predicted is not None and predicted > 0.05 + 2 * 0.2       # measured as slower
+    assert predicted is not None and predicted > 0.05 + 2 * 0.01      # measured as slower
 
 
 def test_a_minor_straggler_rule_leaves_quorum_cohorts_and_rooms_without_a_global_batch_alone():

@@ -64,7 +64,7 @@ PLAN_MIN_PER_SAMPLE = 1e-6
 #: such a rank's share grows until its buckets arrive measurably after the leader's own
 CENSOR_WINDOW_MS = 0.5
 CENSOR_WINDOW_FRACTION = 0.02
-CENSORED_CREDIT = 0.8
+CENSORED_CREDIT = 0.65
 
 
 def censor_window_ms(own_turnaround_ms: float) -> float:
@@ -204,11 +204,22 @@ def _equal_finish(total: float, ranks: Sequence[int], caps: Mapping[int, int],
     return fixed, excluded
 
 
-def _round_shares(frac: Mapping[int, float], caps: Mapping[int, int], total: int) -> dict[int, int]:
-    """Integers from fractional shares by the largest remainder (ties: lower id), within caps."""
+def _round_shares(frac: Mapping[int, float], caps: Mapping[int, int], total: int,
+                  models: Mapping[int, tuple[float, float]] | None = None) -> dict[int, int]:
+    """Integers from fractional shares by the largest remainder (ties: lower id), within caps,
+    summing to ``min(total, sum of caps)``. With ``models`` (each rank's ``(a_ms,
+    b_ms_per_sample)``), a rank whose bucket with the extra sample would be predicted later than
+    :data:`SLOW_MARGIN` times the plan's finish time is passed over while another rank can take
+    the sample (one sample of a slow rank costs many of a fast one), and among such ranks the
+    one predicted to finish first takes it."""
     ints = {k: max(0, min(caps[k], int(math.floor(v + 1e-9)))) for k, v in frac.items()}
     left = min(total, sum(caps[k] for k in frac)) - sum(ints.values())
     order = sorted(frac, key=lambda k: (-(frac[k] - ints[k]), k))
+    if models is not None and left > 0:
+        finish = max((models[k][0] + models[k][1] * v for k, v in frac.items() if v > 0), default=0.0)
+        after = {k: models[k][0] + models[k][1] * (ints[k] + 1) for k in order}
+        late = sorted((k for k in order if after[k] > SLOW_MARGIN * finish), key=lambda k: (after[k], k))
+        order = [k for k in order if k not in set(late)] + late
     while left > 0:
         moved = False
         for k in order:
@@ -278,7 +289,7 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         a += LATENESS_MARGIN * sp.lateness_ms()                  # a jittery rank finishes early
         models[k] = (a, max(b, PLAN_MIN_PER_SAMPLE * (a + b)))
     frac, excluded = _equal_finish(left, known, caps, models)
-    ints = _round_shares(frac, {k: caps[k] for k in frac}, left)
+    ints = _round_shares(frac, {k: caps[k] for k in frac}, left, models)
     for k, v in ints.items():
         if v > 0:
             shares[k] = v
