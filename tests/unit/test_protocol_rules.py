@@ -200,8 +200,13 @@ def test_a_rank_keeps_the_cohort_of_its_last_round_after_it_stops():
     f.m.start(now_ms=0)
     f.m.handle(round_msg(1, 4, assign={5: 0}, cohort=2), now_ms=1)
     assert f.m.round_cohort == 2
+    # a publish (no assignment) counts a stopped leader out, and rounds after this rank stopped
+    # count it out: neither is the cohort it trained in
+    f.m.handle(round_msg(1, 5, assign={}, cohort=1), now_ms=2)
+    assert f.m.round_cohort == 2
     f.m.stop(now_ms=2)
-    assert f.m.round_cohort == 2 and f.m.state(2)["cohort"] == 0
+    f.m.handle(round_msg(1, 6, assign={6: 0}, cohort=1), now_ms=3)
+    assert f.m.round_cohort == 2 and f.m.state(3)["cohort"] == 0
     # a peer's count is shown bounded
     f = rig(5)
     f.m.start(now_ms=0)

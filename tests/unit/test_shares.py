@@ -958,6 +958,46 @@ def test_buckets_the_quorum_rule_does_not_wait_for_count_the_round_as_below_the_
     assert r.m.counters["rounds_below_global_batch"] == 1
 
 
+def test_a_leader_whose_compute_holds_its_loop_with_a_small_part_of_the_batch_is_planned_ready_first(monkeypatch):
+    # "Shares", a leader's head start: buckets that arrive while it computes are only bounded, so
+    # a leader with less than half of the global batch plans its own to be ready
+    # LEAD_HEAD_START_FRACTION * (1 - 2 f) of its turnaround before the others'
+    from tabcohort.protocol import machine as machine_mod
+    from tabcohort.protocol.shares import LEAD_HEAD_START_FRACTION, lead_head_start_ms
+
+    assert lead_head_start_ms(30.0, 0.1) == LEAD_HEAD_START_FRACTION * 30.0 * 0.8
+    assert lead_head_start_ms(30.0, 0.5) == 0.0 and lead_head_start_ms(30.0, 0.9) == 0.0
+    assert lead_head_start_ms(math.nan, 0.1) == 0.0 and lead_head_start_ms(30.0, math.inf) == 0.0
+    # the plan: eight equal ranks (0.1 ms a sample) share 128; 0.8 ms of head start is 8 samples,
+    # the others' 1.7 ms for 17 each
+    table = SpeedTable()
+    for k in range(1, 9):
+        table.observe(k, 16, 1.6)
+    caps = {k: 128 for k in range(1, 9)}
+    even, _ = plan_shares(128, list(range(1, 9)), caps, table)
+    early, _ = plan_shares(128, list(range(1, 9)), caps, table, head_start_ms={1: 0.8})
+    assert even == {k: 16 for k in range(1, 9)}
+    assert early == {1: 9, **{k: 17 for k in range(2, 9)}}, early
+    # the machine passes it after an own bucket that held its loop, and only then
+    calls = []
+    monkeypatch.setattr(machine_mod, "plan_shares", lambda *a, **k: calls.append(k.get("head_start_ms"))
+                        or plan_shares(*a, **k))
+    for held_ms, t0 in ((0.0, 0.0), (1.6, 100.0)):
+        r = leader_with(list(range(2, 9)), global_batch=128, now=t0)
+        r.m.start(now_ms=t0)
+        acts = r.drain()
+        own = [a for a in acts if isinstance(a, Compute) and a.own][-1]
+        col = r.m._collection
+        r.m.bucket_ready(own.token, *r.w.grads_sync(own.offset, own.samples), now_ms=t0 + 1.6, held_ms=held_ms)
+        for k in range(2, 9):
+            r.m.handle(grad(k, col.term, col.step, samples=col.shares[k]), now_ms=t0 + 2.5)
+        r.m.on_timer(now_ms=r.m.next_deadline_ms())          # (the next round, after its yield)
+        assert r.m._collection is not None and r.m._collection.step == 1
+        want = None if not held_ms else lead_head_start_ms(1.6, col.shares[1] / 128)
+        got = calls[-1]
+        assert (got is None if want is None else set(got) == {1} and math.isclose(got[1], want) and want > 0), (calls, want)
+
+
 def test_a_censored_bucket_counts_as_early_never_as_later_than_predicted():
     # PROTOCOL.md "Shares": a bucket handled right after the leader's own may have waited behind
     # the leader's compute; its turnaround is an upper bound, so it is counted as CENSORED_CREDIT

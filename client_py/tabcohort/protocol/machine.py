@@ -29,7 +29,7 @@ from .optim import TrainConfig, empty, outer_step
 from .optim import zeros as _zeros
 from .robust import (AGGREGATES, CONTRIBUTOR_SHARE_FRACTION, BiasMonitor, clip_to_median_norm, l2_norm,
                      trimmed_mean)
-from .shares import (CENSOR_WINDOW_MS, FOLLOW_INTERVAL_MS, censor_window_ms, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
+from .shares import (CENSOR_WINDOW_MS, lead_head_start_ms, FOLLOW_INTERVAL_MS, censor_window_ms, PROBE_EVERY, PROBE_INTERVAL_MS, REPLAN_INTERVAL_MS, SpeedTable,
                      paced_interval_ms, plan_shares)
 from .policy import Policy, Timing, policy
 from .roster import Roster
@@ -390,8 +390,8 @@ class RankMachine:
         self.step = start_step
         self.loss = math.nan          # last reduced loss (leader) or the leader's (follower)
         self.samples = 0              # samples in the last reduce
-        #: ranks in the cohort of the last round this rank sent or adopted (the round's
-        #: ``cohort``, PROTOCOL.md "Rounds"); 0 before any. Kept once stopped, so a stop line
+        #: ranks in the cohort of the last round with shares this rank sent or adopted while
+        #: running (the round's ``cohort``, PROTOCOL.md "Messages"); 0 before any. Kept once stopped, so a stop line
         #: can say the cohort the rank trained in (a follower's own roster may not yet hold a
         #: leader whose first beat it has not heard)
         self.round_cohort = 0
@@ -442,6 +442,9 @@ class RankMachine:
         # when this rank's own bucket of each of those rounds was handled ("Shares": a bucket
         # that queued behind the leader's own compute)
         self._own_bucket_ms: dict[tuple[int, int], float] = {}
+        # the turnaround of this rank's last own bucket when its compute held the loop (None:
+        # it did not): such a leader plans its own bucket to be ready first ("Shares")
+        self._own_held_turnaround_ms: float | None = None
         # each rank's last probe shares, oldest first: rank -> [(term, step, sent at, samples)],
         # at most _PROBES_KEPT. A probe is answered many rounds later in a fast cohort, long
         # after its round left _sent_rounds ("Shares")
@@ -1411,8 +1414,10 @@ class RankMachine:
         self.joining = False
         self.loss = float(msg["loss"])
         self.samples = int(msg["samples"])
-        # (display only; a peer's count is bounded like any other untrusted integer)
-        self.round_cohort = max(0, min(int(msg["cohort"]), _COHORT_SHOWN_MAX))
+        # (display only; a peer's count is bounded like any other untrusted integer. Not from a
+        # publish, which a stopped leader counts without itself, nor once this rank stopped)
+        if self.running and msg["assign"]:
+            self.round_cohort = max(0, min(int(msg["cohort"]), _COHORT_SHOWN_MAX))
         self._applied_steps += advanced
         self._applied_samples += self.samples * advanced
         self._adopt_seq += 1
@@ -1562,7 +1567,13 @@ class RankMachine:
                     and 0 <= now_ms - plan[1] < REPLAN_INTERVAL_MS):
                 shares, probing = dict(plan[2]), set()      # "Shares": the plan of 2 ms ago
             else:
-                shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe)
+                # "Shares": a leader whose compute holds its loop, with less than half of the
+                # global batch, is planned to be ready first
+                own_ms = self._own_held_turnaround_ms
+                head = None if own_ms is None else {
+                    self.id: lead_head_start_ms(own_ms, self.shares.get(self.id, 0) / self.global_batch)}
+                shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe,
+                                              head_start_ms=head)
                 for k in [k for k in probing if self._probe_in_flight(k, now_ms)]:
                     probing.discard(k)                      # its last probe is still being computed
                     shares.pop(k, None)
@@ -1719,8 +1730,11 @@ class RankMachine:
         else:
             self._own_bucket = (loss, samples, g)
             self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)
-            if held_ms > CENSOR_WINDOW_MS and (self.term, self._round_step) in self._sent_rounds:
+            sent = self._sent_rounds.get((self.term, self._round_step))
+            if held_ms > CENSOR_WINDOW_MS and sent is not None:
                 self._own_bucket_ms[(self.term, self._round_step)] = now_ms
+            self._own_held_turnaround_ms = (now_ms - sent[0] if held_ms > CENSOR_WINDOW_MS and sent is not None
+                                            else None)
         if col is None:
             self._finish_round(now_ms)
             return

@@ -65,6 +65,22 @@ PLAN_MIN_PER_SAMPLE = 1e-6
 CENSOR_WINDOW_MS = 0.5
 CENSOR_WINDOW_FRACTION = 0.02
 CENSORED_CREDIT = 0.65
+#: a leader whose own compute holds its loop is planned to be ready this fraction of its own
+#: turnaround before the others' buckets, scaled by ``1 - 2 f`` (``f`` its part of the global
+#: batch; nothing from half on): see :func:`lead_head_start_ms`
+LEAD_HEAD_START_FRACTION = 0.4
+
+
+def lead_head_start_ms(own_turnaround_ms: float, own_fraction: float) -> float:
+    """How much earlier (milliseconds) than the other ranks' buckets a leader whose compute holds
+    its loop plans its own to be ready ("Shares"): ``LEAD_HEAD_START_FRACTION`` of its own last
+    turnaround ``own_turnaround_ms``, times ``1 - 2 own_fraction`` (its share of the last round
+    over the global batch), at least 0. Buckets that then arrive as planned find the leader
+    reading, and are measured as they arrive instead of counted as early; its idle time costs
+    the cohort about its own part of the compute, so a leader with half of it or more has none."""
+    if not math.isfinite(own_turnaround_ms) or not math.isfinite(own_fraction):
+        return 0.0
+    return LEAD_HEAD_START_FRACTION * max(0.0, own_turnaround_ms) * max(0.0, 1.0 - 2.0 * own_fraction)
 
 
 def censor_window_ms(own_turnaround_ms: float) -> float:
@@ -235,7 +251,8 @@ def _round_shares(frac: Mapping[int, float], caps: Mapping[int, int], total: int
 
 
 def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: SpeedTable, *,
-                probe: bool = False) -> tuple[dict[int, int], set[int]]:
+                probe: bool = False, head_start_ms: Mapping[int, float] | None = None
+                ) -> tuple[dict[int, int], set[int]]:
     """The shares of one round (PROTOCOL.md, "Shares").
 
     Args:
@@ -244,6 +261,8 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         caps: each rank's declared maximum per bucket (its ``batch``), >= 1.
         table: the leader's turnaround statistics.
         probe: this round probes ranks that get no share with one sample each.
+        head_start_ms: ranks planned to be ready this much (milliseconds) before the others
+            (a leader whose compute holds its loop: :func:`lead_head_start_ms`).
 
     Returns:
         ``(shares, probing)``: samples per rank, each >= 1 (ranks with no share are left
@@ -287,6 +306,8 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         sp = table.speeds[k]
         a, b = sp.model()
         a += LATENESS_MARGIN * sp.lateness_ms()                  # a jittery rank finishes early
+        if head_start_ms:
+            a += max(0.0, head_start_ms.get(k, 0.0))
         models[k] = (a, max(b, PLAN_MIN_PER_SAMPLE * (a + b)))
     frac, excluded = _equal_finish(left, known, caps, models)
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left, models)

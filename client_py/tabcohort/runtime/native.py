@@ -810,6 +810,9 @@ class RankRun(RankSession):
                     except asyncio.TimeoutError:
                         pass
                     now = time.monotonic()
+                    if machine.running:
+                        # (the stop line says the cohort the rank trained in, as this rank saw it)
+                        self._cohort_seen = len(machine.cohort_ids(driver.now_ms()))
                     # (a rank that began to lead reports at once: docs/PROTOCOL.md "Roles")
                     began = self.lead_began(machine, driver)
                     report_due = now >= next_report or began
@@ -857,11 +860,13 @@ class RankRun(RankSession):
                 return st
             st = await self.leave(machine, driver, bus, final_report=final_report,
                                   upload=lambda final: self._upload(http, bus, machine, worker, digest, final=final))
-            # (the stop line says the cohort of the last round the rank trained in: a run shorter
-            # than --print-every printed no line while running and said "cohort 0", and a
-            # follower's own roster may not hold a leader whose first beat it has not yet heard)
+            # (the stop line says the cohort the rank trained in: the larger of what its roster held
+            # when last read while it ran and what its last round said. A run shorter than
+            # --print-every printed no line while running and said "cohort 0"; a follower's roster
+            # may not yet hold a leader whose first beat it has not heard, nor a leader's round
+            # count a follower whose first beat it has not heard)
             if machine.round_cohort:
-                self._cohort_seen = machine.round_cohort
+                self._cohort_seen = max(machine.round_cohort, self._cohort_seen or 0)
             self._print(time.monotonic() - t0, st, unless_same=True)
             behind = behind_step_limit(machine.step, machine.step_limit, str(self.stop_reason))
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}")
