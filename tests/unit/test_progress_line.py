@@ -1,6 +1,8 @@
 """The native rank's progress line: what it says beyond the numbers."""
 from __future__ import annotations
 
+import pytest
+
 from tabcohort.runtime.native import _below_global_batch
 
 
@@ -41,6 +43,10 @@ def test_the_stop_line_of_the_rank_that_led_still_says_me():
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": False, "running": False})
     assert "(me)" not in _line({"id": 0xB, "is_leader": False, "running": False})
     assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": True})
+    # a stopped leader hears no leader (itself no longer leads): its line said "leader - (me)"
+    # (a new-user trial); a follower whose leader is gone says "leader -"
+    assert "leader 0000000a (me)" in _line({"id": 0xA, "is_leader": False, "running": False, "leader_live": False})
+    assert "leader -  " in _line({"id": 0xB, "is_leader": False, "running": False, "leader_live": False})
     # a leader stopped before its first evaluation is not told that the leader evaluates
     line = _line({"id": 0xA, "is_leader": False, "running": False, "accuracy": None})
     assert "acc n/a " in line and "evaluated by the leader" not in line, line
@@ -172,3 +178,50 @@ def test_a_changed_learning_rate_is_said_once():
         run._print(1.0, {"step": step, "lr": lr, **base})
     said = [ln for ln in out if "learning rate now" in ln]
     assert len(said) == 1 and "(learning rate now 0.1, was 0.5)" in said[0] and "step      3" in said[0], out
+
+
+@pytest.mark.needs_loop
+def test_a_final_checkpoint_the_server_did_not_take_is_said_on_the_stop_line(capsys):
+    # a new-user trial: the server was stopped mid-run, the rank trained alone until it gave up
+    # reconnecting, and 13,168 steps were gone with no word; its upload error read
+    # "ClientConnectorError: Cannot connect to host ... ssl:default"
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from tabcohort.runtime.native import RankConfig, RankRun
+
+    from .machine_helpers import SeatBus, rig
+
+    async def main() -> tuple[str, str, str]:
+        app = web.Application()
+        app.router.add_put("/api/rooms/d/checkpoint", lambda request: web.Response(text="ok"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        r = rig(1, ready=True)
+        bus = SeatBus()
+        bus.secret, bus.connected, bus.server_base = "s", True, f"http://127.0.0.1:{port}"
+        run = RankRun(RankConfig.from_sources({"server": bus.server_base, "room": "d"}, {}), progress=print)
+        async with aiohttp.ClientSession() as http:
+            r.m.step = 40
+            await run._upload(http, bus, r.m, r.w, lambda: "", final=False)     # stored: step 40
+            ok = run._not_stored_note(40)
+            await runner.cleanup()                                               # the server goes
+            r.m.step = 90
+            await run._upload(http, bus, r.m, r.w, lambda: "", final=True)
+            gone = run._not_stored_note(90)
+        fresh = RankRun(RankConfig.from_sources({"server": bus.server_base, "room": "d"}, {}), progress=print)
+        async with aiohttp.ClientSession() as http:
+            await fresh._upload(http, bus, r.m, r.w, lambda: "", final=True)
+        return ok, gone, fresh._not_stored_note(90)
+
+    ok, gone, never = asyncio.run(main())
+    assert ok == ""
+    assert "final checkpoint (step 90) was NOT stored" in gone and "the last it stored is of step 40" in gone, gone
+    assert "no checkpoint of it was stored" in never, never
+    err = capsys.readouterr().err
+    assert "is unreachable (ClientConnectorError); training goes on" in err and "ssl:default" not in err, err

@@ -538,6 +538,10 @@ class RankRun(RankSession):
         self._diverged_shown = 0                      # the diverged count the progress lines have said
         self._no_share_said = False                   # why a follower has no share: said once
         self._cohort_seen: int | None = None          # the cohort on the last line while running
+        #: the step of this rank's last checkpoint the server stored (None: none yet), and
+        #: whether its final upload was tried and not stored (its stop line says so)
+        self._stored_step: int | None = None
+        self._final_not_stored = False
         self._lead_shown: int | None = None           # the leader the last line named
         self._unreachable_shown = False               # the last line said the server is unreachable
         self._no_share_lines = 0                      # progress lines in a row with no share, running
@@ -869,7 +873,8 @@ class RankRun(RankSession):
                 self._cohort_seen = max(machine.round_cohort, self._cohort_seen or 0)
             self._print(time.monotonic() - t0, st, unless_same=True)
             behind = behind_step_limit(machine.step, machine.step_limit, str(self.stop_reason))
-            self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}")
+            self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}"
+                          + self._not_stored_note(machine.step))
             await driver.close()
             await bus.aclose()
         return 1 if self.failed else 0
@@ -987,7 +992,8 @@ class RankRun(RankSession):
         self._unreachable_shown = unreachable
         # (a leader no longer heard is no leader: a contributor whose trainer had left named it on
         # every line while it said it waited for a rank that may lead, a new-user trial)
-        shown = None if st.get("leader_live") is False else lead
+        # (but a stopped leader's own line names it: "leader - (me)" said no leader was heard)
+        shown = None if st.get("leader_live") is False and not me else lead
         self.progress(f"[{t:6.1f}s] step {st['step']:6d}  leader {'-' if shown is None else f'{shown:08x}'}"
                       f"{' (me)' if me else '     '}"
                       f"  cohort {cohort}{_share_text(st)}  "
@@ -1024,19 +1030,41 @@ class RankRun(RankSession):
                 "arrive through the server; it follows every round, is probed with a sample now and then, and "
                 "gets a share when a round's compute outweighs that trip: a larger --global-batch or model)")
 
+    def _not_stored_note(self, step: int) -> str:
+        """What the stop line of a rank whose final checkpoint upload failed adds (a new-user
+        trial: a server stopped mid-run, the rank trained alone for 30 s, and 13,168 steps were
+        gone with no word); empty otherwise."""
+        if not self._final_not_stored:
+            return ""
+        last = (f"the last it stored is of step {self._stored_step}" if self._stored_step is not None
+                else "no checkpoint of it was stored")
+        return (f"; its final checkpoint (step {step}) was NOT stored: the server did not take it, and "
+                f"{last} (README \"Stopping\")")
+
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
         up = checkpoint_upload(machine, worker, bus, self.progress, final=final)
         if up is None:
             return
         data, h = up[0], {**self._headers(), **up[1]}
+        step = machine.step
         # the node the bus is linked to now (a cluster moves it to the room's owner): no redirect
         url = f"{bus.server_base}/api/rooms/{self.cfg.room}/checkpoint"
+        stored = False
         try:
             async with http.put(url, data=data, headers=h) as r:
+                stored = r.status == 200
                 if r.status not in (200, 409):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
+        except (OSError, asyncio.TimeoutError) as e:  # (aiohttp's connection errors are OSErrors)
+            # (a new-user trial saw "ClientConnectorError: Cannot connect to host ... ssl:default")
+            print(f"checkpoint upload failed: the server at {redact_url(bus.server_base)} is unreachable "
+                  f"({type(e).__name__}); training goes on", file=sys.stderr, flush=True)
         except Exception as e:  # a failed upload must not stop training
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if stored:
+            self._stored_step = step
+        if final:
+            self._final_not_stored = not stored
 
 
 def node_redirect(url: str, location: str) -> str | None:
