@@ -208,6 +208,10 @@ class _Parser(argparse.ArgumentParser):
             message = f"{c.group(1)}={c.group(2)}: invalid choice {c.group(3)}"
         elif message.startswith("argument "):
             message = message[len("argument "):]
+            # (a type's own message names the option with its value: "--hidden: --hidden='0': ...")
+            o = re.match(r"(\S+): (?=\1=)", message)
+            if o:
+                message = message[o.end():]
         self.exit(2, f"tabcohort: configuration error: {message} (see {self.prog} --help)\n")
 
 

@@ -166,7 +166,7 @@ class JobConfig:
             # a rank's share is at most the global batch: a larger cap could never apply, and
             # read as "each rank computes this many" it misleads (docs/PROTOCOL.md "Shares")
             raise bad("batch", f"is the most samples one rank computes per round, so at most the global batch "
-                               f"(global_batch, serve's --global-batch: {self.global_batch}); raise that, or give "
+                               f"(serve's --global-batch, a rooms file's global_batch: {self.global_batch}); raise that, or give "
                                f"0 (= the global batch)")
         for name in ("steps", "seed", "eval_every"):
             v = getattr(self, name)

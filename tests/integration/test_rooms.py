@@ -252,8 +252,8 @@ def test_config_errors_name_the_setting():
         ServerConfig(rooms={"r": JobConfig(lr_max=0.0)}).validate()
     # a rank's cap above the global batch could never apply (serve --batch 128 with the default
     # --global-batch 64 was taken silently); equal, or 0 (= the global batch), is fine
-    with pytest.raises(ConfigError, match=r"batch=128: .* at most the global batch \(global_batch, serve's "
-                                          r"--global-batch: 64\); raise that"):
+    with pytest.raises(ConfigError, match=r"batch=128: .* at most the global batch \(serve's --global-batch, "
+                                          r"a rooms file's global_batch: 64\); raise that"):
         ServerConfig(rooms={"r": JobConfig(batch=128, global_batch=64)}).validate()
     ServerConfig(rooms={"r": JobConfig(batch=64, global_batch=64)}).validate()
     ServerConfig(rooms={"r": JobConfig(batch=0, global_batch=64)}).validate()

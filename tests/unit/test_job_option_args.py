@@ -40,6 +40,8 @@ def test_a_value_argparse_refuses_is_said_in_the_form_every_other_bad_setting_ha
     for argv, said in ((["simulate", "--ranks", "abc"], "--ranks='abc': invalid int value (see tabcohort simulate --help)"),
                        (["serve", "--port", "x1"], "--port='x1': invalid int value (see tabcohort serve --help)"),
                        (["simulate", "--ranks"], "--ranks: expected one argument"),
+                       # (a type's own message names the option once: "--hidden: --hidden='0': ...")
+                       (["simulate", "--hidden", "0"], "--hidden='0': layer widths must be positive integers (see "),
                        (["bogus"], "COMMAND='bogus': invalid choice (choose from ")):
         try:
             rc = main(argv)

@@ -1027,8 +1027,9 @@ class RankRun(RankSession):
             return ""
         self._no_share_said = True
         return ("  (no share: the other ranks finish the global batch before one bucket of this rank would "
-                "arrive through the server; it follows every round, is probed with a sample now and then, and "
-                "gets a share when a round's compute outweighs that trip: a larger --global-batch or model)")
+                "reach the leader (its compute and its path there); it follows every round, is probed with a "
+                "sample now and then, and gets a share when a round's compute outweighs that trip: a larger "
+                "--global-batch or model)")
 
     def _not_stored_note(self, step: int) -> str:
         """What the stop line of a rank whose final checkpoint upload failed adds (a new-user
