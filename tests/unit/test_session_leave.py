@@ -218,3 +218,25 @@ def test_a_follower_that_reads_the_rooms_stop_then_the_others_leaving_does_not_t
         return m
     m = asyncio.run(go())
     assert not m.is_leader(m._last_input_ms) and m.counters["takeover"] == 0 and m.step == 11
+
+
+@pytest.mark.needs_loop
+def test_a_leader_whose_link_to_the_server_failed_uploads_nothing_and_remembers_it():
+    # README "Stopping": a server not back within the reconnect bound; the leader's stop line says
+    # its final checkpoint was not stored (it said nothing: a new-user trial lost 13,168 steps)
+    uploads: list[bool] = []
+
+    async def upload(final: bool) -> None:
+        uploads.append(final)
+
+    for failed in ("gave up reconnecting after 29 s without the server", None):
+        s = RankSession()
+        s.progress = lambda line: None
+        machine = SimpleNamespace(id=1, looping=False, ready=True, at_step_limit=False, counters={}, step=9,
+                                  is_leader=lambda now_ms: True, leader_heard=lambda now_ms: True,
+                                  cohort_ids=lambda now_ms: [1], republish_pending=lambda now_ms: False)
+        driver = SimpleNamespace(stop=lambda: None, now_ms=lambda: 0.0)
+        bus = SimpleNamespace(failed=failed, connected=not failed, queued_bytes=lambda: 0)
+        asyncio.run(s.leave(machine, driver, bus, upload=upload, final_report=lambda: {}, poll_s=0.005))
+        assert s.final_upload_skipped is bool(failed)
+    assert uploads == [True]

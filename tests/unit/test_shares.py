@@ -1018,3 +1018,20 @@ def test_a_censored_bucket_counts_as_early_never_as_later_than_predicted():
     shares, _ = plan_shares(64, [1, 7], {1: 64, 7: 64}, t)
     assert shares[7] > shares[1]                    # credited: planned more than the equal rank
 
+
+
+def test_a_head_start_that_would_leave_the_leader_out_of_its_own_round_is_not_taken():
+    # (a reviewer: a leader with a fixed cost of 2 ms among fifteen ranks of 1 ms, its head start
+    # added, was left out of the plan; its own bucket, always reduced, then made the round 257
+    # samples of a global batch of 256)
+    r = leader_with(list(range(2, 17)), global_batch=256, batches={k: 256 for k in range(2, 17)})
+    for s_, t in ((10, 4.0), (20, 6.0), (10, 4.0)):
+        r.m.speeds.observe(1, s_, t)
+        for k in range(2, 17):
+            r.m.speeds.observe(k, s_, 1.0 + 0.1 * s_)
+    r.m._own_held_turnaround_ms = 2.6          # (its last own bucket held its loop)
+    r.m.shares = {1: 3}
+    r.m.start(now_ms=0)
+    r.drain()
+    shares = r.m._collection.shares
+    assert sum(shares.values()) == 256 and shares.get(1, 0) >= 1, shares

@@ -1478,6 +1478,7 @@ class RankMachine:
 
     def _end_loop(self) -> None:
         self._spread_pending = None
+        self._own_held_turnaround_ms = None   # (a later lead measures its own anew)
         self._phase = None
         self._phase_deadline_ms = None
         self._collection = None
@@ -1574,6 +1575,10 @@ class RankMachine:
                     self.id: lead_head_start_ms(own_ms, self.shares.get(self.id, 0) / self.global_batch)}
                 shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe,
                                               head_start_ms=head)
+                if head is not None and shares.get(self.id, 0) <= 1 and self.id in planned:
+                    # the head start left this rank (nearly) out of its own round: planned without
+                    # it (the round then covers the global batch with its own bucket in it)
+                    shares, probing = plan_shares(self.global_batch, planned, batches, self.speeds, probe=probe)
                 for k in [k for k in probing if self._probe_in_flight(k, now_ms)]:
                     probing.discard(k)                      # its last probe is still being computed
                     shares.pop(k, None)
@@ -1721,6 +1726,7 @@ class RankMachine:
         finite, norm = self._finite_and_norm(col, g)
         if len(g) != self.worker.bucket_len or not finite or not math.isfinite(loss) or samples <= 0:
             self.drops["own_bucket_invalid"] += 1
+            self._own_held_turnaround_ms = None
             if len(g) == self.worker.bucket_len and samples > 0:
                 # "Leader: driving one round", step 5: the job's own loss or gradients are not
                 # finite; a round this leaves with no bucket counts as diverged

@@ -307,7 +307,8 @@ def plan_shares(total: int, ids: Sequence[int], caps: Mapping[int, int], table: 
         a, b = sp.model()
         a += LATENESS_MARGIN * sp.lateness_ms()                  # a jittery rank finishes early
         if head_start_ms:
-            a += max(0.0, head_start_ms.get(k, 0.0))
+            h = head_start_ms.get(k, 0.0)
+            a += h if math.isfinite(h) and h > 0 else 0.0
         models[k] = (a, max(b, PLAN_MIN_PER_SAMPLE * (a + b)))
     frac, excluded = _equal_finish(left, known, caps, models)
     ints = _round_shares(frac, {k: caps[k] for k in frac}, left, models)

@@ -852,6 +852,7 @@ class RankRun(RankSession):
                 # worker's parameters and the step; the next round (or, when no rank is ready,
                 # the bootstrap: PROTOCOL.md "Joining") syncs it
                 self.rejoined(machine)
+                self._stored_step = None            # (the server that refused the seat may not hold it)
                 await driver.close()
                 await bus.aclose()
                 self.progress(f"rank {bus.id:08x}: the server refused its resume; rejoining as a new rank "
@@ -871,6 +872,8 @@ class RankRun(RankSession):
             # count a follower whose first beat it has not heard)
             if machine.round_cohort:
                 self._cohort_seen = max(machine.round_cohort, self._cohort_seen or 0)
+            if getattr(self, "final_upload_skipped", False):
+                self._final_not_stored = True
             self._print(time.monotonic() - t0, st, unless_same=True)
             behind = behind_step_limit(machine.step, machine.step_limit, str(self.stop_reason))
             self.progress(f"stopped ({self.stop_reason}); step {machine.step}{behind}, digest {st['digest'][:16]}"
@@ -1037,35 +1040,39 @@ class RankRun(RankSession):
         gone with no word); empty otherwise."""
         if not self._final_not_stored:
             return ""
-        last = (f"the last it stored is of step {self._stored_step}" if self._stored_step is not None
-                else "no checkpoint of it was stored")
-        return (f"; its final checkpoint (step {step}) was NOT stored: the server did not take it, and "
-                f"{last} (README \"Stopping\")")
+        last = (f"the last this rank stored is of step {self._stored_step}" if self._stored_step is not None
+                else "this rank stored no checkpoint")
+        return (f"; its final checkpoint (step {step}) was NOT stored (the server was unreachable or refused "
+                f"it); {last} (README \"Stopping\")")
 
     async def _upload(self, http: Any, bus: Any, machine: Any, worker: Any, digest: Callable, *, final: bool) -> None:
         up = checkpoint_upload(machine, worker, bus, self.progress, final=final)
         if up is None:
             return
+        import aiohttp
+
         data, h = up[0], {**self._headers(), **up[1]}
         step = machine.step
         # the node the bus is linked to now (a cluster moves it to the room's owner): no redirect
         url = f"{bus.server_base}/api/rooms/{self.cfg.room}/checkpoint"
-        stored = False
+        status = 0      # (409: the room holds a newer checkpoint already, stored by another)
         try:
             async with http.put(url, data=data, headers=h) as r:
-                stored = r.status == 200
+                status = r.status
                 if r.status not in (200, 409):
                     self.progress(f"checkpoint upload: HTTP {r.status} {await r.text()}")
-        except (OSError, asyncio.TimeoutError) as e:  # (aiohttp's connection errors are OSErrors)
+        except aiohttp.ClientSSLError as e:
+            print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             # (a new-user trial saw "ClientConnectorError: Cannot connect to host ... ssl:default")
             print(f"checkpoint upload failed: the server at {redact_url(bus.server_base)} is unreachable "
                   f"({type(e).__name__}); training goes on", file=sys.stderr, flush=True)
         except Exception as e:  # a failed upload must not stop training
             print(f"checkpoint upload failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        if stored:
+        if status == 200:
             self._stored_step = step
         if final:
-            self._final_not_stored = not stored
+            self._final_not_stored = status not in (200, 409)
 
 
 def node_redirect(url: str, location: str) -> str | None:

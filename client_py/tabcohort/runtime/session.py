@@ -628,6 +628,9 @@ class RankSession:
                           if heard else
                           f"stopping: no leader is heard in this room, so no final publication comes; this rank "
                           f"keeps the parameters of step {machine.step}, the last round it followed")
+        #: a leader whose link to the server had failed uploads no final checkpoint (its stop
+        #: line says so: README "Stopping")
+        self.final_upload_skipped = bool(was_leader and bus.failed)
         if was_leader and not bus.failed:
             await upload(True)       # (evaluated first: the final checkpoint's accuracy is its own model's)
             # a member that missed the publish (a lost frame) is sent it again at the heartbeats
