@@ -1737,10 +1737,10 @@ class RankMachine:
             self._own_bucket = (loss, samples, g)
             self._observe_turnaround(self.id, self.term, self._round_step, samples, now_ms)
             sent = self._sent_rounds.get((self.term, self._round_step))
-            if held_ms > CENSOR_WINDOW_MS and sent is not None:
+            held = held_ms > CENSOR_WINDOW_MS and sent is not None
+            if held:
                 self._own_bucket_ms[(self.term, self._round_step)] = now_ms
-            self._own_held_turnaround_ms = (now_ms - sent[0] if held_ms > CENSOR_WINDOW_MS and sent is not None
-                                            else None)
+            self._own_held_turnaround_ms = now_ms - sent[0] if held else None
         if col is None:
             self._finish_round(now_ms)
             return

@@ -235,7 +235,8 @@ def _round_shares(frac: Mapping[int, float], caps: Mapping[int, int], total: int
         finish = max((models[k][0] + models[k][1] * v for k, v in frac.items() if v > 0), default=0.0)
         after = {k: models[k][0] + models[k][1] * (ints[k] + 1) for k in order}
         late = sorted((k for k in order if after[k] > SLOW_MARGIN * finish), key=lambda k: (after[k], k))
-        order = [k for k in order if k not in set(late)] + late
+        late_set = set(late)
+        order = [k for k in order if k not in late_set] + late
     while left > 0:
         moved = False
         for k in order:

@@ -872,7 +872,7 @@ class RankRun(RankSession):
             # count a follower whose first beat it has not heard)
             if machine.round_cohort:
                 self._cohort_seen = max(machine.round_cohort, self._cohort_seen or 0)
-            if getattr(self, "final_upload_skipped", False):
+            if self.final_upload_skipped:
                 self._final_not_stored = True
             self._print(time.monotonic() - t0, st, unless_same=True)
             behind = behind_step_limit(machine.step, machine.step_limit, str(self.stop_reason))

@@ -356,6 +356,9 @@ class RankSession:
         self.room_stopping = False
         self.room_stop_s = 0.0
         self._publish_since_s = math.inf   # (set by leave())
+        #: set by :meth:`leave`: this rank led, and its link to the server had failed, so it
+        #: uploaded no final checkpoint (its stop line says so: README "Stopping")
+        self.final_upload_skipped = False
         self.driver: Any = None
         self.bus: Any = None
         self.start_step = 0
@@ -628,8 +631,6 @@ class RankSession:
                           if heard else
                           f"stopping: no leader is heard in this room, so no final publication comes; this rank "
                           f"keeps the parameters of step {machine.step}, the last round it followed")
-        #: a leader whose link to the server had failed uploads no final checkpoint (its stop
-        #: line says so: README "Stopping")
         self.final_upload_skipped = bool(was_leader and bus.failed)
         if was_leader and not bus.failed:
             await upload(True)       # (evaluated first: the final checkpoint's accuracy is its own model's)
