@@ -10,6 +10,7 @@ import pytest
 
 from tabcohort._compat import np
 from tabcohort.errors import ConfigError
+from tabcohort.model import sources
 from tabcohort.model.data import Dataset, load_dataset
 
 
@@ -158,6 +159,35 @@ def test_digits_loads_scaled_and_split():
     assert set(ds.y_test) <= set(range(10))
     assert load_dataset("digits", seed=0).content_hash() == ds.content_hash()
     assert load_dataset("digits", seed=1).content_hash() != ds.content_hash()
+
+
+def test_digits_read_from_the_file_equal_sklearn_s_load_digits():
+    """The data file is read without importing scikit-learn (2 s of CPU per process); the values
+    are load_digits's, bit for bit."""
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+    assert sources._digits_file() is not None
+    _, x, y, f, c = sources.digits()
+    bunch = load_digits()
+    assert (f, c) == (64, 10)
+    assert x.tobytes() == (bunch.data / 16.0).astype("=f4").tobytes()
+    assert list(y) == bunch.target.tolist()
+
+
+@pytest.mark.parametrize("text", ["", "1,2,3\n", "0," * 64 + "10\n", ("0," * 64 + "1\n") * 1796,
+                                  ("0," * 63 + "17,1\n") * 1797, ("0," * 64 + "x\n") * 1797],
+                         ids=["empty", "short-row", "class-10", "1796-rows", "pixel-17", "not-a-number"])
+def test_a_digits_file_that_is_not_the_table_falls_back_to_load_digits(tmp_path, monkeypatch, text):
+    import gzip
+    import importlib.machinery
+    import importlib.util
+    (tmp_path / "sklearn" / "datasets" / "data").mkdir(parents=True)
+    with gzip.open(tmp_path / "sklearn" / "datasets" / "data" / "digits.csv.gz", "wt") as f:
+        f.write(text)
+    spec = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "sklearn")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else None)
+    assert sources._digits_file() is None
 
 
 def test_digits_without_sklearn_says_how_to_install(monkeypatch):

@@ -32,27 +32,55 @@ def reject_opts(source: str, opts: dict[str, Any], allowed: Iterable[str]) -> No
 
 
 def digits() -> Source:
-    """scikit-learn's handwritten digits, through ``sklearn.datasets.load_digits``.
+    """scikit-learn's handwritten digits (the UCI optical digits test set).
 
     Returns 1797 samples of 64 features (8x8 pixel intensities 0..16, divided by 16 so they lie
     in [0, 1]; exact in float32) and 10 classes.
 
+    The data file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, the one
+    ``sklearn.datasets.load_digits`` parses) is read directly: importing ``sklearn.datasets``
+    costs about 2 s of CPU (it imports scipy), paid by every rank and server process at start.
+    A file that is missing or not the expected 1797 x 65 table of integers falls back to
+    ``load_digits``; both give the same values (a unit test compares them).
+
     Raises:
         ConfigError: scikit-learn is not installed.
     """
+    rows = _digits_file()
+    if rows is None:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            raise ConfigError("dataset", "digits", "the digits dataset needs scikit-learn: "
+                              "pip install scikit-learn") from None
+        bunch = load_digits()
+        rows = [[int(v) for v in r] + [int(t)] for r, t in zip(bunch.data.tolist(), bunch.target.tolist())]
+    x = array("f", [v / 16.0 for r in rows for v in r[:_DIGITS_FEATURES]])
+    y = array(_INT32, [r[_DIGITS_FEATURES] for r in rows])
+    return "digits", x, y, _DIGITS_FEATURES, 10
+
+
+_DIGITS_ROWS, _DIGITS_FEATURES = 1797, 64
+
+
+def _digits_file() -> list[list[int]] | None:
+    """The rows of scikit-learn's ``digits.csv.gz`` (64 pixels 0..16, then the class 0..9), found
+    without importing scikit-learn; None when the file is missing or not that table."""
+    import gzip
+    import importlib.util
     try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ConfigError("dataset", "digits", "the digits dataset needs scikit-learn: "
-                          "pip install scikit-learn") from None
-    bunch = load_digits()
-    data, target = bunch.data, bunch.target
-    n, f = data.shape
-    x = array("f")
-    x.frombytes((data / 16.0).astype("=f4").tobytes())
-    y = array(_INT32)
-    y.frombytes(target.astype("=i4").tobytes())
-    return "digits", x, y, f, 10
+        spec = importlib.util.find_spec("sklearn")
+        where = spec.submodule_search_locations if spec is not None else None
+        if not where:
+            return None
+        with gzip.open(os.path.join(list(where)[0], "datasets", "data", "digits.csv.gz"), "rt") as f:
+            rows = [[int(v) for v in line.split(",")] for line in f.read().splitlines() if line]
+    except (OSError, ValueError, EOFError, ImportError):
+        return None
+    ok = (len(rows) == _DIGITS_ROWS
+          and all(len(r) == _DIGITS_FEATURES + 1 and 0 <= min(r) and max(r[:-1]) <= 16 and r[-1] <= 9
+                  for r in rows))
+    return rows if ok else None
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:
