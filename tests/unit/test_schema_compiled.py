@@ -138,6 +138,12 @@ def test_a_report_of_thousands_of_per_rank_entries_costs_a_fraction_of_jsonschem
         assert min(ours) < 0.4 * min(theirs), (list(state), min(ours), min(theirs))
 
 
+def test_every_schema_is_a_valid_draft_2020_12_schema():
+    from jsonschema import Draft202012Validator
+    for sch in [schema.REGISTER, *schema.CONTROL_SCHEMAS.values(), *schema.SERVER_CONTROL_SCHEMAS.values()]:
+        Draft202012Validator.check_schema(sch)
+
+
 def _timed(f, *a) -> float:
     t0 = time.perf_counter()
     f(*a)
