@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what tabcohort itself needs (idempotent, quiet): the package, editable, with its
-# runtime extras (digits: scikit-learn's loader; lan: zeroconf for discovery) and the Node
+# runtime extras (digits: scikit-learn, which ships the data set; lan: zeroconf for discovery) and the Node
 # packages (npm ci: Pyodide served to tabs, uPlot for the page's charts). Nothing for the tests:
 # scripts/install-test.sh adds those.
 # Prerequisites: Python >= 3.11 with pip; Node >= 20 with npm (without it the page boots Pyodide

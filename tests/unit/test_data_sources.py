@@ -162,22 +162,28 @@ def test_digits_loads_scaled_and_split():
 
 
 def test_digits_read_from_the_file_equal_sklearn_s_load_digits():
-    """The data file is read without importing scikit-learn (2 s of CPU per process); the values
-    are load_digits's, bit for bit."""
+    """The data file is read without importing scikit-learn (2 s of CPU per serve start): in a
+    fresh interpreter neither sklearn nor scipy is imported, and the values are load_digits's,
+    bit for bit."""
     pytest.importorskip("sklearn")
+    import subprocess
+    code = ("import sys; from tabcohort.model import sources; s = sources.digits(); "
+            "print(s[3], s[4], len(s[1]), len(s[2]), 'sklearn' in sys.modules, 'scipy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["64", "10", str(1797 * 64), "1797", "False", "False"], out.stderr[-2000:]
     from sklearn.datasets import load_digits
-    assert sources._digits_file() is not None
-    _, x, y, f, c = sources.digits()
+    rows = sources._digits_file()
+    assert rows is not None
     bunch = load_digits()
-    assert (f, c) == (64, 10)
-    assert x.tobytes() == (bunch.data / 16.0).astype("=f4").tobytes()
-    assert list(y) == bunch.target.tolist()
+    want_x = (bunch.data / 16.0).astype("=f4").tobytes()
+    assert array("f", [v / 16.0 for r in rows for v in r[:64]]).tobytes() == want_x
+    assert [r[64] for r in rows] == bunch.target.tolist()
+    _, x, y, f, c = sources.digits()
+    assert (f, c) == (64, 10) and x.tobytes() == want_x and list(y) == bunch.target.tolist()
 
 
-@pytest.mark.parametrize("text", ["", "1,2,3\n", "0," * 64 + "10\n", ("0," * 64 + "1\n") * 1796,
-                                  ("0," * 63 + "17,1\n") * 1797, ("0," * 64 + "x\n") * 1797],
-                         ids=["empty", "short-row", "class-10", "1796-rows", "pixel-17", "not-a-number"])
-def test_a_digits_file_that_is_not_the_table_falls_back_to_load_digits(tmp_path, monkeypatch, text):
+def _fake_sklearn(tmp_path, monkeypatch, text: str) -> None:
+    """``find_spec("sklearn")`` points at a directory whose digits file holds ``text``."""
     import gzip
     import importlib.machinery
     import importlib.util
@@ -186,7 +192,42 @@ def test_a_digits_file_that_is_not_the_table_falls_back_to_load_digits(tmp_path,
         f.write(text)
     spec = importlib.machinery.ModuleSpec("sklearn", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path / "sklearn")]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else real(name, *a))
+
+
+_ROW = "0," * 64 + "3\n"
+
+
+def test_a_digits_file_that_is_the_table_is_read(tmp_path, monkeypatch):
+    _fake_sklearn(tmp_path, monkeypatch, _ROW.replace("\n", "\r\n") * 1797 + "\n")
+    rows = sources._digits_file()
+    assert rows is not None and len(rows) == 1797 and rows[0] == [0] * 64 + [3]
+
+
+@pytest.mark.parametrize("text", ["", _ROW * 1796, "1,2,3\n" * 1797, "0," * 63 + "7,7,3\n" * 1797,
+                                  ("0," * 64 + "10\n") * 1797, ("0," * 63 + "17,1\n") * 1797,
+                                  ("-1," + "0," * 63 + "1\n") * 1797, ("0," * 64 + "x\n") * 1797,
+                                  ("0," * 64 + "\u0663\n") * 1797],
+                         ids=["empty", "1796-rows", "short-rows", "66-columns", "class-10", "pixel-17",
+                              "negative", "not-a-number", "not-ascii"])
+def test_a_digits_file_that_is_not_the_table_falls_back_to_load_digits(tmp_path, monkeypatch, text):
+    _fake_sklearn(tmp_path, monkeypatch, text)
+    assert sources._digits_file() is None
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        return
+    _, x, y, _, _ = sources.digits()         # (the fallback: load_digits's values)
+    assert x.tobytes() == (load_digits().data / 16.0).astype("=f4").tobytes()
+
+
+def test_a_corrupt_digits_file_falls_back(tmp_path, monkeypatch):
+    _fake_sklearn(tmp_path, monkeypatch, _ROW * 1797)
+    f = tmp_path / "sklearn" / "datasets" / "data" / "digits.csv.gz"
+    data = bytearray(f.read_bytes())
+    data[20:40] = b"\xff" * 20              # (inside the deflate stream)
+    f.write_bytes(bytes(data))
     assert sources._digits_file() is None
 
 

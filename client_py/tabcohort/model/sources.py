@@ -39,7 +39,8 @@ def digits() -> Source:
 
     The data file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, the one
     ``sklearn.datasets.load_digits`` parses) is read directly: importing ``sklearn.datasets``
-    costs about 2 s of CPU (it imports scipy), paid by every rank and server process at start.
+    costs about 2 s of CPU (it imports scipy), which every ``serve`` (and ``simulate``) process
+    paid at start (ranks never load the data: they fetch it from the server).
     A file that is missing or not the expected 1797 x 65 table of integers falls back to
     ``load_digits``; both give the same values (a unit test compares them).
 
@@ -68,15 +69,17 @@ def _digits_file() -> list[list[int]] | None:
     without importing scikit-learn; None when the file is missing or not that table."""
     import gzip
     import importlib.util
+    import zlib
     try:
         spec = importlib.util.find_spec("sklearn")
         where = spec.submodule_search_locations if spec is not None else None
         if not where:
             return None
-        with gzip.open(os.path.join(list(where)[0], "datasets", "data", "digits.csv.gz"), "rt") as f:
+        with gzip.open(os.path.join(list(where)[0], "datasets", "data", "digits.csv.gz"), "rt",
+                       encoding="ascii") as f:
             rows = [[int(v) for v in line.split(",")] for line in f.read().splitlines() if line]
-    except (OSError, ValueError, EOFError, ImportError):
-        return None
+    except (OSError, ValueError, EOFError, ImportError, TypeError, zlib.error):   # (a corrupt
+        return None                                              # deflate stream: zlib.error)
     ok = (len(rows) == _DIGITS_ROWS
           and all(len(r) == _DIGITS_FEATURES + 1 and 0 <= min(r) and max(r[:-1]) <= 16 and r[-1] <= 9
                   for r in rows))
