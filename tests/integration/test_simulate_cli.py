@@ -164,6 +164,15 @@ def test_the_output_says_each_rank_s_share_of_the_global_batch_and_its_measured_
     assert sum(res["shares"].values()) == 96 and len(res["speeds"]) == 3, res
 
 
+def test_the_json_document_lists_a_rank_without_a_share_with_0():
+    # (it listed only the ranks the last round gave samples: a rank left out was nowhere in it)
+    r = simulate("--ranks", "3", "--dataset", "synthetic", "--steps", "30", "--global-batch", "2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert set(res["shares"]) == set(res["digests"]) and len(res["shares"]) == 3, res["shares"]
+    assert sum(res["shares"].values()) == 2 and 0 in res["shares"].values(), res["shares"]
+
+
 def test_a_run_that_ends_inside_its_partition_says_why_the_ranks_differ():
     # a new user's run of README's partition example ended "NO" with no word on why: the run
     # was over before the heal, and the side that paused never saw the last rounds

@@ -167,8 +167,9 @@ class InprocResult:
     digests: dict[int, str]
     leaders: list[int]
     events: list[str]
-    #: the last leader's shares of the global batch (samples per rank, by 8-hex-digit id) and its
-    #: measured throughput of each rank (samples/s) (PROTOCOL.md "Shares"); empty without a leader
+    #: the last leader's shares of the global batch (samples per rank, by 8-hex-digit id: every
+    #: rank of the run, 0 for one the round gave no share) and its measured throughput of each
+    #: rank (samples/s) (PROTOCOL.md "Shares"); empty without a leader
     shares: dict[str, int] = field(default_factory=dict)
     speeds: dict[str, float] = field(default_factory=dict)
     #: why the ranks may not have ended on one model (a partition still open, or healed only
@@ -565,10 +566,13 @@ class InprocCohort:
         loss = best.machine.loss
         for d in list(self.drivers.values()):
             await d.close()
+        shares = dict(st.get("shares") or {})
+        if shares:     # (a round names only the ranks it gives samples: the others have 0)
+            shares = {f"{k:08x}": 0 for k in sorted(ds)} | shares
         return InprocResult(steps=steps, accuracy=acc, loss=loss,
                             samples_per_s=samples / seconds if seconds > 0 else 0.0, seconds=seconds,
                             bit_identical=len(set(ds.values())) == 1, digests=ds, leaders=leaders,
-                            events=self.events, shares=dict(st.get("shares") or {}),
+                            events=self.events, shares=shares,
                             speeds=dict(st.get("speeds") or {}),
                             note=None if len(set(ds.values())) == 1 and not separate else self._note,
                             stopped_by=self._stopped_by, slow_call=self._slow_call(), separate_leaders=separate)
