@@ -101,10 +101,15 @@ def test_peer_dies_mid_all_reduce_over_data_channels(server, tmp_path, topology)
 
 
 def test_two_processes_claiming_one_rank_both_refuse(server, tmp_path):
-    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S="20", PG_GROUP="dup")
+    """Both claimants of rank 0 fail with the clash named, well before the bound: the first to
+    hear the other's hello makes sure its own hello reaches the other before it leaves (once, in
+    CI, the second waited the whole bound out: "ranks never heard from")."""
+    bound_s = 20.0
+    env = dict(rtc_env(server), PG_CONNECT_TIMEOUT_S=str(bound_s), PG_GROUP="dup")
     for item in collect(tmp_path, start(tmp_path, 2, "mesh", extra_env=env, per_rank_env={1: {"RANK": "0"}},
                                         static=False)):
         assert item["rc"] == 2 and item["error"] == "GroupSetupError", item["log"][-2000:]
+        assert item["elapsed_s"] < bound_s / 2, item
         assert "two processes claim rank 0 of group" in item["message"], item
         assert "give each process its own RANK" in item["message"], item
 

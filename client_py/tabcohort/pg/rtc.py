@@ -15,7 +15,8 @@ a peer that has not acknowledged is sent the hello again every :data:`HELLO_RESE
 bring-up lasts (a hello queued on a channel that then failed is lost). Bring-up ends when all
 ``WORLD - 1`` other ranks are known, have acknowledged, and their links are no longer
 connecting. A room peer of another group (another ``job``) is ignored; a second claim to a rank
-of this group fails bring-up at once.
+of this group fails bring-up at once, after this rank's hello has reached the claimant (bounded
+by :data:`CLASH_FLUSH_S`), so that the claimant fails with the same error instead of waiting.
 
 Paths: a pair whose channel is not open within :data:`CHANNEL_OPEN_TIMEOUT_S` (or fails later)
 goes through the server relay (the mesh bus's fallback), so the group still works; the rank logs
@@ -49,6 +50,9 @@ log = logging.getLogger("tabcohort.pg.rtc")
 CHANNEL_OPEN_TIMEOUT_S = 10.0
 #: Bring-up resends a hello to a peer that has not acknowledged this often.
 HELLO_RESEND_S = 0.5
+#: A rank that finds a second claimant of a rank waits at most this long for its own hello to
+#: reach that claimant before it leaves, so both processes fail with the same clear error.
+CLASH_FLUSH_S = 3.0
 
 
 def group_tag(cfg: PGConfig) -> str:
@@ -93,6 +97,7 @@ class RtcGroupBus:
         self.closed = False
         self._writers: dict[str, FrameWriter] = {}
         self._changed: asyncio.Event | None = None
+        self._clash_with: int | None = None  # the bus id of a second claimant of a rank
 
     # -- bring-up --------------------------------------------------------------------------
     async def start(self, deadline: float) -> None:
@@ -119,6 +124,13 @@ class RtcGroupBus:
             self._hello(bus_id)
         while True:
             if self.setup_error is not None:
+                if self._clash_with is not None:
+                    # the claimant may not have heard this rank's hello yet (it can be queued on a
+                    # channel still opening, or not out of the SCTP stack when the process exits):
+                    # tell it, and wait (bounded) for the hello to be acknowledged before leaving,
+                    # else it would wait out its whole bound ("ranks never heard from")
+                    self._hello(self._clash_with)
+                    await self.flush(min(CLASH_FLUSH_S, max(0.0, deadline - loop.time())))
                 raise GroupSetupError(self.setup_error)
             if self._complete():
                 break
@@ -167,6 +179,7 @@ class RtcGroupBus:
         r = msg["batch"]
         if r == self.rank or r >= self.cfg.world or self.id_of.get(r, src) != src:
             if self.setup_error is None and not self.ready:  # once up, a late claimant is ignored
+                self._clash_with = src
                 who = "this rank" if r == self.rank else f"bus id {self.id_of.get(r)}"
                 self.setup_error = (f"rank {self.rank}: two processes claim rank {r} of group {self.tag!r} in room "
                                     f"{self.cfg.room!r} (bus ids {src} and {who}); give each process its own RANK")
