@@ -92,6 +92,24 @@ def test_a_small_share_may_be_noisier_by_the_square_root_of_the_share_ratio():
     assert set(clipped) == {2}
 
 
+def test_a_trainers_norm_counts_twice_in_the_reference_as_the_leaders_does():
+    # near convergence a leader's 3-sample bucket of fit examples is short, while a trainer's
+    # 61-sample bucket holds a few hard ones: measured on digits (a pure-Python leader beside a
+    # numpy trainer), the trainer's buckets ran 10-40 x the leader's norm, were clipped in every
+    # round and the trainer was quarantined (docs/PROTOCOL.md "Untrusted ranks", trainers)
+    own = to_vector([0.001] * 4)
+    trainer = to_vector([0.05] * 4)
+    _, clipped = clip_to_median_norm({1: (1.0, 3, own), 2: (1.0, 61, trainer)}, own=1)
+    assert set(clipped) == {2} and clipped[2] >= 10.0          # the leader's norm alone: 50 x over its norm
+    out, clipped = clip_to_median_norm({1: (1.0, 3, own), 2: (1.0, 61, trainer)}, own=1, trainers={2})
+    assert clipped == {} and out[2][2] is trainer
+    # a contributor beside them is still bounded by the trainers' median
+    poison = to_vector([1e30] * 4)
+    _, clipped = clip_to_median_norm({1: (1.0, 3, own), 2: (1.0, 61, trainer), 3: (1.0, 8, poison)}, own=1,
+                                     trainers={2}, contributors={3})
+    assert set(clipped) == {3} and clipped[3] > 1e20
+
+
 def test_trimmed_mean_drops_the_extremes_per_coordinate():
     vs = [to_vector([1.0, 10.0]), to_vector([2.0, -1e6]), to_vector([3.0, 11.0]),
           to_vector([1e6, 12.0]), to_vector([2.0, 10.0])]
@@ -191,6 +209,24 @@ def test_an_honest_rank_a_little_over_the_bound_is_clipped_but_never_quarantined
         return [scale * x for x in g]
     r, st = _lead_rounds(bucket_of)
     assert r.m.clipped[3] >= 4 and not st["quarantined"] and 3 in r.m.shares
+
+
+@pytest.mark.parametrize("roles", [None, {2: True, 3: True}])
+def test_a_trainer_far_over_the_bound_is_never_quarantined(roles):
+    # while the server names roles, a rank named a trainer holds the leader's credential: it could
+    # lead and apply anything, so quarantining it guards nothing and throws its compute away
+    # (a numpy trainer beside a pure-Python leader lost every share that way: docs/PROTOCOL.md
+    # "Untrusted ranks", trainers); in a room without roles the clip rule quarantines it as before
+    def bucket_of(k, col, g, own_samples):
+        if k not in col.shares:
+            return None
+        return [(1.0 if k == 2 else 60.0) * x for x in g]
+    r, st = _lead_rounds(bucket_of) if roles is None else _lead_rounds(bucket_of, roles=roles)
+    assert r.m.clipped[3] >= 4
+    if roles is None:
+        assert f"{3:08x}" in st["quarantined"] and 3 not in r.m.shares
+    else:
+        assert not st["quarantined"] and 3 in r.m.shares
 
 
 def test_a_contributors_bound_is_the_median_itself_and_a_trainers_four_times_it():

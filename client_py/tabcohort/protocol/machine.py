@@ -2203,17 +2203,25 @@ class RankMachine:
             return received
         contributors = ({k for k in received if k != self.id and not self.may_lead_rank(k)}
                         if self.roles_enforced else set())
-        out, clipped = clip_to_median_norm(received, self.id, norms=col.norms, contributors=contributors)
+        # "Untrusted ranks", trainers: while the server names roles, a rank it named may lead
+        # holds the leader's credential; its norm counts twice in the reference, as the
+        # leader's does, and it is never quarantined
+        trainers = ({k for k in received if k != self.id and k not in contributors}
+                    if self.roles_enforced else set())
+        out, clipped = clip_to_median_norm(received, self.id, norms=col.norms, contributors=contributors,
+                                           trainers=trainers)
         if contributors:
             self._watch_pushes(col, out, contributors, now_ms)
         for k in received:
             if k == self.id:
                 continue
-            hist = self._clip_recent.setdefault(k, deque(maxlen=_CLIP_WINDOW))
-            hist.append(clipped.get(k, 0.0) >= _QUARANTINE_CLIP_RATIO)
             if k in clipped:
                 self.clipped[k] += 1
                 self.counters["buckets_clipped"] += 1
+            if k in trainers:
+                continue
+            hist = self._clip_recent.setdefault(k, deque(maxlen=_CLIP_WINDOW))
+            hist.append(clipped.get(k, 0.0) >= _QUARANTINE_CLIP_RATIO)
             if sum(hist) >= _CLIP_QUARANTINE and k not in self.quarantined:
                 self._quarantine(k, now_ms)
                 hist.clear()

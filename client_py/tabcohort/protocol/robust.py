@@ -6,7 +6,7 @@ no clock reads.
 - :func:`clip_to_median_norm` (the default): every bucket's L2 norm is bounded by
   ``factor`` x a reference norm, the median of the round's norms with the leader's own bucket
   counted twice (the leader holds the trainer credential; with one other bucket the median is
-  then the leader's). A bucket of ``s`` samples may be noisier than the leader's ``s0``-sample
+  then the leader's), and so is every bucket of another rank the server named a trainer. A bucket of ``s`` samples may be noisier than the leader's ``s0``-sample
   bucket by sqrt(s0 / s), so its bound grows by that factor. This is norm clipping relative to
   the cohort, as in centered clipping (Karimireddy, He and Jaggi, "Learning from History for
   Byzantine Robust Optimization", ICML 2021), with the median as the robust centre of norms.
@@ -139,6 +139,7 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
                         norms: dict[int, float] | None = None,
                         contributors: Collection[int] = (),
                         contributor_factor: float = CONTRIBUTOR_CLIP_FACTOR,
+                        trainers: Collection[int] = (),
                         ) -> tuple[dict[int, tuple[float, int, Any]], dict[int, float]]:
     """Bound each bucket's norm relative to the cohort's.
 
@@ -152,6 +153,8 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
             each bucket as it arrives); the others are computed here.
         contributors: ranks that may not lead: their bound is ``contributor_factor`` (not
             ``factor``) x the reference, times the share factor.
+        trainers: other ranks the server named as holding the trainer credential: their norms
+            count twice in the reference, as the leader's does.
 
     Returns:
         ``(buckets, clipped)``: the buckets with every over-long ``g`` scaled down onto its
@@ -160,7 +163,8 @@ def clip_to_median_norm(buckets: dict[int, tuple[float, int, Any]], own: int, *,
     """
     known = norms or {}
     norms = {k: known[k] if k in known else l2_norm(b[2]) for k, b in buckets.items()}
-    ref_norms = list(norms.values()) + ([norms[own]] if own in norms else [])
+    twice = [k for k in norms if k == own or k in trainers]
+    ref_norms = list(norms.values()) + [norms[k] for k in twice]
     ref = _median(ref_norms) if ref_norms else 0.0
     if not ref > 0 or not math.isfinite(ref):
         return buckets, {}
