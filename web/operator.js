@@ -86,6 +86,11 @@ async function init() {
     }
     op.polls++;
     op.last = s;
+    // the operate: link `tabcohort serve` prints carries no room token, and a tab opened from a
+    // join link without it is refused: the operator's answer names it (a string only, in a URL)
+    if (!token && typeof s.join_token === "string" && s.join_token) {
+      $("join-link").href = `/?room=${encodeURIComponent(room)}&token=${encodeURIComponent(s.join_token)}`;
+    }
     render(s, q);
   };
   // one failed poll never ends the polling (an exception here stopped every later update)

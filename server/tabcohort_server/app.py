@@ -532,7 +532,12 @@ async def room_state(request: web.Request) -> web.Response:
             operator = _same(request.app[OPERATOR_TOKEN], _bearer_token(request))
             if not operator:
                 raise _refuse_auth(request, "operator token (an open room needs no other)")
-    return _json(_clean(room.summary(time.monotonic(), operator=operator)))
+    out = room.summary(time.monotonic(), operator=operator)
+    if operator and room.job.token is not None:
+        # the operator view's "Join this room" link: the operate: link `serve` prints carries
+        # no room token, and a tab opened from a join link without it is refused
+        out["join_token"] = room.job.token
+    return _json(_clean(out))
 
 
 #: the header a native rank sends its trainer credential in with its first request (``GET .../job``)

@@ -34,6 +34,10 @@ def test_the_operator_link_stops_the_room_and_the_room_token_does_not(cluster, t
     op2 = tabs(url, link[len(url) + 1:])
     wait_for(lambda: op2.page.evaluate("window.tcOperator && tcOperator.polls > 0"), 20, "the first poll")
     assert "operator=" not in op2.page.url
+    # its "Join this room" link carries the room token the printed link does not (a tab opened
+    # from it was refused); a room-token view has none to add
+    join = op2.page.get_attribute("#join-link", "href")
+    assert join == f"/?room={cluster.room}&token={ROOM_TOKEN}", join
     op2.page.once("dialog", lambda d: d.dismiss())     # the confirm, declined: nothing is sent
     op2.page.click("#stop-room")
     wait_for(lambda: "Not stopped" in op2.page.inner_text("#stop-result"), 10, "the declined confirm")

@@ -538,6 +538,17 @@ async def test_300_webrtc_offers_make_at_most_one_warning(client, caplog, sdp):
         await pc.close()
 
 
+async def test_the_operators_state_of_a_token_room_names_its_room_token_and_no_other_does(client):
+    # the operator view's "Join this room" link is built from it (the printed operate: link
+    # carries no room token, and a tab opened from a join link without it is refused)
+    op = await (await client.get("/api/rooms/t", headers=bearer(OP))).json()
+    assert op["join_token"] == TOKEN
+    member = await (await client.get(f"/api/rooms/t?token={TOKEN}")).json()
+    assert "join_token" not in member
+    open_room = await (await client.get("/api/rooms/r", headers=bearer(OP))).json()
+    assert "join_token" not in open_room
+
+
 async def test_the_operator_token_in_a_url_is_not_the_operators(client):
     # a URL lands in logs and browser history: the operator's actions take the token in the
     # Authorization header only (a new-user trial: POST .../lr?token=OPERATOR answered 200)
