@@ -133,7 +133,8 @@ def _lead_rounds(bucket_of, rounds: int = 12, roles=None, losses=None, **kw):
     ``roles``: follower -> may lead, as the server names them (none: roles not enforced);
     ``losses``: follower -> the loss its buckets claim (default 1.0)."""
     train_len = kw.pop("train_len", None)
-    r = leader([2, 3], aggregate="clip", **kw)
+    peers = kw.pop("peers", (2, 3))
+    r = leader(list(peers), aggregate="clip", **kw)
     if train_len is not None:
         r.w.train_len = train_len
     for k, may in (roles or {}).items():
@@ -146,14 +147,14 @@ def _lead_rounds(bucket_of, rounds: int = 12, roles=None, losses=None, **kw):
         col = r.m._collection
         loss, g = r.w.grads_sync(own.offset, own.samples)
         if col is not None:
-            for k in (2, 3):
+            for k in peers:
                 b = bucket_of(k, col, g, own.samples)
                 if b is not None:
                     r.m.handle(grad(k, 1, col.step, g=b, samples=col.shares[k], term=col.term,
                                     loss=(losses or {}).get(k, 1.0)), now_ms=t)
         r.m.bucket_ready(own.token, loss, g, now_ms=t, samples=own.samples)
         t += 1.0
-        tick(r, t, peers=(2, 3))
+        tick(r, t, peers=peers)
     return r, r.m.state(t)
 
 
@@ -227,6 +228,21 @@ def test_a_trainer_far_over_the_bound_is_never_quarantined(roles):
         assert f"{3:08x}" in st["quarantined"] and 3 not in r.m.shares
     else:
         assert not st["quarantined"] and 3 in r.m.shares
+
+
+@pytest.mark.parametrize("roles", [None, {2: True, 3: True}])
+def test_the_leader_counts_a_trainers_norm_twice_in_its_reference(roles):
+    # a trainer's bucket 20 x the leader's: against the leader's norm alone (no roles named) it is
+    # clipped in every round; counted twice beside the leader's, the reference is the mean of the
+    # two and it never is (docs/PROTOCOL.md "Untrusted ranks", trainers)
+    def bucket_of(k, col, g, own_samples):
+        return [20.0 * x for x in g] if k in col.shares else None
+    r, _ = _lead_rounds(bucket_of, roles=roles and {2: True}, rounds=6, peers=(2,))
+    assert r.m.step > 0
+    if roles is None:
+        assert r.m.clipped[2] >= 3
+    else:
+        assert r.m.clipped[2] == 0
 
 
 def test_a_contributors_bound_is_the_median_itself_and_a_trainers_four_times_it():

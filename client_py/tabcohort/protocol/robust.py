@@ -6,8 +6,9 @@ no clock reads.
 - :func:`clip_to_median_norm` (the default): every bucket's L2 norm is bounded by
   ``factor`` x a reference norm, the median of the round's norms with the leader's own bucket
   counted twice (the leader holds the trainer credential; with one other bucket the median is
-  then the leader's), and so is every bucket of another rank the server named a trainer. A bucket of ``s`` samples may be noisier than the leader's ``s0``-sample
-  bucket by sqrt(s0 / s), so its bound grows by that factor. This is norm clipping relative to
+  then the leader's), and so is every bucket of another rank the server named a trainer. A
+  bucket of ``s`` samples may be noisier than the leader's ``s0``-sample bucket by
+  sqrt(s0 / s), so its bound grows by that factor. This is norm clipping relative to
   the cohort, as in centered clipping (Karimireddy, He and Jaggi, "Learning from History for
   Byzantine Robust Optimization", ICML 2021), with the median as the robust centre of norms.
 - :func:`trimmed_mean` (``--aggregate trimmed-mean``): the coordinate-wise trimmed mean (Yin,
