@@ -1642,6 +1642,20 @@ def test_a_follower_that_adopts_only_some_rounds_reports_the_cohorts_step_rate()
     assert st["step"] == 110 and st["steps_per_s"] == 100.0 and st["samples_per_s"] == 3200.0
 
 
+def test_a_follower_sent_the_same_step_again_reports_no_steps():
+    # a leader whose room diverged sends its round of the same step again and again: the
+    # follower's line said "step 47 ... 2.6 steps/s" while the leader's said 0.0 (a new-user trial)
+    r = rig(5)
+    r.m.start(now_ms=0)
+    r.m.handle(round_msg(1, 47, samples=32), now_ms=1)
+    r.m._sample_rates(1000.0)
+    for t in (1200.0, 1400.0, 1600.0, 1800.0):
+        r.m.handle(round_msg(1, 47, samples=32), now_ms=t)
+    st = r.m.state(2000.0)
+    assert st["step"] == 47 and r.m.counters["adopted"] >= 2, dict(r.m.counters)
+    assert st["steps_per_s"] == 0.0 and st["samples_per_s"] == 0.0, st
+
+
 @pytest.mark.parametrize("aggregate", ["mean", "clip"])
 def test_the_leader_reduces_large_buckets_as_they_arrive_bit_identically(aggregate):
     """"Leader: driving one round", step 7: with buckets of at least vec.BLOCK elements the mean

@@ -1406,8 +1406,9 @@ class RankMachine:
         # the rates count every step the cohort applied since the last adopted round: a follower
         # that adopts only the newest of several rounds (superseded ones dropped unread) still
         # reports the cohort's rate, not its adoption rate (a native follower showed 20 steps/s
-        # beside a leader's 3,000)
-        advanced = int(msg["step"]) - self.step if not became_ready and int(msg["step"]) > self.step else 1
+        # beside a leader's 3,000); a round of a step it already holds (a diverged leader's round
+        # sent again) is no step (it counted one: "step 47 ... 2.6 steps/s" beside the leader's 0.0)
+        advanced = 1 if became_ready else max(0, int(msg["step"]) - self.step)
         self.step = int(msg["step"])
         self.lr = float(lr)
         self.ready = True
