@@ -110,6 +110,30 @@ def test_a_rank_shows_its_share_and_a_follower_without_one_is_told_why_once():
     assert "share 64/64" in _line({"id": 0xA, "is_leader": True, "global_batch": 64, "shares": {"0000000a": 64}})
 
 
+def test_a_follower_probed_now_and_then_is_told_why_it_has_no_share():
+    # a new-user trial: a pure-Python follower beside a numpy leader showed "share 1/64" on some
+    # lines (its one-sample probes) and "share 0/64" on the others, none of its samples was ever
+    # applied, and the note never came (it needed lines without a share in a row)
+    from tabcohort.runtime.native import NO_SHARE_LINES, RankConfig, RankRun
+
+    out: list[str] = []
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    base = {"id": 0xB, "leader": 0xA, "cohort": 2, "loss": 0.5, "steps_per_s": 10.0, "ready": True,
+            "running": True, "is_leader": False, "global_batch": 64}
+    for step in range(1, 2 * NO_SHARE_LINES + 1):
+        probe = {"0000000b": 1} if step % 2 else {}
+        run._print(float(step), {**base, "step": step, "shares": {"0000000a": 64, **probe}})
+    notes = [i for i, line in enumerate(out) if "no share: the other ranks finish the global batch" in line]
+    assert notes == [2 * NO_SHARE_LINES - 1], out
+    # a follower with a share on most lines is never told
+    out.clear()
+    run = RankRun(RankConfig.from_sources({"server": "http://127.0.0.1:1", "room": "d"}, {}), progress=out.append)
+    for step in range(1, 6 * NO_SHARE_LINES):
+        share = {} if step % 3 == 0 else {"0000000b": 20}
+        run._print(float(step), {**base, "step": step, "shares": {"0000000a": 44, **share}})
+    assert not any("no share:" in line for line in out), out
+
+
 def test_a_rank_whose_server_is_unreachable_says_so_on_its_lines():
     # a new-user trial: with the server gone a rank printed normal lines for 30 s, then stopped
     assert "server unreachable: reconnecting" in _line({"server_connected": False})

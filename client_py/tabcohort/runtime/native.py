@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 import urllib.parse
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -544,7 +545,8 @@ class RankRun(RankSession):
         self._final_not_stored = False
         self._lead_shown: int | None = None           # the leader the last line named
         self._unreachable_shown = False               # the last line said the server is unreachable
-        self._no_share_lines = 0                      # progress lines in a row with no share, running
+        # whether each of the last 2 x NO_SHARE_LINES progress lines had no share (running)
+        self._no_share_lines: deque[bool] = deque(maxlen=2 * NO_SHARE_LINES)
         self._slow_call_said = False                  # the worker's slow_call note was printed
         self._slow_evaluate_said = False              # ... and its slow_evaluate note
         self._printed_at = -math.inf
@@ -1019,14 +1021,18 @@ class RankRun(RankSession):
                          else ""))
 
     def _no_share_note(self, st: dict) -> str:
-        """Once per run, why a follower has no share (PROTOCOL.md "Shares"): it is not idle, the
+        """Once per run, why a follower has no share on NO_SHARE_LINES of its last 2 x
+        NO_SHARE_LINES progress lines (PROTOCOL.md "Shares"): it is not idle, the
         others finish the global batch before one bucket of it would arrive (a new-user trial
         read the demo's "share 0" as a rank doing nothing)."""
-        zero = st.get("running") and not st.get("is_leader") and _own_share(st) == 0
-        self._no_share_lines = self._no_share_lines + 1 if zero else 0
+        zero = bool(st.get("running") and not st.get("is_leader") and _own_share(st) == 0)
+        self._no_share_lines.append(zero)
         # (a rank just joined is not measured yet, and one quarantined or on probation has no
-        # share for another reason: only a run of lines without one is this)
-        if self._no_share_said or self._no_share_lines < NO_SHARE_LINES:
+        # share for another reason: only lines without one again and again are this. Not in a
+        # row: a slow rank's one-sample probes show as "share 1/64" on some of its lines, and a
+        # new-user trial's pure-Python follower, none of whose samples was ever applied, was
+        # never told)
+        if self._no_share_said or sum(self._no_share_lines) < NO_SHARE_LINES:
             return ""
         self._no_share_said = True
         return ("  (no share: the other ranks finish the global batch before one bucket of this rank would "
