@@ -44,6 +44,10 @@ def test_two_tabs_and_a_native_rank_train_over_a_webrtc_mesh(cluster, tabs):
     reps = wait_for(lambda: (rs := cluster.reports()) and len(rs) == 3 and all(
         len(r.get("links") or {}) == 2 and r["step"] >= st["step"] for r in rs) and rs, 15,
         "a report from each rank after the target")
+    # the server's relay counters while training, before the stop: as the ranks leave, a frame to
+    # a peer whose channel has just closed takes the relay, the fallback (CI once saw one 52-byte
+    # frame relayed after the stop, with every rank's relay bytes 0 in its report before it)
+    relayed = cluster.state()["counters"]
     cluster.post(f"/api/rooms/{cluster.room}/stop")
 
     finals = wait_for(lambda: (fs := [r for r in cluster.reports(connected_only=False) if r.get("final")])
@@ -64,8 +68,7 @@ def test_two_tabs_and_a_native_rank_train_over_a_webrtc_mesh(cluster, tabs):
         assert s["transport"] == "rtc-mesh"
         for ln in s["links"]:
             assert ln["transport"] == "rtc" and ln["sent"] > 0 and ln["received"] > 0, (k, ln)
-    room = cluster.state()
-    assert room["counters"]["frames_relayed"] == 0, room["counters"]
+    assert relayed["frames_relayed"] == 0, relayed
     # the tabs' channels are the page's own: each tab opened channels to its two peers and no
     # others (a pair that missed the connect bound under load opens again on its retry,
     # docs/PROTOCOL.md "Direct TCP path", Retry: CI saw 3 opens for 2 peers, with nothing relayed)
