@@ -55,7 +55,8 @@ async function init() {
   op.room = room;
   const q = token ? `?token=${encodeURIComponent(token)}` : "";
   $("room-name").textContent = `room ${room}`;
-  $("join-link").href = `/?room=${encodeURIComponent(room)}${token ? `&token=${encodeURIComponent(token)}` : ""}`;
+  const joinHref = (t) => `/?room=${encodeURIComponent(room)}${t ? `&token=${encodeURIComponent(t)}` : ""}`;
+  $("join-link").href = joinHref(token);
   const poll = async () => {
     let r;
     try { r = await fetch(`/api/rooms/${encodeURIComponent(room)}${q}`, { cache: "no-store", headers: authHeaders() }); }
@@ -89,7 +90,7 @@ async function init() {
     // the operate: link `tabcohort serve` prints carries no room token, and a tab opened from a
     // join link without it is refused: the operator's answer names it (a string only, in a URL)
     if (!token && typeof s.join_token === "string" && s.join_token) {
-      $("join-link").href = `/?room=${encodeURIComponent(room)}&token=${encodeURIComponent(s.join_token)}`;
+      $("join-link").href = joinHref(s.join_token);
     }
     render(s, q);
   };
